@@ -1,0 +1,29 @@
+"""Gymnasium environments for rl_replay, registered on ``import envs``.
+
+Registered ids:
+
+- ``rl_replay/MemoryCue-v0``  -> :class:`envs.memory.MemoryCueEnv` (ends itself, no time limit)
+- ``rl_replay/POCartPole-v0`` -> :class:`envs.partial_cartpole.PartialObsCartPole` (500 steps)
+- ``rl_replay/Chain-v0``      -> :class:`envs.chain.ChainEnv` (ends itself, no time limit)
+"""
+
+import gymnasium
+
+from .chain import ChainEnv
+from .memory import MemoryCueEnv
+from .partial_cartpole import PartialObsCartPole, make_po_cartpole
+
+__all__ = ["ChainEnv", "MemoryCueEnv", "PartialObsCartPole", "make_po_cartpole"]
+
+_REGISTRATIONS = (
+    # max_episode_steps=None: the env terminates itself, so make() adds no TimeLimit.
+    ("rl_replay/MemoryCue-v0", "envs.memory:MemoryCueEnv", None),
+    # Same limit as CartPole-v1 so truncation behaves identically.
+    ("rl_replay/POCartPole-v0", "envs.partial_cartpole:make_po_cartpole", 500),
+    ("rl_replay/Chain-v0", "envs.chain:ChainEnv", None),
+)
+
+for _id, _entry_point, _max_steps in _REGISTRATIONS:
+    # Re-registering an id makes gymnasium warn; reloads and repeated imports must be silent.
+    if _id not in gymnasium.registry:
+        gymnasium.register(id=_id, entry_point=_entry_point, max_episode_steps=_max_steps)

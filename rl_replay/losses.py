@@ -1,0 +1,464 @@
+"""Returns, generalised advantage estimation and policy-gradient loss terms.
+
+Everything here operates on a rollout :class:`~tensordict.TensorDict` of batch
+shape ``[T, N]`` (``T`` timesteps, ``N`` environments) as produced by the
+collector. Every entry used here has shape ``(T, N)`` exactly:
+
+``reward``      float, reward of step ``t``.
+``terminated``  bool, the episode ended by termination at step ``t`` (no bootstrap).
+``truncated``   bool, the episode ended by a time limit at step ``t`` (bootstrap).
+``valid``       bool, False for rows that are not real transitions (gymnasium's
+                autoreset step after an episode end, or padding after an episode
+                ended in full-episode mode). Their values are arbitrary (possibly
+                NaN); they contribute nothing to any loss, statistic or gradient.
+``value``       float, critic estimate ``V(s_t)``, carries the autograd graph.
+``log_prob``    float, ``log pi(a_t | s_t)``, carries the autograd graph.
+``entropy``     float, policy entropy at ``s_t``, carries the autograd graph.
+``next_value``  float, detached, ``V`` of the observation after step ``t`` (for a
+                truncated step ``V(final observation)``; for the last row the
+                bootstrap value of the observation after the rollout). It is
+                multiplied by ``(1 - terminated)`` here, not by the caller.
+
+Loss functions return a TensorDict with ``batch_size=[]``: entries whose key
+starts with ``loss_`` are the terms to optimise (see :func:`total_loss`);
+everything else is a detached diagnostic scalar.
+
+Invalid rows are removed with :func:`torch.where` (never by multiplying with a
+0/1 mask) *before* any arithmetic, so NaN/inf garbage in them cannot leak into
+values or gradients: the gradient reaching an invalid row is exactly 0.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from tensordict import TensorDict
+
+__all__ = [
+    "compute_gae",
+    "discounted_returns",
+    "a2c_loss",
+    "reinforce_loss",
+    "total_loss",
+]
+
+LOSS_PREFIX = "loss_"
+
+_FLAG_KEYS = ("terminated", "truncated", "valid")
+_ROLLOUT_KEYS = (
+    "reward",
+    "terminated",
+    "truncated",
+    "valid",
+    "value",
+    "log_prob",
+    "entropy",
+    "next_value",
+)
+
+
+# --------------------------------------------------------------------------- #
+# Validation helpers
+# --------------------------------------------------------------------------- #
+def _check_same_shapes(named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Raise ValueError unless all tensors are 2-D and share one shape."""
+    items = list(named)
+    ref_name, ref = items[0]
+    if ref.dim() != 2:
+        raise ValueError(
+            f"{ref_name!r} must have shape (T, N), got {tuple(ref.shape)}"
+        )
+    for name, tensor in items[1:]:
+        if tensor.shape != ref.shape:
+            raise ValueError(
+                f"shape mismatch: {name!r} has shape {tuple(tensor.shape)} but "
+                f"{ref_name!r} has shape {tuple(ref.shape)}; all entries must be (T, N)"
+            )
+
+
+def _check_discount(name: str, x: float) -> None:
+    if not 0.0 <= float(x) <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {x}")
+
+
+def _validate_rollout(rollout: TensorDict) -> dict[str, torch.Tensor]:
+    """Check keys, shapes, flag dtypes and that at least one row is valid.
+
+    Cheap: one pass over the eight keys plus a single ``valid.any()``.
+
+    Returns:
+        dict mapping each rollout key to its tensor (T, N).
+
+    Raises:
+        KeyError: a required key is missing (names it and lists the rollout's keys).
+        ValueError: shapes differ between keys, or no row is valid.
+        TypeError: a flag (terminated / truncated / valid) is not a bool tensor.
+    """
+    present = set(rollout.keys())
+    missing = [k for k in _ROLLOUT_KEYS if k not in present]
+    if missing:
+        raise KeyError(
+            f"rollout is missing key(s) {missing}; rollout has keys "
+            f"{sorted(str(k) for k in present)}"
+        )
+    tensors = {k: rollout.get(k) for k in _ROLLOUT_KEYS}
+    _check_same_shapes(tensors.items())
+    for k in _FLAG_KEYS:
+        if tensors[k].dtype != torch.bool:
+            raise TypeError(f"rollout key {k!r} must be a bool tensor, got {tensors[k].dtype}")
+    if not bool(tensors["valid"].any()):
+        raise ValueError("rollout has no valid row (valid is False everywhere)")
+    return tensors
+
+
+def _sanitize(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Zero every float entry on invalid rows and mark invalid rows as done.
+
+    ``torch.where`` is used so that NaN/inf in invalid rows neither reaches
+    the forward values nor produces NaN gradients (the gradient flowing to
+    the discarded branch is exactly 0).
+    """
+    valid = t["valid"]  # (T, N)
+    out = {"valid": valid}
+    for k in ("reward", "value", "log_prob", "entropy", "next_value"):
+        out[k] = torch.where(valid, t[k], 0.0)  # (T, N)
+    out["terminated"] = t["terminated"] & valid  # (T, N)
+    # An invalid row is its own one-step "episode": the GAE recursion of the
+    # row before it never reads it (that row is done) and it yields 0.
+    out["truncated"] = t["truncated"] | ~valid  # (T, N)
+    return out
+
+
+# --------------------------------------------------------------------------- #
+# Masked statistics
+# --------------------------------------------------------------------------- #
+def _masked_mean(x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over rows where ``valid`` (n_valid = valid.sum() > 0)."""
+    return torch.where(valid, x, 0.0).sum() / n_valid
+
+
+def _masked_var(x: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """Unbiased variance (like ``x[valid].var()``) over valid rows; 0 for one row."""
+    mean = _masked_mean(x, valid, n_valid)
+    sq = torch.where(valid, (x - mean) ** 2, 0.0).sum()
+    return sq / (n_valid - 1).clamp(min=1)
+
+
+def _normalize(adv: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
+    """(adv - mean) / (std + 1e-8) with mean / std over valid rows only."""
+    mean = _masked_mean(adv, valid, n_valid)
+    std = _masked_var(adv, valid, n_valid).sqrt()
+    return torch.where(valid, (adv - mean) / (std + 1e-8), 0.0)  # (T, N)
+
+
+def _explained_variance(
+    returns: torch.Tensor, value: torch.Tensor, valid: torch.Tensor, n_valid: torch.Tensor
+) -> torch.Tensor:
+    """1 - Var(returns - value) / Var(returns) over valid rows; 0 if Var(returns) == 0."""
+    var_y = _masked_var(returns, valid, n_valid)
+    var_res = _masked_var(returns - value, valid, n_valid)
+    safe = torch.where(var_y > 0, var_y, torch.ones_like(var_y))
+    return torch.where(var_y > 0, 1.0 - var_res / safe, torch.zeros_like(var_y))
+
+
+# --------------------------------------------------------------------------- #
+# Returns and advantages
+# --------------------------------------------------------------------------- #
+def compute_gae(
+    reward: torch.Tensor,
+    value: torch.Tensor,
+    next_value: torch.Tensor,
+    terminated: torch.Tensor,
+    truncated: torch.Tensor,
+    *,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over a (T, N) rollout.
+
+    ``delta_t = r_t + gamma * (1 - terminated_t) * next_value_t - value_t`` and
+    ``A_t = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}`` with
+    ``done = terminated | truncated`` and ``A_T = 0``: the recursion never
+    crosses an episode boundary, a terminated step does not bootstrap and a
+    truncated step bootstraps from its ``next_value``. Both masks are applied
+    with ``torch.where``, so a NaN ``next_value`` on a terminated step or a NaN
+    advantage beyond an episode boundary cannot leak. Computed under
+    ``torch.no_grad``; ``value`` is detached here.
+
+    This function knows nothing about ``valid``; the loss functions zero
+    invalid rows and mark them done before calling it.
+
+    Args:
+        reward: (T, N) float rewards.
+        value: (T, N) critic estimates V(s_t) (detached here).
+        next_value: (T, N) V of the observation after step t (detached).
+        terminated: (T, N) bool, episode terminated at step t.
+        truncated: (T, N) bool, episode truncated at step t.
+        gamma: discount factor in [0, 1].
+        gae_lambda: GAE lambda in [0, 1].
+
+    Returns:
+        (advantages, returns): both (T, N), detached; ``returns = advantages + value``.
+
+    Raises:
+        ValueError: shapes differ or are not 2-D, or gamma / gae_lambda not in [0, 1].
+    """
+    _check_same_shapes(
+        [
+            ("reward", reward),
+            ("value", value),
+            ("next_value", next_value),
+            ("terminated", terminated),
+            ("truncated", truncated),
+        ]
+    )
+    _check_discount("gamma", gamma)
+    _check_discount("gae_lambda", gae_lambda)
+    with torch.no_grad():
+        dtype = torch.promote_types(reward.dtype, value.dtype)
+        reward = reward.to(dtype)  # (T, N)
+        value = value.detach().to(dtype)  # (T, N)
+        next_value = next_value.detach().to(dtype)  # (T, N)
+        terminated = terminated.bool()  # (T, N)
+        not_done = ~(terminated | truncated.bool())  # (T, N)
+
+        bootstrap = torch.where(terminated, 0.0, next_value)  # (T, N)
+        delta = reward + gamma * bootstrap - value  # (T, N)
+        coef = gamma * gae_lambda
+
+        advantages = torch.empty_like(delta)  # (T, N)
+        last = torch.zeros_like(delta[0])  # (N,) = A_{t+1}
+        for t in range(delta.shape[0] - 1, -1, -1):
+            last = delta[t] + coef * torch.where(not_done[t], last, 0.0)  # (N,)
+            advantages[t] = last
+        returns = advantages + value  # (T, N)
+    return advantages, returns
+
+
+def discounted_returns(
+    reward: torch.Tensor,
+    next_value: torch.Tensor,
+    terminated: torch.Tensor,
+    truncated: torch.Tensor,
+    *,
+    gamma: float,
+) -> torch.Tensor:
+    """Monte-Carlo discounted return with bootstrap at truncation and the last row.
+
+    ``G_t = r_t + gamma * G_{t+1}`` inside an episode; at a terminated step
+    ``G_t = r_t``; at a truncated step, and at the last row when it is not
+    terminated, ``G_t = r_t + gamma * next_value_t``. ``next_value`` is read
+    only on those rows. Implemented as :func:`compute_gae` with ``lambda = 1``
+    and a zero baseline, so for a consistent rollout (``next_value_t ==
+    value_{t+1}`` inside episodes) it equals ``compute_gae(..., gae_lambda=1)[1]``.
+
+    Args:
+        reward: (T, N) float rewards.
+        next_value: (T, N) V of the observation after step t (detached).
+        terminated: (T, N) bool, episode terminated at step t.
+        truncated: (T, N) bool, episode truncated at step t.
+        gamma: discount factor in [0, 1].
+
+    Returns:
+        (T, N) detached discounted returns.
+
+    Raises:
+        ValueError: shapes differ or are not 2-D, or gamma not in [0, 1].
+    """
+    _check_same_shapes(
+        [
+            ("reward", reward),
+            ("next_value", next_value),
+            ("terminated", terminated),
+            ("truncated", truncated),
+        ]
+    )
+    with torch.no_grad():
+        last_row = torch.zeros_like(truncated, dtype=torch.bool)  # (T, N)
+        last_row[-1] = True
+        reads_bootstrap = truncated.bool() | last_row  # (T, N)
+        nv = torch.where(reads_bootstrap, next_value.detach(), 0.0)  # (T, N)
+        zero_value = torch.zeros_like(reward)  # (T, N)
+        _, returns = compute_gae(
+            reward, zero_value, nv, terminated, truncated, gamma=gamma, gae_lambda=1.0
+        )
+    return returns
+
+
+# --------------------------------------------------------------------------- #
+# Loss terms
+# --------------------------------------------------------------------------- #
+def _policy_terms(
+    t: dict[str, torch.Tensor],
+    advantages: torch.Tensor,
+    returns: torch.Tensor,
+    n_valid: torch.Tensor,
+    *,
+    value_coef: float,
+    entropy_coef: float,
+    normalize_advantages: bool,
+    with_value_loss: bool,
+) -> TensorDict:
+    """Shared loss/diagnostic assembly on sanitized (T, N) tensors."""
+    valid = t["valid"]  # (T, N)
+    value = t["value"]  # (T, N), with graph
+    adv_raw = advantages.detach()  # (T, N)
+    adv = _normalize(adv_raw, valid, n_valid) if normalize_advantages else adv_raw
+
+    loss_policy = -_masked_mean(adv * t["log_prob"], valid, n_valid)
+    entropy_mean = _masked_mean(t["entropy"], valid, n_valid)
+    loss_entropy = -entropy_coef * entropy_mean
+    if with_value_loss:
+        loss_value = value_coef * 0.5 * _masked_mean((value - returns) ** 2, valid, n_valid)
+    else:
+        loss_value = torch.zeros((), dtype=value.dtype, device=value.device)
+
+    value_d = value.detach()
+    return TensorDict(
+        {
+            "loss_policy": loss_policy,
+            "loss_value": loss_value,
+            "loss_entropy": loss_entropy,
+            "entropy": entropy_mean.detach(),
+            "advantage_mean": _masked_mean(adv_raw, valid, n_valid),
+            "value_mean": _masked_mean(value_d, valid, n_valid),
+            "return_mean": _masked_mean(returns, valid, n_valid),
+            "explained_variance": _explained_variance(returns, value_d, valid, n_valid),
+        },
+        batch_size=[],
+    )
+
+
+def a2c_loss(
+    rollout: TensorDict,
+    *,
+    gamma: float = 0.99,
+    gae_lambda: float = 0.95,
+    value_coef: float = 0.5,
+    entropy_coef: float = 0.01,
+    normalize_advantages: bool = True,
+) -> TensorDict:
+    """Advantage actor-critic loss terms with GAE, masked to valid rows.
+
+    Args:
+        rollout: TensorDict of batch shape [T, N] with the keys listed in the
+            module docstring, each (T, N).
+        gamma: discount factor.
+        gae_lambda: GAE lambda.
+        value_coef: weight of the value loss.
+        entropy_coef: weight of the entropy bonus.
+        normalize_advantages: normalise advantages to zero mean / unit std
+            (std + 1e-8) over valid rows before the policy loss.
+
+    Returns:
+        TensorDict (batch_size []) with
+        ``loss_policy = -mean_valid(adv.detach() * log_prob)``,
+        ``loss_value = value_coef * 0.5 * mean_valid((value - returns)^2)``,
+        ``loss_entropy = -entropy_coef * mean_valid(entropy)`` and the detached
+        diagnostics ``entropy`` (mean), ``advantage_mean`` (before
+        normalisation), ``value_mean``, ``return_mean``, ``explained_variance``.
+
+    Raises:
+        KeyError: a required key is missing.
+        ValueError: shape mismatch between keys, or no valid row.
+        TypeError: terminated / truncated / valid is not bool.
+    """
+    t = _sanitize(_validate_rollout(rollout))
+    n_valid = t["valid"].sum()  # () int
+    advantages, returns = compute_gae(
+        t["reward"],
+        t["value"],
+        t["next_value"],
+        t["terminated"],
+        t["truncated"],
+        gamma=gamma,
+        gae_lambda=gae_lambda,
+    )  # (T, N) each
+    return _policy_terms(
+        t,
+        advantages,
+        returns,
+        n_valid,
+        value_coef=value_coef,
+        entropy_coef=entropy_coef,
+        normalize_advantages=normalize_advantages,
+        with_value_loss=True,
+    )
+
+
+def reinforce_loss(
+    rollout: TensorDict,
+    *,
+    gamma: float = 0.99,
+    baseline: bool = True,
+    value_coef: float = 0.5,
+    entropy_coef: float = 0.0,
+    normalize_advantages: bool = False,
+) -> TensorDict:
+    """REINFORCE loss terms with Monte-Carlo returns, masked to valid rows.
+
+    Returns are :func:`discounted_returns` (bootstrapped from ``next_value``
+    at truncation and at the last row). With ``baseline`` the advantage is
+    ``returns - value.detach()`` and the critic is trained with ``loss_value``;
+    without it the advantage is ``returns`` and ``loss_value`` is an exact 0
+    tensor without graph (still present so logs are uniform). The rollout must
+    hold all keys either way (``value`` feeds the diagnostics).
+
+    Args:
+        rollout: TensorDict of batch shape [T, N] with the keys listed in the
+            module docstring, each (T, N).
+        gamma: discount factor.
+        baseline: subtract the critic's value from the returns and train it.
+        value_coef: weight of the value loss (only with ``baseline``).
+        entropy_coef: weight of the entropy bonus.
+        normalize_advantages: normalise advantages over valid rows.
+
+    Returns:
+        TensorDict (batch_size []) with ``loss_policy``, ``loss_value``,
+        ``loss_entropy`` and the diagnostics of :func:`a2c_loss`.
+
+    Raises:
+        KeyError: a required key is missing.
+        ValueError: shape mismatch between keys, or no valid row.
+        TypeError: terminated / truncated / valid is not bool.
+    """
+    t = _sanitize(_validate_rollout(rollout))
+    n_valid = t["valid"].sum()  # () int
+    returns = discounted_returns(
+        t["reward"], t["next_value"], t["terminated"], t["truncated"], gamma=gamma
+    )  # (T, N)
+    advantages = returns - t["value"].detach() if baseline else returns  # (T, N)
+    return _policy_terms(
+        t,
+        advantages,
+        returns,
+        n_valid,
+        value_coef=value_coef,
+        entropy_coef=entropy_coef,
+        normalize_advantages=normalize_advantages,
+        with_value_loss=baseline,
+    )
+
+
+def total_loss(terms: TensorDict) -> torch.Tensor:
+    """Sum of the entries whose key starts with ``loss_``.
+
+    Args:
+        terms: TensorDict returned by a loss function.
+
+    Returns:
+        Scalar tensor to call ``backward()`` on.
+
+    Raises:
+        ValueError: ``terms`` holds no ``loss_*`` entry.
+    """
+    keys = [k for k in terms.keys() if isinstance(k, str) and k.startswith(LOSS_PREFIX)]
+    if not keys:
+        raise ValueError(
+            f"no '{LOSS_PREFIX}*' entry to sum; keys are {sorted(map(str, terms.keys()))}"
+        )
+    total = terms.get(keys[0])
+    for k in keys[1:]:
+        total = total + terms.get(k)
+    return total

@@ -1,0 +1,563 @@
+r"""Replay blocks: run a policy forward without a graph, recompute it in backward.
+
+# NOTE [ Replay blocks ]
+#
+# A rollout of T timesteps calls the policy T times. Plain autograd keeps every
+# activation of every call until ``loss.backward()``; memory grows with T times the
+# policy's activation size. A replay block keeps only what it was called with.
+#
+# Rule 1. Block boundary = one call of the model. The block's tensor inputs (the
+#         kwargs, or the leaves of the input TensorDict) are the only tensors saved,
+#         and they are saved on the host (``save_on_cpu``). Outputs are attached to
+#         autograd through one ``_ReplayFunction`` node.
+# Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
+#         recompute detaches the saved inputs into fresh leaves, so the nested
+#         backward stops at the block's edge; the input gradients are returned to
+#         the outer backward, which carries them into the previous block (this is
+#         how recurrent state gets gradient through the whole episode). A tensor
+#         that reaches the model any other way (a closure, a global) is not replayed
+#         correctly: pass it as an input.
+# Rule 3. The recompute sees the same world as the forward: CPU (and CUDA) RNG
+#         state and autocast state are captured at forward and restored inside
+#         ``fork_rng`` so the caller's RNG stream is not disturbed.
+#         ``context_fn`` lets the user snapshot any other mutable state.
+# Rule 4. The model must not change its parameters or buffers: the forward and the
+#         recompute would each apply the change. Version counters are compared
+#         around the forward, between forward and recompute, and around the
+#         recompute; any change raises ReplayError naming the tensor.
+# Rule 5. Recomputed activations live only during that block's nested backward:
+#         peak memory is one block's activations plus the saved inputs of all
+#         blocks, independent of T beyond the inputs.
+# Rule 6. Parameter gradients go through the GradientAccumulator shared by all
+#         blocks of the rollout (see accumulator.py for how FSDP's overwriting of
+#         ``.grad`` is handled). The nested backward is a real
+#         ``torch.autograd.backward`` so FSDP1's pre/post-backward hooks run for
+#         every block, exactly as in FSDP's own reentrant activation checkpointing.
+# Rule 7. A block whose outputs receive no gradient is not recomputed at all.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from contextlib import nullcontext
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+from tensordict import TensorDict, TensorDictBase
+
+from rl_replay.accumulator import GradientAccumulator
+from rl_replay.errors import _PREFIX, DEBUG_TIP, ReplayError
+
+__all__ = ["replay", "checkpoint_fsdp_forward"]
+
+ContextFn = Callable[[], "tuple[Any, Any]"]
+
+# One anchor leaf per device: it gives every block an input that requires grad,
+# so outputs are attached to autograd even when no block input requires grad.
+# Its gradient is always None, so sharing it is safe.
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
+
+_SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _anchor(device: torch.device) -> torch.Tensor:
+    anchor = _ANCHORS.get(device)
+    if anchor is None:
+        anchor = _ANCHORS[device] = torch.empty(0, device=device, requires_grad=True)
+    return anchor
+
+
+# --------------------------------------------------------------------------- model plan
+class _ModelPlan:
+    """Facts about one model computed once per rollout (cached on the accumulator)."""
+
+    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units")
+
+    def __init__(self, model: Callable) -> None:
+        module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
+        if not isinstance(module, torch.nn.Module):
+            module = None
+        self.module = module
+        self.fsdp_units = _fsdp_units(module) if module is not None else []
+        self.absorb = bool(self.fsdp_units)
+        if module is None:
+            self.params: tuple[torch.nn.Parameter, ...] = ()
+            named: list[tuple[str, torch.Tensor]] = []
+        else:
+            self.params = tuple(p for p in module.parameters() if p.requires_grad)
+            named = [(f"buffer '{n}'", b) for n, b in module.named_buffers()]
+            if not self.absorb:
+                # FSDP swaps parameter tensors in and out around every forward, so
+                # only plain modules can have their parameters' versions watched.
+                named += [(f"parameter '{n}'", p) for n, p in module.named_parameters()]
+        self.watched_names = tuple(n for n, _ in named)
+        self.watched = tuple(t for _, t in named)
+
+    def versions(self) -> list[int]:
+        return [t._version for t in self.watched]
+
+    def check_versions(self, before: list[int], when: str, block: "_Block") -> list[int]:
+        after = self.versions()
+        if after != before:
+            changed = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
+            raise ReplayError(
+                _PREFIX + f"{when} changed {', '.join(changed)} of {type(self.module).__name__} "
+                f"(block {block.index}). A replay block must not modify its module's parameters "
+                "or buffers: the forward and the recompute would each apply the change. "
+                "Put layers such as BatchNorm in eval mode (or use LayerNorm), update running "
+                "statistics outside the block, and call optimizer.step() only after "
+                "loss.backward()." + DEBUG_TIP
+            )
+        return after
+
+    def check_fsdp_sync(self) -> None:
+        for unit in self.fsdp_units:
+            if not getattr(unit, "_sync_gradients", True):
+                raise ReplayError(
+                    _PREFIX + "backward under FullyShardedDataParallel.no_sync() is not supported: "
+                    "each replay block runs its own nested backward, so FSDP must reduce-scatter "
+                    "every block's gradient. Accumulate over rollouts by keeping one "
+                    "GradientAccumulator per rollout and stepping after each, or average losses "
+                    "before a single backward."
+                )
+
+
+def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP1 units inside ``module``, after rejecting setups replay cannot serve."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []  # nobody imported FSDP, so nothing can be wrapped in it
+    from torch.distributed.fsdp import FSDPModule, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = []
+    for name, sub in module.named_modules():
+        where = f"module '{name}'" if name else f"the root module ({type(sub).__name__})"
+        if isinstance(sub, FSDPModule):
+            raise ReplayError(
+                _PREFIX + f"{where} is wrapped with FSDP2 fully_shard, which replay does not "
+                "support. Wrap the policy with FSDP1 FullyShardedDataParallel("
+                "sharding_strategy=FULL_SHARD, use_orig_params=True) instead."
+            )
+        if not isinstance(sub, FSDP):
+            continue
+        if not sub._use_orig_params:
+            raise ReplayError(
+                _PREFIX + f"{where} uses FullyShardedDataParallel(use_orig_params=False); replay "
+                "needs use_orig_params=True so recomputed forwards stay visible to autograd "
+                "and to FSDP's post-backward hooks. Pass use_orig_params=True."
+            )
+        strategy = sub.sharding_strategy
+        # FSDP1 itself turns FULL_SHARD into NO_SHARD when the world has one rank.
+        single_rank = getattr(sub, "world_size", None) == 1
+        if strategy != ShardingStrategy.FULL_SHARD and not (
+            single_rank and strategy == ShardingStrategy.NO_SHARD
+        ):
+            raise ReplayError(
+                _PREFIX + f"{where} uses sharding strategy {strategy.name}; replay supports "
+                "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
+            )
+        units.append(sub)
+    return units
+
+
+def _plan_for(accumulator: GradientAccumulator, model: Callable) -> _ModelPlan:
+    plan = accumulator._plans.get(id(model))
+    if plan is None or plan.module is not _module_of(model):
+        plan = accumulator._plans[id(model)] = _ModelPlan(model)
+    return plan  # type: ignore[return-value]
+
+
+def _module_of(model: Callable) -> torch.nn.Module | None:
+    if isinstance(model, torch.nn.Module):
+        return model
+    owner = getattr(model, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
+# ------------------------------------------------------------------------------ blocks
+class _Block:
+    """Everything one block needs besides its tensors; lives as long as its graph node."""
+
+    __slots__ = (
+        "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
+        "cpu_rng", "cuda_rng", "autocast", "recompute_context", "out_spec", "num_outputs",
+        "versions", "requires_grad", "as_tensordict",
+    )
+
+    def __init__(self, model, plan, accumulator, rebuild, context_fn, device, as_tensordict):
+        self.model = model
+        self.plan = plan
+        self.accumulator = accumulator
+        self.index = accumulator.num_blocks
+        self.rebuild = rebuild
+        self.context_fn = context_fn
+        self.device = device
+        self.as_tensordict = as_tensordict
+
+    def call(self, tensors: Sequence[torch.Tensor]):
+        return self.model(**self.rebuild(tensors))
+
+    def capture_state(self) -> None:
+        self.cpu_rng = torch.get_rng_state()
+        cuda = self.device.type == "cuda"
+        self.cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
+        types = ("cpu", "cuda") if cuda else ("cpu",)
+        self.autocast = tuple(
+            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
+        )
+
+    def recompute_state(self):
+        """Context that restores the forward's RNG and autocast state."""
+        cuda = self.cuda_rng is not None
+        return _RestoredState(self, [self.device.index or 0] if cuda else [])
+
+
+class _RestoredState:
+    __slots__ = ("block", "devices", "stack")
+
+    def __init__(self, block: _Block, devices: list[int]) -> None:
+        self.block = block
+        self.devices = devices
+
+    def __enter__(self):
+        from contextlib import ExitStack
+
+        block = self.block
+        stack = self.stack = ExitStack()
+        stack.enter_context(torch.random.fork_rng(devices=self.devices))
+        torch.set_rng_state(block.cpu_rng)
+        if block.cuda_rng is not None:
+            torch.cuda.set_rng_state(block.cuda_rng, block.device)
+        for device_type, enabled, dtype in block.autocast:
+            stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
+        return self
+
+    def __exit__(self, *exc):
+        return self.stack.__exit__(*exc)
+
+
+def _flatten_outputs(outputs: Any, block: _Block) -> tuple[tuple[torch.Tensor, ...], Any]:
+    if isinstance(outputs, torch.Tensor):
+        return (outputs,), None
+    if isinstance(outputs, tuple) and all(isinstance(o, torch.Tensor) for o in outputs):
+        return outputs, len(outputs)
+    if isinstance(outputs, Mapping) and not isinstance(outputs, TensorDictBase):
+        bad = [k for k, v in outputs.items() if not isinstance(v, (torch.Tensor, Mapping))]
+        if not bad:
+            outputs = TensorDict(dict(outputs), batch_size=[])
+    if isinstance(outputs, TensorDictBase):
+        leaves, spec = pytree.tree_flatten(outputs)
+        if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            return tuple(leaves), spec
+    name = type(block.model).__name__
+    raise TypeError(
+        _PREFIX + f"{name} returned {_describe(outputs)}; a replay block must return a tensor, "
+        "a tuple of tensors, a TensorDict or a mapping of tensors. Wrap other values "
+        "(numbers, lists) into tensors, or return them from outside the block."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value[:4])
+        return f"a {type(value).__name__} of ({inner}{', ...' if len(value) > 4 else ''})"
+    return f"a {type(value).__name__}"
+
+
+def _unflatten_outputs(flat: Sequence[torch.Tensor], spec: Any):
+    if spec is None:
+        return flat[0]
+    if isinstance(spec, int):
+        return tuple(flat)
+    return pytree.tree_unflatten(list(flat), spec)
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """The autograd node of one block. See NOTE [ Replay blocks ]."""
+
+    @staticmethod
+    def forward(ctx, block: _Block, anchor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.block = block
+        ctx.set_materialize_grads(False)
+        block.requires_grad = [t.requires_grad for t in tensors]
+        ctx.save_for_backward(*tensors)  # packed to the host by save_on_cpu (see _apply)
+        block.capture_state()
+        if block.context_fn is None:
+            forward_context, block.recompute_context = nullcontext(), nullcontext()
+        else:
+            forward_context, block.recompute_context = block.context_fn()
+        plan = block.plan
+        before = plan.versions()
+        with forward_context:
+            outputs = block.call(tensors)
+        block.versions = plan.check_versions(before, "the forward", block)
+        flat, block.out_spec = _flatten_outputs(outputs, block)
+        block.num_outputs = len(flat)
+        return flat
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        block: _Block = ctx.block
+        if torch.is_grad_enabled():
+            raise ReplayError(
+                _PREFIX + "higher-order gradients (backward with create_graph=True) through a "
+                "replay block are not supported: the block's parameter gradients are "
+                "accumulated, not differentiable. Use plain autograd for this computation."
+            )
+        plan = block.plan
+        plan.check_fsdp_sync()
+        accumulator = block.accumulator
+        accumulator._enter_backward()
+        saved = ctx.saved_tensors
+        nothing = (None, None) + (None,) * len(saved)
+        if all(g is None for g in grads):
+            return nothing  # Rule 7: no output of this block reaches the loss
+        plan.check_versions(block.versions, "something between the forward and the backward", block)
+        start = accumulator._begin_block(plan.params, plan.absorb)
+        inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, block.requires_grad)]
+        with torch.enable_grad(), block.recompute_state(), block.recompute_context:
+            outputs = block.call(inputs)
+        plan.check_versions(block.versions, "the recompute", block)
+        flat, _ = _flatten_outputs(outputs, block)
+        if len(flat) != block.num_outputs:
+            raise ReplayError(
+                _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
+                f"{block.num_outputs} in the forward; the model must be deterministic given its "
+                "inputs, RNG and autocast state." + DEBUG_TIP
+            )
+        roots, root_grads = [], []
+        for out, grad in zip(flat, grads):
+            if grad is not None and out.requires_grad:
+                roots.append(out)
+                root_grads.append(grad)
+        if roots:
+            # Outside enable_grad: the nested backward must not build a graph itself.
+            torch.autograd.backward(roots, root_grads)
+        accumulator._end_block(start)
+        return (None, None) + tuple(t.grad if rg else None for t, rg in zip(inputs, block.requires_grad))
+
+
+# ----------------------------------------------------------------------- shared driver
+def _input_device(tensors: Sequence[torch.Tensor], what: Callable[[int], str]) -> torch.device:
+    device = None
+    for i, t in enumerate(tensors):
+        if t.device.type not in _SUPPORTED_DEVICE_TYPES:
+            raise ValueError(
+                _PREFIX + f"{what(i)} is on device '{t.device}'; replay supports CPU and CUDA "
+                "tensors. Move it with .to('cpu') or .to('cuda')."
+            )
+        if t.is_cuda:
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise ValueError(
+                    _PREFIX + f"{what(i)} is on {t.device} but other inputs are on {device}; "
+                    "all CUDA inputs of a block must be on one device."
+                )
+    return device if device is not None else torch.device("cpu")
+
+
+def _apply(model, accumulator, tensors, rebuild, context_fn, what, as_tensordict):
+    if not callable(model):
+        raise TypeError(_PREFIX + f"model must be callable, got {type(model).__name__}.")
+    if not isinstance(accumulator, GradientAccumulator):
+        raise TypeError(
+            _PREFIX + f"accumulator must be a GradientAccumulator (or a dict for "
+            f"checkpoint_fsdp_forward), got {type(accumulator).__name__}."
+        )
+    device = _input_device(tensors, what)
+    accumulator._check_open()
+    plan = _plan_for(accumulator, model)
+    if plan.fsdp_units:
+        plan.check_fsdp_sync()
+    block = _Block(model, plan, accumulator, rebuild, context_fn, device, as_tensordict)
+    pin = device.type == "cuda"
+    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+        flat = _ReplayFunction.apply(block, _anchor(device), *tensors)
+    accumulator._record_block(sum(t.numel() * t.element_size() for t in tensors))
+    return _unflatten_outputs(flat, block.out_spec)
+
+
+# --------------------------------------------------------------------- public entries
+def replay(
+    model: Callable[..., Any],
+    accumulator: GradientAccumulator,
+    inputs: TensorDictBase,
+    *,
+    context_fn: ContextFn | None = None,
+):
+    r"""Run ``model(**inputs)`` as one replay block of a rollout.
+
+    The forward runs without building a graph; only the leaves of ``inputs`` are kept
+    (on the host) for the backward, where the block is recomputed with grad enabled
+    under the same RNG and autocast state. Parameter gradients go to ``accumulator``;
+    gradients for input tensors that require grad are returned to autograd, so a
+    recurrent state passed from block to block carries gradient through the rollout.
+
+    Args:
+        model: an ``nn.Module`` (or a bound method of one) called as ``model(**inputs)``.
+            Under FSDP1 pass the FSDP-wrapped root module.
+        accumulator: the :class:`GradientAccumulator` shared by every block of this
+            rollout.
+        inputs: the block's keyword inputs. Top-level keys become keyword arguments;
+            nested TensorDicts reach the model as TensorDicts.
+
+    Keyword args:
+        context_fn: optional callable returning ``(forward_context, recompute_context)``,
+            entered around the forward and the recompute respectively (as in
+            ``torch.utils.checkpoint``).
+
+    Returns:
+        The model's outputs, attached to autograd: a TensorDict when the model returns
+        a TensorDict or a mapping of tensors, otherwise the tensor or tuple it returned.
+
+    Example::
+
+        acc = rl_replay.GradientAccumulator()
+        state = policy.initial_state(batch)
+        for t in range(T):
+            out = rl_replay.replay(policy, acc, TensorDict(observation=obs[t], state=state))
+            state = out["state"]
+            losses.append(out["value"].square().mean())
+        torch.stack(losses).sum().backward()   # one backward, all blocks replayed
+        optimizer.step()
+
+    .. warning::
+        If ``torch.is_grad_enabled()`` is False (e.g. evaluation under ``no_grad``)
+        the model is simply called: nothing is recorded.
+
+    .. warning::
+        The model must not modify its parameters or buffers and must be
+        deterministic given its inputs, RNG and autocast state; otherwise the
+        recomputed forward differs from the one that produced the outputs.
+        Parameter and buffer changes raise :class:`ReplayError`.
+    """
+    if not isinstance(inputs, TensorDictBase):
+        raise TypeError(
+            _PREFIX + f"replay() takes its inputs as a TensorDict, got {type(inputs).__name__}. "
+            "Use TensorDict(observation=obs, ...) or checkpoint_fsdp_forward(model, acc, **kwargs)."
+        )
+    if not torch.is_grad_enabled():
+        return model(**inputs)
+    leaves, spec = pytree.tree_flatten(inputs)
+    if not leaves:
+        raise ValueError(
+            _PREFIX + f"replay() needs at least one tensor input; the TensorDict has keys "
+            f"{list(inputs.keys(include_nested=True))} but no tensors."
+        )
+    paths = None
+
+    def what(i: int) -> str:
+        nonlocal paths
+        if paths is None:
+            paths = [k for k, _ in inputs.items(include_nested=True, leaves_only=True)]
+        return f"input {paths[i]!r}"
+
+    def rebuild(tensors):
+        td = pytree.tree_unflatten(list(tensors), spec)
+        return {key: td.get(key) for key in td.keys()}
+
+    return _apply(model, accumulator, leaves, rebuild, context_fn, what, True)
+
+
+def checkpoint_fsdp_forward(
+    model: Callable[..., Any],
+    accumulated: GradientAccumulator | dict,
+    *,
+    context_fn: ContextFn | None = None,
+    **kwargs: Any,
+):
+    r"""Replay independent model forwards and accumulate parameter gradients.
+
+    Keyword-argument form of :func:`replay`, compatible with code written for the
+    original ``checkpoint_fsdp_forward`` helper: share a fresh ``accumulated``
+    (a :class:`GradientAccumulator`, or a plain ``dict``) across all blocks of one
+    rollout, call ``loss.backward()`` once, then clip gradients and step.
+
+    Args:
+        model: the module to run, called as ``model(**kwargs)``.
+        accumulated: a fresh :class:`GradientAccumulator`, or an empty ``dict``; after
+            backward the dict maps each parameter to its final gradient.
+
+    Keyword args:
+        context_fn: optional ``() -> (forward_context, recompute_context)``.
+        **kwargs: the model's inputs: tensors, or immutable metadata (numbers,
+            strings, tuples, dtypes...). Tensors must be passed directly, not inside
+            containers. All CUDA tensors must be on one device.
+
+    Returns:
+        The model's output (a tensor or a tuple of tensors), attached to autograd.
+
+    Distributed use requires FSDP1 ``FULL_SHARD`` with ``use_orig_params=True``
+    (``CPUOffload`` optional) and gradient synchronisation enabled. FSDP2,
+    ``no_sync`` and higher-order gradients are rejected with a clear error.
+    """
+    accumulator = _accumulator_from(accumulated)
+    if not torch.is_grad_enabled():
+        return model(**kwargs)
+    keys = tuple(kwargs)
+    values = list(kwargs.values())
+    positions = []
+    for i, (key, value) in enumerate(kwargs.items()):
+        if isinstance(value, torch.Tensor):
+            positions.append(i)
+        else:
+            _check_metadata(key, value)
+    if not positions:
+        raise ValueError(
+            _PREFIX + "checkpoint_fsdp_forward needs at least one tensor keyword input; got "
+            + (", ".join(f"{k}={type(v).__name__}" for k, v in kwargs.items()) or "no inputs")
+            + ". Pass the observation (or another tensor) as a keyword argument."
+        )
+    tensors = [values[i] for i in positions]
+
+    def rebuild(new_tensors):
+        args = list(values)
+        for i, t in zip(positions, new_tensors):
+            args[i] = t
+        return dict(zip(keys, args))
+
+    def what(i: int) -> str:
+        return f"keyword '{keys[positions[i]]}'"
+
+    return _apply(model, accumulator, tensors, rebuild, context_fn, what, False)
+
+
+_ACCUMULATOR_KEY = "__rl_replay_accumulator__"
+
+
+def _accumulator_from(accumulated: GradientAccumulator | dict) -> GradientAccumulator:
+    if isinstance(accumulated, GradientAccumulator):
+        return accumulated
+    if isinstance(accumulated, dict):
+        accumulator = accumulated.get(_ACCUMULATOR_KEY)
+        if accumulator is None:
+            accumulator = accumulated[_ACCUMULATOR_KEY] = GradientAccumulator()
+            accumulator._mirror = accumulated
+        return accumulator
+    raise TypeError(
+        _PREFIX + f"accumulated must be a GradientAccumulator or a dict, got "
+        f"{type(accumulated).__name__}. Create one with rl_replay.GradientAccumulator()."
+    )
+
+
+def _check_metadata(key: str, value: Any) -> None:
+    if isinstance(value, (list, tuple, dict, set, frozenset, TensorDictBase)) and any(
+        isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)
+    ) or isinstance(value, TensorDictBase):
+        raise ValueError(
+            _PREFIX + f"keyword '{key}' is a {type(value).__name__} containing tensors; tensors "
+            "must be passed directly as keyword arguments so they can be saved and get "
+            "gradients. Pass each tensor as its own keyword, or use rl_replay.replay() with a "
+            "(nested) TensorDict."
+        )
+    try:
+        hash(value)
+    except TypeError:
+        raise ValueError(
+            _PREFIX + f"keyword '{key}' is a mutable {type(value).__name__}; non-tensor inputs "
+            "are reused unchanged by the recompute, so they must be immutable metadata. "
+            "Pass a tuple (or another hashable value) instead."
+        ) from None
