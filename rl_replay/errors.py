@@ -1,6 +1,6 @@
 """Error types shared by the replay engine and the trainer."""
 
-__all__ = ["ReplayError"]
+__all__ = ["ReplayError", "SetupError"]
 
 
 class ReplayError(RuntimeError):
@@ -9,6 +9,13 @@ class ReplayError(RuntimeError):
     Raised for unsupported setups (FSDP2, ``use_orig_params=False``, ``no_sync``,
     higher-order gradients), for models that mutate parameters or buffers inside a
     block, and for reusing a finished :class:`~rl_replay.GradientAccumulator`.
+    """
+
+
+class SetupError(ValueError):
+    """A run cannot start as configured (unknown env id, agent path, action space...).
+
+    Raised before anything is written to disk; scripts print it as one line.
     """
 
 

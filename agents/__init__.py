@@ -1,0 +1,1 @@
+"""Reference policies built on :class:`rl_replay.Agent`."""

@@ -1,0 +1,193 @@
+"""The Agent contract: what a policy takes from a replay block and what it returns.
+
+A block's inputs are a TensorDict of batch size ``[N]`` (one row per environment):
+
+==============  ===============================================================
+``observation``  ``(N, *obs_shape)`` float32
+``state``        TensorDict ``[N]`` with the recurrent state (empty if stateless)
+``is_first``     ``(N,)`` bool: the observation starts a new episode. Recurrent
+                 agents zero their state here, *inside* the block, so collection
+                 and replay run the same code and no gradient crosses episodes.
+==============  ===============================================================
+
+``forward`` returns a TensorDict ``[N]`` with ``dist`` (the action distribution's
+parameters, e.g. ``logits``), ``value`` ``(N,)`` and the next ``state``.
+:meth:`Agent.distribution` turns ``dist`` into a ``torch.distributions`` object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from rl_replay.errors import SetupError
+
+__all__ = ["Agent", "ActionHead", "MultiCategorical", "load_agent_class", "build_agent"]
+
+
+class MultiCategorical(torch.distributions.Distribution):
+    """Independent categoricals for a MultiDiscrete action space (log-probs add up)."""
+
+    arg_constraints: dict = {}
+
+    def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...]) -> None:
+        self.nvec = nvec
+        self.parts = [torch.distributions.Categorical(logits=l) for l in logits.split(nvec, dim=-1)]
+        super().__init__(batch_shape=logits.shape[:-1], validate_args=False)
+
+    def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
+        return torch.stack([d.sample(sample_shape) for d in self.parts], dim=-1)
+
+    @property
+    def mode(self) -> torch.Tensor:
+        return torch.stack([d.probs.argmax(-1) for d in self.parts], dim=-1)
+
+    def log_prob(self, value: torch.Tensor) -> torch.Tensor:
+        return sum(d.log_prob(v) for d, v in zip(self.parts, value.unbind(-1)))
+
+    def entropy(self) -> torch.Tensor:
+        return sum(d.entropy() for d in self.parts)
+
+
+class ActionHead(nn.Module):
+    """Maps features to the distribution parameters of a gymnasium action space.
+
+    * ``Discrete(n)`` → ``logits`` ``(N, n)``, a Categorical;
+    * ``MultiDiscrete(nvec)`` → ``logits`` ``(N, sum(nvec))``, independent Categoricals;
+    * ``Box(shape)`` → ``loc`` and ``scale`` ``(N, prod(shape))``, a diagonal Normal with
+      a state-independent learned log-std (computed inside forward, so FSDP sees it).
+    """
+
+    def __init__(self, action_space: gym.Space, in_features: int, init_std: float = 0.01) -> None:
+        super().__init__()
+        check_action_space(action_space)
+        self.action_space = action_space
+        if isinstance(action_space, gym.spaces.Discrete):
+            out = int(action_space.n)
+        elif isinstance(action_space, gym.spaces.MultiDiscrete):
+            out = int(np.sum(action_space.nvec))
+        else:
+            out = int(math.prod(action_space.shape))
+            self.log_std = nn.Parameter(torch.zeros(out))
+        self.linear = nn.Linear(in_features, out)
+        nn.init.orthogonal_(self.linear.weight, gain=init_std)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, features: torch.Tensor) -> TensorDict:
+        x = self.linear(features)
+        n = features.shape[:-1]
+        if isinstance(self.action_space, gym.spaces.Box):
+            return TensorDict(loc=x, scale=self.log_std.exp().expand_as(x), batch_size=n)
+        return TensorDict(logits=x, batch_size=n)
+
+    def distribution(self, dist: TensorDict) -> torch.distributions.Distribution:
+        space = self.action_space
+        if isinstance(space, gym.spaces.Discrete):
+            return torch.distributions.Categorical(logits=dist["logits"])
+        if isinstance(space, gym.spaces.MultiDiscrete):
+            return MultiCategorical(dist["logits"], tuple(int(n) for n in space.nvec.reshape(-1)))
+        normal = torch.distributions.Normal(dist["loc"], dist["scale"])
+        return torch.distributions.Independent(normal, 1)
+
+
+def check_action_space(space: gym.Space, agent_name: str = "Agent") -> None:
+    """Raise SetupError unless ``space`` is Discrete, MultiDiscrete or a flat-able Box."""
+    if isinstance(space, gym.spaces.MultiDiscrete) and space.nvec.ndim != 1:
+        raise SetupError(f"{agent_name} supports 1-D MultiDiscrete action spaces, got {space}.")
+    if not isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.Box)):
+        raise SetupError(
+            f"{agent_name} cannot handle action space {space}: supported are Discrete, "
+            "MultiDiscrete and Box. Wrap the environment (e.g. gymnasium.wrappers.FlattenObservation "
+            "for observations, or a custom ActionWrapper) or write an Agent with its own head."
+        )
+
+
+class Agent(nn.Module):
+    """Base class for policies trained by rl_replay.
+
+    Subclass it, build your network in ``__init__`` (call ``super().__init__(observation_space,
+    action_space)`` first) and implement :meth:`forward`. Override :meth:`initial_state` for a
+    recurrent policy. ``self.head`` (an :class:`ActionHead`) and :meth:`distribution` handle the
+    action space for you.
+
+    Example::
+
+        class MyAgent(rl_replay.Agent):
+            def __init__(self, observation_space, action_space, hidden: int = 64):
+                super().__init__(observation_space, action_space)
+                self.body = nn.Sequential(nn.Linear(self.obs_dim, hidden), nn.Tanh())
+                self.head = ActionHead(action_space, hidden)
+                self.critic = nn.Linear(hidden, 1)
+
+            def forward(self, observation, state, is_first):
+                x = self.body(observation)
+                return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1),
+                                  state=state, batch_size=observation.shape[:1])
+
+    Select it from a config with ``agent.target=my_pkg.policies:MyAgent``.
+    """
+
+    #: The block-input keys this agent's forward takes as keyword arguments.
+    in_keys: tuple[str, ...] = ("observation", "state", "is_first")
+
+    def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
+        super().__init__()
+        if not isinstance(observation_space, gym.spaces.Box):
+            raise SetupError(
+                f"{type(self).__name__} needs a Box observation space, got {observation_space}. "
+                "Wrap the environment with gymnasium.wrappers.FlattenObservation."
+            )
+        check_action_space(action_space, type(self).__name__)
+        self.observation_space = observation_space
+        self.action_space = action_space
+        self.obs_dim = int(math.prod(observation_space.shape))
+
+    def initial_state(self, batch_size: int, device: torch.device | str = "cpu") -> TensorDict:
+        """The recurrent state at the start of an episode: empty for stateless agents."""
+        return TensorDict({}, batch_size=[batch_size], device=None)
+
+    def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        raise NotImplementedError(f"{type(self).__name__} must implement forward()")
+
+    def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
+        """The action distribution for the outputs of :meth:`forward`."""
+        return self.head.distribution(outputs["dist"])
+
+    @staticmethod
+    def reset_state(state: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
+        """Zero ``state`` rows where an episode starts (the gradient to the old state is 0)."""
+        keep = (~is_first).to(state.dtype)
+        return state * keep.view(-1, *([1] * (state.dim() - 1)))
+
+
+def load_agent_class(target: str) -> type[Agent]:
+    """Import ``module.path:ClassName`` and check it is an :class:`Agent` subclass."""
+    if ":" not in target:
+        raise SetupError(f"agent.target '{target}' must look like 'package.module:ClassName'.")
+    module_name, _, attr = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SetupError(f"agent.target '{target}': cannot import module '{module_name}' ({exc}).") from None
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise SetupError(f"agent.target '{target}': module '{module_name}' has no attribute '{attr}'.")
+    if not (isinstance(cls, type) and issubclass(cls, Agent)):
+        raise SetupError(f"agent.target '{target}' is {cls!r}, not a subclass of rl_replay.Agent.")
+    return cls
+
+
+def build_agent(target: str, kwargs: dict[str, Any], observation_space, action_space) -> Agent:
+    """Instantiate the agent named by ``target`` for the given spaces."""
+    cls = load_agent_class(target)
+    try:
+        return cls(observation_space, action_space, **kwargs)
+    except TypeError as exc:
+        raise SetupError(f"agent.target '{target}' rejected agent.kwargs {kwargs}: {exc}") from None

@@ -1,0 +1,243 @@
+"""Rollout collection: step a gymnasium vector env, one replay block per timestep.
+
+Autoreset (gymnasium >= 1.0, the default ``NEXT_STEP`` mode): after a sub-env's episode
+ends at step ``t``, its step ``t + 1`` ignores the action and returns the reset
+observation with reward 0. That row is not a transition: it is marked ``valid=False``.
+Its block still runs on the *final* observation of the finished episode, and its value
+output is exactly the bootstrap value ``V(final obs)`` a truncated step needs, so
+``next_value[t] = value[t + 1]`` holds for every row.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+from tensordict import TensorDict
+
+from rl_replay.accumulator import GradientAccumulator
+from rl_replay.agent import Agent
+from rl_replay.errors import SetupError
+from rl_replay.replay import replay
+
+__all__ = ["Collector", "Rollout", "make_vector_env"]
+
+
+def make_vector_env(
+    env_id: str,
+    num_envs: int,
+    *,
+    vectorization: str = "sync",
+    kwargs: dict[str, Any] | None = None,
+    max_episode_steps: int | None = None,
+) -> gym.vector.VectorEnv:
+    """Build ``num_envs`` copies of ``env_id`` (any registered gymnasium id).
+
+    The project's own environments (``rl_replay/...``) are registered on import of ``envs``.
+    """
+    import envs  # noqa: F401  (registers the rl_replay/* ids)
+
+    if env_id not in gym.registry:
+        known = sorted(k for k in gym.registry if env_id.split("/")[-1].split("-")[0].lower() in k.lower())
+        hint = f" Similar ids: {', '.join(known[:8])}." if known else ""
+        raise SetupError(f"unknown environment id '{env_id}'.{hint}")
+    make_kwargs = dict(kwargs or {})
+    if max_episode_steps is not None:
+        make_kwargs["max_episode_steps"] = max_episode_steps
+    try:
+        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, **make_kwargs)
+    except TypeError as exc:
+        raise SetupError(f"environment '{env_id}' rejected env.kwargs {kwargs}: {exc}") from None
+
+
+@dataclass
+class Rollout:
+    """One update's worth of experience.
+
+    ``data`` has batch size ``[T, N]`` with keys ``observation``, ``action``, ``reward``,
+    ``terminated``, ``truncated``, ``valid``, ``is_first`` and, attached to autograd through
+    the replay blocks, ``log_prob``, ``entropy`` and ``value``; ``next_value`` is detached.
+    """
+
+    data: TensorDict
+    accumulator: GradientAccumulator
+    env_steps: int
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    episode_successes: list[float] = field(default_factory=list)
+
+
+class Collector:
+    """Runs ``agent`` in ``envs`` for one rollout at a time; never sees losses or optimizers.
+
+    Args:
+        envs: a gymnasium vector env (``NEXT_STEP`` autoreset, the default).
+        agent: the policy; pass the FSDP-wrapped module under FSDP.
+        num_steps: T, steps per rollout (``fixed``) or the step cap (``episode``).
+        mode: ``"fixed"`` carries env and recurrent state across rollouts; ``"episode"``
+            resets all envs at the start of each rollout and stops when every env has
+            finished one episode (later rows of a finished env are invalid) or at the cap.
+        bptt_truncate: if set, detach the recurrent state every K steps.
+        device: where observations and the policy live.
+        seed: seeds the envs' first reset.
+    """
+
+    def __init__(
+        self,
+        envs: gym.vector.VectorEnv,
+        agent: torch.nn.Module,
+        *,
+        num_steps: int,
+        mode: str = "fixed",
+        bptt_truncate: int | None = None,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+    ) -> None:
+        if mode not in ("fixed", "episode"):
+            raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
+        self.envs = envs
+        self.agent = agent
+        self.policy: Agent = getattr(agent, "module", agent)  # the Agent under an FSDP wrapper
+        self.num_envs = envs.num_envs
+        self.num_steps = num_steps
+        self.mode = mode
+        self.bptt_truncate = bptt_truncate
+        self.device = torch.device(device)
+        self.seed = seed
+        self._box = isinstance(envs.single_action_space, gym.spaces.Box)
+        self._obs: torch.Tensor | None = None
+        self._state: TensorDict | None = None
+        self._is_first: torch.Tensor | None = None
+        self._autoreset = np.zeros(self.num_envs, dtype=bool)
+        self._ep_return = np.zeros(self.num_envs)
+        self._ep_length = np.zeros(self.num_envs, dtype=np.int64)
+
+    # ------------------------------------------------------------------ helpers
+    def _to_tensor(self, obs: np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=self.device)
+
+    def _reset(self, seed: int | None) -> None:
+        obs, _ = self.envs.reset(seed=seed)
+        self._obs = self._to_tensor(obs)
+        self._state = self.policy.initial_state(self.num_envs, self.device)
+        self._is_first = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
+        self._autoreset[:] = False
+        self._ep_return[:] = 0.0
+        self._ep_length[:] = 0
+
+    def _block_inputs(self) -> TensorDict:
+        return TensorDict(
+            observation=self._obs, state=self._state, is_first=self._is_first,
+            batch_size=[self.num_envs], device=None,
+        )
+
+    def _env_action(self, action: torch.Tensor) -> np.ndarray:
+        a = action.cpu().numpy()
+        if self._box:
+            space = self.envs.single_action_space
+            a = np.clip(a.reshape((-1, *space.shape)), space.low, space.high)
+        return a
+
+    # ------------------------------------------------------------------ collect
+    def collect(self) -> Rollout:
+        """Run one rollout; its outputs stay attached to a fresh GradientAccumulator."""
+        if self.mode == "episode":
+            self._reset(None if self._obs is not None else self.seed)
+        elif self._obs is None:
+            self._reset(self.seed)
+        acc = GradientAccumulator()
+        N = self.num_envs
+        rows: list[TensorDict] = []
+        values: list[torch.Tensor] = []
+        finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
+        returns, lengths, successes = [], [], []
+        env_steps = 0
+        for t in range(self.num_steps):
+            inputs = self._block_inputs()
+            out = replay(self.agent, acc, inputs)
+            dist = self.policy.distribution(out)
+            with torch.no_grad():
+                action = dist.sample()
+            valid_np = ~self._autoreset & ~finished
+            obs, reward, terminated, truncated, info = self.envs.step(self._env_action(action))
+            env_steps += N
+            done = (terminated | truncated) & valid_np
+            self._ep_return += np.where(valid_np, reward, 0.0)
+            self._ep_length += valid_np
+            for i in np.flatnonzero(done):
+                returns.append(float(self._ep_return[i]))
+                lengths.append(int(self._ep_length[i]))
+                if "success" in info:
+                    successes.append(float(info["success"][i]))
+                self._ep_return[i] = 0.0
+                self._ep_length[i] = 0
+            rows.append(TensorDict(
+                observation=inputs["observation"],
+                is_first=inputs["is_first"],
+                action=action,
+                log_prob=dist.log_prob(action),
+                entropy=dist.entropy(),
+                reward=torch.as_tensor(reward, dtype=torch.float32, device=self.device),
+                terminated=torch.as_tensor(terminated & valid_np, device=self.device),
+                truncated=torch.as_tensor(truncated & valid_np, device=self.device),
+                valid=torch.as_tensor(valid_np, device=self.device),
+                batch_size=[N],
+            ))
+            values.append(out["value"])
+            state = out["state"]
+            if self.bptt_truncate and (t + 1) % self.bptt_truncate == 0:
+                state = state.detach()
+            # The step after an episode end is gymnasium's autoreset step.
+            self._is_first = torch.as_tensor(self._autoreset, device=self.device)
+            self._autoreset = terminated | truncated
+            self._obs, self._state = self._to_tensor(obs), state
+            if self.mode == "episode":
+                finished |= done
+                if finished.all():
+                    break
+        # Bootstrap value of the observation after the last row (no gradient needed).
+        with torch.no_grad():
+            bootstrap = self.agent(**self._block_inputs())["value"]
+        self._state = self._state.detach()
+        value = torch.stack(values)  # (T, N)
+        next_value = torch.cat([value[1:].detach(), bootstrap.unsqueeze(0)])
+        data = torch.stack(rows)
+        data.set("value", value)
+        data.set("next_value", next_value)
+        return Rollout(data, acc, env_steps, returns, lengths, successes)
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue collection exactly (sync envs are pickled)."""
+        state: dict[str, Any] = {
+            "obs": self._obs, "state": None if self._state is None else self._state.to_dict(),
+            "is_first": self._is_first, "autoreset": self._autoreset.copy(),
+            "ep_return": self._ep_return.copy(), "ep_length": self._ep_length.copy(),
+            "envs": None,
+        }
+        if isinstance(self.envs, gym.vector.SyncVectorEnv):
+            try:
+                # The sub-envs (with their RNGs) plus the vector env's own autoreset flags.
+                state["envs"] = pickle.dumps((self.envs.envs, self.envs._autoreset_envs))
+            except Exception as exc:  # pragma: no cover - depends on the env
+                warnings.warn(f"environments cannot be pickled ({exc}); resume will reset them")
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("envs") is not None:
+            self.envs.envs, self.envs._autoreset_envs = pickle.loads(state["envs"])
+        elif state.get("obs") is not None:
+            # The envs could not be restored: start fresh episodes instead of mixing.
+            self._reset(None)
+            return
+        self._obs = state["obs"]
+        self._state = None if state["state"] is None else TensorDict(state["state"], batch_size=[self.num_envs])
+        self._is_first = state["is_first"]
+        self._autoreset = state["autoreset"]
+        self._ep_return = state["ep_return"]
+        self._ep_length = state["ep_length"]

@@ -1,0 +1,142 @@
+"""Process group from the torchrun environment, FSDP1 wrapping and cross-rank reductions."""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl_replay.errors import SetupError
+
+__all__ = ["DistInfo", "init_from_env", "wrap_fsdp", "reduce_mean", "barrier", "shutdown"]
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job (rank 0 of 1 outside torchrun)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def init_from_env(device: str, backend: str = "auto") -> tuple[DistInfo, torch.device]:
+    """Join the process group described by torchrun's environment variables, if any.
+
+    Returns the rank info and this rank's device (``cuda:LOCAL_RANK`` on CUDA).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SetupError("device 'cuda' requested but CUDA is not available; use device=cpu.")
+    torch_device = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
+    if torch_device.type == "cuda":
+        torch.cuda.set_device(torch_device)
+    info = DistInfo(rank, world_size, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if torch_device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    return info, torch_device
+
+
+def _auto_wrap_policy(model: nn.Module, wrap_modules: list[str], min_num_params: int | None):
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy, size_based_auto_wrap_policy
+
+    if min_num_params:
+        return functools.partial(size_based_auto_wrap_policy, min_num_params=min_num_params)
+    if not wrap_modules:
+        return None
+    classes = {type(m) for m in model.modules() if type(m).__name__ in wrap_modules}
+    missing = set(wrap_modules) - {c.__name__ for c in classes}
+    if missing:
+        names = sorted({type(m).__name__ for m in model.modules()})
+        raise SetupError(
+            f"distributed.wrap_modules names {sorted(missing)}, which the agent does not contain. "
+            f"Module classes in the agent: {', '.join(names)}."
+        )
+    return ModuleWrapPolicy(classes)
+
+
+def wrap_fsdp(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    wrap_modules: list[str] = (),
+    min_num_params: int | None = None,
+    cpu_offload: bool = False,
+    mixed_precision: str | None = None,
+) -> nn.Module:
+    """Wrap ``model`` in FSDP1 FULL_SHARD with ``use_orig_params=True`` (what replay needs)."""
+    from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if cpu_offload and device.type != "cuda":
+        raise SetupError(
+            "distributed.cpu_offload=true needs CUDA: FSDP1 CPUOffload pins host memory through "
+            "an accelerator and cannot run on a CPU-only device. Set distributed.cpu_offload=false "
+            "(parameters are already in host memory on CPU)."
+        )
+    mp = None
+    if mixed_precision is not None:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+        mp = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+    with warnings.catch_warnings():
+        # FSDP warns that it falls back to NO_SHARD in a world of one rank; that is fine.
+        warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
+        return FSDP(
+            model,
+            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            use_orig_params=True,
+            auto_wrap_policy=_auto_wrap_policy(model, list(wrap_modules), min_num_params),
+            cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
+            mixed_precision=mp,
+            device_id=device if device.type == "cuda" else None,
+        )
+
+
+def reduce_mean(values: dict[str, float], device: torch.device, info: DistInfo) -> dict[str, float]:
+    """Average scalar metrics over ranks (NaN-aware: a rank without a value does not count)."""
+    if not info.distributed or not values:
+        return values
+    keys = sorted(values)
+    x = torch.tensor([values[k] for k in keys], dtype=torch.float64, device=device)
+    present = (~torch.isnan(x)).to(torch.float64)
+    both = torch.stack([torch.nan_to_num(x), present])
+    dist.all_reduce(both)
+    mean = both[0] / both[1]  # NaN where no rank had a value
+    return dict(zip(keys, mean.tolist()))
+
+
+def reduce_sum(value: float, device: torch.device, info: DistInfo) -> float:
+    if not info.distributed:
+        return value
+    x = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(x)
+    return float(x.item())
+
+
+def barrier(info: DistInfo) -> None:
+    if info.distributed:
+        dist.barrier()
+
+
+def shutdown(info: DistInfo) -> None:
+    if info.distributed and dist.is_initialized():
+        dist.destroy_process_group()

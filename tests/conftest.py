@@ -1,0 +1,102 @@
+"""Shared test helpers.
+
+``assert_grads_match`` compares gradients (or any named tensors) against a reference
+computed with plain autograd, and records the worst absolute and relative difference
+per test family; ``pytest_terminal_summary`` prints them as a table at the end of the
+run, so the numbers can be quoted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+# family -> {"abs": worst |actual - expected|, "rel": worst relative difference,
+#            "tensors": tensors compared, "checks": assert_grads_match calls}
+GRAD_DIFFS: dict[str, dict[str, float]] = {}
+
+
+def _named(obj: Any) -> dict[str, torch.Tensor | None]:
+    """``{name: tensor}`` from a module (its parameters' ``.grad``), a mapping, or a sequence."""
+    if isinstance(obj, torch.nn.Module):
+        return {name: p.grad for name, p in obj.named_parameters()}
+    if isinstance(obj, Mapping):
+        return dict(obj)
+    if isinstance(obj, torch.Tensor):
+        return {"tensor": obj}
+    return {str(i): t for i, t in enumerate(obj)}
+
+
+def _record(family: str, abs_diff: float, rel_diff: float, tensors: int) -> None:
+    entry = GRAD_DIFFS.setdefault(family, {"abs": 0.0, "rel": 0.0, "tensors": 0, "checks": 0})
+    entry["abs"] = max(entry["abs"], abs_diff)
+    entry["rel"] = max(entry["rel"], rel_diff)
+    entry["tensors"] += tensors
+    entry["checks"] += 1
+
+
+def assert_grads_match(
+    model_or_named_grads: Any,
+    expected: Any,
+    family: str,
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+) -> None:
+    """Assert that gradients match the plain-autograd reference; record the worst diffs.
+
+    Both arguments are a module (compared through its parameters' ``.grad``), a
+    mapping ``name -> tensor``, or a sequence of tensors. Names must agree; a ``None``
+    gradient must be ``None`` on both sides. The absolute difference recorded is the
+    largest ``|actual - expected|``; the relative one is the largest
+    ``|actual - expected| / |expected|`` over the elements where ``|expected| > atol``
+    (where the relative tolerance is what the check relies on).
+    """
+    actual = _named(model_or_named_grads)
+    reference = _named(expected)
+    assert actual.keys() == reference.keys(), (
+        f"[{family}] compared different tensors: {sorted(actual)} vs {sorted(reference)}"
+    )
+    worst_abs = worst_rel = 0.0
+    compared = 0
+    for name, ref in reference.items():
+        got = actual[name]
+        if ref is None or got is None:
+            assert got is None and ref is None, (
+                f"[{family}] {name}: gradient is {'None' if got is None else 'set'} but the "
+                f"reference is {'None' if ref is None else 'set'}"
+            )
+            continue
+        compared += 1
+        assert got.shape == ref.shape and got.dtype == ref.dtype, (
+            f"[{family}] {name}: {tuple(got.shape)}/{got.dtype} vs {tuple(ref.shape)}/{ref.dtype}"
+        )
+        diff = (got.detach().double() - ref.detach().double()).abs()
+        mag = ref.detach().double().abs()
+        if diff.numel():
+            worst_abs = max(worst_abs, diff.max().item())
+            big = mag > atol
+            if big.any():
+                worst_rel = max(worst_rel, (diff[big] / mag[big]).max().item())
+    _record(family, worst_abs, worst_rel, compared)
+    assert compared > 0, f"[{family}] nothing to compare: every gradient is None"
+    for name, ref in reference.items():
+        if ref is not None:
+            torch.testing.assert_close(
+                actual[name], ref, rtol=rtol, atol=atol, msg=lambda m, n=name: f"[{family}] {n}: {m}"
+            )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
+    if not GRAD_DIFFS:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "worst gradient difference per family")
+    tr.write_line(f"{'family':<16}{'max abs diff':>14}{'max rel diff':>14}{'tensors':>9}{'checks':>8}")
+    for family in sorted(GRAD_DIFFS):
+        e = GRAD_DIFFS[family]
+        tr.write_line(
+            f"{family:<16}{e['abs']:>14.3e}{e['rel']:>14.3e}{int(e['tensors']):>9}{int(e['checks']):>8}"
+        )
