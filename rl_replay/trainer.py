@@ -8,6 +8,7 @@ directory is created. :meth:`Trainer.train` is the thin loop.
 from __future__ import annotations
 
 import collections
+import math
 import random
 import time
 from dataclasses import replace
@@ -72,7 +73,8 @@ class Trainer:
         self.device = device
         self.update = 0
         self.env_steps = 0  # summed over all ranks
-        self.num_updates = derived(cfg)["num_updates"]
+        # Every rank runs cfg.env.num_envs envs: an update consumes world_size times the batch.
+        self.num_updates = math.ceil(cfg.total_env_steps / (derived(cfg)["batch_size"] * info.world_size))
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
 
     # ----------------------------------------------------------------- the loop
@@ -261,7 +263,12 @@ def _load_resume_state(run_dir: Path, info: dist_utils.DistInfo) -> dict[str, An
         from rl_replay.distributed_checkpoint import read_distributed
 
         return read_distributed(run_dir, info)
-    return load_checkpoint(checkpoint_path(run_dir))
+    state = load_checkpoint(checkpoint_path(run_dir))
+    if state.get("world_size", 1) != 1:  # written by an FSDP run
+        from rl_replay.distributed_checkpoint import check_world_size
+
+        check_world_size(state, 1, checkpoint_path(run_dir))
+    return state
 
 
 def _broadcast_str(value: str, info: dist_utils.DistInfo) -> str:

@@ -1,0 +1,30 @@
+"""A user-defined agent living outside the package, loaded through ``agent.target``.
+
+Used by tests/test_trainer.py as ``custom_agent_module:TinyAgent`` (tests/ on sys.path).
+"""
+
+from __future__ import annotations
+
+from tensordict import TensorDict
+from torch import nn
+
+from rl_replay.agent import ActionHead, Agent
+
+
+class TinyAgent(Agent):
+    """One hidden layer shared by the actor and the critic."""
+
+    def __init__(self, observation_space, action_space, hidden: int = 8):
+        super().__init__(observation_space, action_space)
+        self.body = nn.Sequential(nn.Linear(self.obs_dim, hidden), nn.Tanh())
+        self.head = ActionHead(action_space, hidden, init_std=1.0)
+        self.critic = nn.Linear(hidden, 1)
+
+    def forward(self, observation, state, is_first):
+        x = self.body(observation.flatten(1))
+        return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state,
+                          batch_size=observation.shape[:1])
+
+
+class NotAnAgent(nn.Module):
+    """Looks like a policy but does not subclass rl_replay.Agent."""

@@ -1,0 +1,162 @@
+"""Agent contract: action heads per action space, space checks and agent loading errors."""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+
+from agents.gru import GRUAgent
+from agents.mlp import MLPAgent
+from rl_replay.agent import ActionHead, Agent, MultiCategorical, build_agent, load_agent_class
+from rl_replay.errors import SetupError
+
+OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny policies: torch's thread pool only adds barrier latency on a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def head_and_dist(space, batch=5, features=6):
+    torch.manual_seed(0)
+    head = ActionHead(space, features, init_std=1.0)
+    x = torch.randn(batch, features)
+    params = head(x)
+    return head, params, head.distribution(params)
+
+
+def test_discrete_head():
+    head, params, dist = head_and_dist(gym.spaces.Discrete(3))
+    assert isinstance(dist, torch.distributions.Categorical)
+    assert params["logits"].shape == (5, 3)
+    a = dist.sample()
+    assert a.shape == (5,)
+    assert dist.log_prob(a).shape == (5,) and dist.entropy().shape == (5,)
+    expected = torch.log_softmax(params["logits"], -1).gather(-1, a[:, None]).squeeze(-1)
+    torch.testing.assert_close(dist.log_prob(a), expected)
+
+
+def test_multidiscrete_head_log_prob_is_sum_of_parts():
+    nvec = (3, 2, 4)
+    head, params, dist = head_and_dist(gym.spaces.MultiDiscrete(list(nvec)))
+    assert isinstance(dist, MultiCategorical)
+    logits = params["logits"]
+    assert logits.shape == (5, sum(nvec))
+    a = dist.sample()
+    assert a.shape == (5, 3)
+    for j, n in enumerate(nvec):
+        assert ((a[:, j] >= 0) & (a[:, j] < n)).all()
+    lp, ent = dist.log_prob(a), dist.entropy()
+    assert lp.shape == (5,) and ent.shape == (5,)
+    parts = [torch.distributions.Categorical(logits=l) for l in logits.split(nvec, dim=-1)]
+    torch.testing.assert_close(lp, sum(p.log_prob(a[:, j]) for j, p in enumerate(parts)))
+    torch.testing.assert_close(ent, sum(p.entropy() for p in parts))
+    # Hand check of one entry from the raw logits.
+    by_hand = sum(torch.log_softmax(l[0], -1)[a[0, j]] for j, l in enumerate(logits.split(nvec, -1)))
+    torch.testing.assert_close(lp[0], by_hand)
+    assert torch.equal(dist.mode, torch.stack([p.probs.argmax(-1) for p in parts], -1))
+
+
+def test_box_head():
+    space = gym.spaces.Box(-2.0, 2.0, shape=(2, 3), dtype=np.float32)
+    head, params, dist = head_and_dist(space)
+    assert params["loc"].shape == (5, 6) and params["scale"].shape == (5, 6)
+    a = dist.sample()
+    assert a.shape == (5, 6)
+    lp, ent = dist.log_prob(a), dist.entropy()
+    assert lp.shape == (5,) and ent.shape == (5,)
+    normal = torch.distributions.Normal(params["loc"], params["scale"])
+    torch.testing.assert_close(lp, normal.log_prob(a).sum(-1))
+    # The log-std is a learned parameter that gets gradient through forward.
+    lp.sum().backward()
+    assert head.log_std.grad is not None and head.log_std.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "space",
+    [
+        gym.spaces.Text(5),
+        gym.spaces.Dict({"a": gym.spaces.Discrete(2)}),
+        gym.spaces.Tuple((gym.spaces.Discrete(2), gym.spaces.Discrete(3))),
+    ],
+    ids=["text", "dict", "tuple"],
+)
+def test_unsupported_action_space(space):
+    with pytest.raises(SetupError, match="cannot handle action space"):
+        ActionHead(space, 4)
+    with pytest.raises(SetupError, match="MLPAgent cannot handle action space"):
+        MLPAgent(OBS, space)
+
+
+def test_multidimensional_multidiscrete_rejected():
+    with pytest.raises(SetupError, match="1-D MultiDiscrete"):
+        GRUAgent(OBS, gym.spaces.MultiDiscrete(np.array([[2, 3], [4, 5]])))
+
+
+@pytest.mark.parametrize(
+    "obs_space",
+    [gym.spaces.Discrete(4), gym.spaces.Dict({"x": OBS}), gym.spaces.MultiBinary(3)],
+    ids=["discrete", "dict", "multibinary"],
+)
+def test_non_box_observation_space(obs_space):
+    with pytest.raises(SetupError, match="needs a Box observation space"):
+        MLPAgent(obs_space, gym.spaces.Discrete(2))
+
+
+@pytest.mark.parametrize(
+    "target, match",
+    [
+        ("agents.mlp.MLPAgent", "must look like 'package.module:ClassName'"),
+        ("no_such_module_xyz.sub:Agent", "cannot import module 'no_such_module_xyz.sub'"),
+        ("agents.mlp:NoSuchAgent", "module 'agents.mlp' has no attribute 'NoSuchAgent'"),
+        ("agents.mlp:mlp", "not a subclass of rl_replay.Agent"),
+        ("torch.nn:Linear", "not a subclass of rl_replay.Agent"),
+    ],
+    ids=["no-colon", "missing-module", "missing-attribute", "function", "other-class"],
+)
+def test_load_agent_class_errors(target, match):
+    with pytest.raises(SetupError, match=match):
+        load_agent_class(target)
+
+
+def test_load_and_build_agent():
+    assert load_agent_class("agents.gru:GRUAgent") is GRUAgent
+    agent = build_agent("agents.mlp:MLPAgent", {"hidden_sizes": [8]}, OBS, gym.spaces.Discrete(2))
+    assert isinstance(agent, MLPAgent) and agent.actor[0].out_features == 8
+    with pytest.raises(SetupError, match="rejected agent.kwargs"):
+        build_agent("agents.mlp:MLPAgent", {"bogus": 1}, OBS, gym.spaces.Discrete(2))
+
+
+@pytest.mark.parametrize("cls", [MLPAgent, GRUAgent])
+def test_reference_agents_follow_the_contract(cls):
+    agent = cls(OBS, gym.spaces.Discrete(3))
+    state = agent.initial_state(5)
+    assert state.batch_size == torch.Size([5])
+    out = agent(observation=torch.randn(5, 4), state=state, is_first=torch.ones(5, dtype=torch.bool))
+    assert isinstance(out, TensorDict) and out.batch_size == torch.Size([5])
+    assert out["value"].shape == (5,)
+    assert agent.distribution(out).sample().shape == (5,)
+    assert set(out["state"].keys()) == set(state.keys())
+
+
+def test_reset_state_blocks_gradient():
+    h = torch.randn(3, 4, requires_grad=True)
+    is_first = torch.tensor([True, False, True])
+    out = Agent.reset_state(h, is_first)
+    assert torch.equal(out[0], torch.zeros(4)) and torch.equal(out[1], h[1])
+    out.sum().backward()
+    assert torch.equal(h.grad, torch.tensor([0.0, 1.0, 0.0]).unsqueeze(1).expand(3, 4))
+
+
+def test_base_forward_not_implemented():
+    agent = Agent(OBS, gym.spaces.Discrete(2))
+    with pytest.raises(NotImplementedError, match="must implement forward"):
+        agent(observation=torch.zeros(1, 4), state=agent.initial_state(1), is_first=torch.ones(1, dtype=torch.bool))

@@ -1,0 +1,126 @@
+"""Command-line scripts: one-line errors with exit code 2 and no output on disk; evaluate."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rl_replay.agent import build_agent
+from rl_replay.checkpoint import load_checkpoint
+from rl_replay.collector import make_vector_env
+from rl_replay.config import load_config
+from rl_replay.evaluate import evaluate
+from rl_replay.trainer import build
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN = str(REPO / "scripts" / "train.py")
+EVALUATE = str(REPO / "scripts" / "evaluate.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def start(script, *args, cwd):
+    return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=cwd, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def load_script(path):
+    spec = importlib.util.spec_from_file_location(f"_script_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
+    # A real interpreter per case (started in parallel): nothing else may reach stderr.
+    cases = {
+        "bad-env": (["env.id=NoSuchEnv-v3"], r"error: unknown environment id 'NoSuchEnv-v3'"),
+        "missing-config": (["--config", tmp_path / "nope.yaml"], r"error: Config file not found: .*nope\.yaml"),
+        "bad-override": (["optim.bogus=1"], r"error: Unknown config key 'optim\.bogus'"),
+    }
+    procs = {}
+    for name, (args, _) in cases.items():
+        cwd = tmp_path / name
+        cwd.mkdir()
+        procs[name] = start(TRAIN, *args, f"run_dir={cwd / 'run'}", "log.progress=false", cwd=cwd)
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        lines = err.strip().splitlines()
+        assert proc.returncode == 2, (name, proc.returncode, err)
+        assert len(lines) == 1, (name, err)
+        assert re.match(cases[name][1], lines[0]), (name, lines[0])
+        assert out == ""
+        assert list((tmp_path / name).iterdir()) == [], name  # no run dir, no runs/, no wandb/
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["env.num_envs=many"], r"error: Invalid type for config key 'env\.num_envs'"),
+        (["no_equals_sign"], r"error: Malformed override 'no_equals_sign'"),
+        (["agent.target=agents.mlp:Nope"], r"error: agent\.target 'agents\.mlp:Nope': module"),
+        (["collector.num_steps=0"], r"error: Out of range value for config key 'collector\.num_steps'"),
+        (["--resume", "{tmp}/missing_run"], r"error: cannot resume: no checkpoint at "),
+    ],
+    ids=["bad-type", "malformed", "agent", "range", "resume"],
+)
+def test_train_main_errors_in_process(tmp_path, monkeypatch, capsys, args, pattern):
+    monkeypatch.chdir(tmp_path)
+    train = load_script(TRAIN)
+    args = [a.format(tmp=tmp_path) for a in args]
+    assert train.main([*args, f"run_dir={tmp_path / 'run'}"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and re.match(pattern, lines[0]), err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_evaluate_prints_mean_and_std(tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [
+        "env.num_envs=2", "env.max_episode_steps=30", "collector.num_steps=8",
+        "total_env_steps=48", "agent.kwargs={hidden_sizes: [16]}", "log.progress=false",
+        "log.wandb_mode=disabled", f"run_dir={run_dir}",
+    ])
+    build(cfg).train()
+    proc = start(EVALUATE, run_dir, "--episodes", 3, cwd=tmp_path)
+
+    # What the script should print: the checkpoint's agent, evaluated here.
+    state = load_checkpoint(run_dir)
+    probe = make_vector_env("CartPole-v1", 1)
+    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
+                        probe.single_action_space)
+    probe.close()
+    agent.load_state_dict(state["agent"])
+    expected = evaluate(agent, "CartPole-v1", episodes=3, seed=12345, max_episode_steps=30)
+    assert expected["episodes"] == 3 and 1 <= expected["return_mean"] <= 30
+
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    first, result = out.strip().splitlines()[-2:]
+    assert first == (f"return {expected['return_mean']:.2f} +- {expected['return_std']:.2f} over 3 "
+                     f"episodes (checkpoint update 3, 48 env steps)")
+    assert json.loads(result) == expected
+
+
+def test_evaluate_error_in_process(tmp_path, capsys):
+    evaluate_script = load_script(EVALUATE)
+    assert evaluate_script.main([str(tmp_path / "no_run"), "--episodes", "3"]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error: Config file not found"), err

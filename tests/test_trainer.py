@@ -1,0 +1,253 @@
+"""Trainer end to end on tiny configs: setup errors before any output, exact resume after a
+kill, custom agents through the config, logged metrics and wandb offline output."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from rl_replay.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.config import load_config
+from rl_replay.errors import SetupError
+from rl_replay.trainer import build
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+TINY = (
+    "env.id=CartPole-v1",
+    "env.num_envs=2",
+    "collector.num_steps=8",
+    "agent.kwargs={hidden_sizes: [16, 16]}",
+    "log.progress=false",
+    "log.wandb_mode=disabled",
+)
+BATCH = 2 * 8  # env steps per update
+
+
+@pytest.fixture(autouse=True)
+def _one_intra_op_thread():
+    """Tiny policies: torch's thread pool only adds barrier latency on a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_cfg(run_dir, updates, *extra):
+    return load_config(None, [*TINY, f"total_env_steps={updates * BATCH}", f"run_dir={run_dir}", *extra])
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training_state(a: dict, b: dict):
+    assert a["update"] == b["update"] and a["env_steps"] == b["env_steps"]
+    assert a["agent"].keys() == b["agent"].keys()
+    for k in a["agent"]:
+        assert torch.equal(a["agent"][k], b["agent"][k]), f"agent parameter {k} differs"
+    oa, ob = a["optimizer"], b["optimizer"]
+    assert oa["param_groups"] == ob["param_groups"]
+    assert oa["state"].keys() == ob["state"].keys()
+    for i in oa["state"]:
+        for k, v in oa["state"][i].items():
+            assert torch.equal(v, ob["state"][i][k]), f"optimizer state {i}.{k} differs"
+
+
+# ------------------------------------------------------------------ setup errors
+class DictActionEnv(gym.Env):
+    observation_space = gym.spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32)
+    action_space = gym.spaces.Dict({"move": gym.spaces.Discrete(2), "speed": gym.spaces.Discrete(3)})
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, dtype=np.float32), {}
+
+    def step(self, action):
+        return np.zeros(2, dtype=np.float32), 0.0, True, False, {}
+
+
+DICT_ENV_ID = "test_trainer/DictAction-v0"
+if DICT_ENV_ID not in gym.registry:
+    gym.register(id=DICT_ENV_ID, entry_point=DictActionEnv, max_episode_steps=10)
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("env.id=NoSuchEnv-v7", "unknown environment id 'NoSuchEnv-v7'"),
+        ("agent.target=no_such_pkg.policies:Agent", "cannot import module 'no_such_pkg.policies'"),
+        ("agent.target=agents.mlp:Missing", "has no attribute 'Missing'"),
+        (f"env.id={DICT_ENV_ID}", "MLPAgent cannot handle action space Dict"),
+        ("distributed.cpu_offload=true", "cpu_offload applies to FSDP runs under torchrun"),
+    ],
+    ids=["env-id", "agent-module", "agent-attr", "action-space", "cpu-offload"],
+)
+def test_build_errors_before_run_dir(tmp_path, monkeypatch, override, match):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SetupError, match=match):
+        build(tiny_cfg(tmp_path / "run", 2, override))
+    assert not (tmp_path / "run").exists()
+    assert list(tmp_path.iterdir()) == []  # nothing written anywhere (not even runs/ or wandb/)
+
+
+def test_resume_without_checkpoint(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        build(resume=tmp_path / "nothing")
+
+
+# ------------------------------------------------------------------ config on disk
+def test_resolved_config_saved_and_reloads_equal(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", 2, "optim.lr=3e-4", "env.kwargs={sutton_barto_reward: true}", "seed=5")
+    trainer = build(cfg)
+    try:
+        saved = load_config(tmp_path / "run" / "config.yaml")
+        assert saved == trainer.cfg == cfg
+        assert saved.optim.lr == 3e-4 and saved.env.kwargs == {"sutton_barto_reward": True}
+        assert saved.run_dir == str(tmp_path / "run")
+    finally:
+        trainer.logger.close()
+        trainer.collector.envs.close()
+
+
+# ------------------------------------------------------------------ resume
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+    updates = 60
+    cfg_file = tmp_path / "tiny.yaml"
+    run_b = tmp_path / "b"
+    cfg_file.write_text(
+        "total_env_steps: %d\nrun_dir: %s\nenv: {id: CartPole-v1, num_envs: 2}\n"
+        "agent: {kwargs: {hidden_sizes: [16, 16]}}\ncollector: {num_steps: 8}\n"
+        "log: {progress: false, wandb_mode: disabled}\ncheckpoint: {every: 5}\n" % (updates * BATCH, run_b)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(cfg_file)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # same thread count as this process
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not checkpoint_path(run_b).exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)  # a no-op if the run already finished (and was reaped)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        _, err = proc.communicate(timeout=60)
+    assert checkpoint_path(run_b).exists(), err.decode()
+    killed_at = load_checkpoint(run_b)["update"]
+    print(f"subprocess killed after checkpoint at update {killed_at} (returncode {proc.returncode})")
+    assert killed_at % 5 == 0 or killed_at == updates
+
+    # Uninterrupted run A of the same length, in this process (checkpointing more often).
+    run_a = tmp_path / "a"
+    build(load_config(cfg_file, [f"run_dir={run_a}", "checkpoint.every=2"])).train()
+
+    resumed = build(resume=run_b)
+    assert resumed.update == killed_at and resumed.env_steps == killed_at * BATCH
+    resumed.train()
+    assert resumed.update == updates
+
+    assert_same_training_state(load_checkpoint(run_a), load_checkpoint(run_b))
+    for name, metrics in (("a", read_metrics(run_a)), ("b", read_metrics(run_b))):
+        assert [m["update"] for m in metrics] == list(range(1, updates + 1)), name
+        assert [m["env_steps"] for m in metrics] == [u * BATCH for u in range(1, updates + 1)], name
+    # Losses logged by the resumed run equal the uninterrupted ones, update by update.
+    for ma, mb in zip(read_metrics(run_a), read_metrics(run_b)):
+        assert ma["train/loss_policy"] == mb["train/loss_policy"], ma["update"]
+
+
+def test_resume_in_process_with_more_steps(tmp_path):
+    extra = ("collector.num_steps=8", "checkpoint.every=0")
+    build(tiny_cfg(tmp_path / "full", 6, *extra)).train()
+
+    first = build(tiny_cfg(tmp_path / "part", 3, *extra))
+    first.train()
+    assert first.update == 3
+    # Scramble global RNGs: the resume must restore them from the checkpoint.
+    torch.manual_seed(12345)
+    np.random.seed(12345)
+    resumed = build(resume=tmp_path / "part", overrides=(f"total_env_steps={6 * BATCH}",))
+    assert resumed.update == 3 and resumed.num_updates == 6
+    resumed.train()
+    assert resumed.update == 6
+    assert_same_training_state(load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "part"))
+    assert [m["update"] for m in read_metrics(tmp_path / "part")] == [1, 2, 3, 4, 5, 6]
+    assert load_config(tmp_path / "part" / "config.yaml").total_env_steps == 6 * BATCH
+
+
+# ------------------------------------------------------------------ custom agent
+def test_custom_agent_from_config(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(TESTS))
+    cfg = tiny_cfg(tmp_path / "run", 3, "agent.target=custom_agent_module:TinyAgent",
+                   "agent.kwargs={hidden: 5}")
+    trainer = build(cfg)
+    assert type(trainer.model).__name__ == "TinyAgent"
+    assert trainer.model.body[0].out_features == 5
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert trainer.update == 3
+    after = trainer.model.state_dict()
+    for k in before:
+        assert not torch.equal(before[k], after[k]), f"{k} did not change"
+    assert len(read_metrics(tmp_path / "run")) == 3
+
+    with pytest.raises(SetupError, match="not a subclass of rl_replay.Agent"):
+        build(tiny_cfg(tmp_path / "bad", 1, "agent.target=custom_agent_module:NotAnAgent"))
+    assert not (tmp_path / "bad").exists()
+
+
+# ------------------------------------------------------------------ smoke + wandb offline
+REQUIRED_EVERY_UPDATE = (
+    "train/loss_policy", "train/loss_value", "train/entropy", "train/grad_norm",
+    "memory/peak_rss_bytes", "memory/replay_saved_bytes", "time/steps_per_sec",
+    "time/replay_backward_sec", "env_steps", "update",
+)
+REQUIRED_ONCE = ("rollout/return_mean", "rollout/episode_length")
+
+
+def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [
+        "env.num_envs=4", "collector.num_steps=16", "total_env_steps=2048",
+        "agent.kwargs={hidden_sizes: [16, 16]}", "log.progress=false", "log.wandb_mode=offline",
+        f"run_dir={run_dir}",
+    ])
+    trainer = build(cfg)
+    metrics = trainer.train()
+    assert trainer.update == 32 and trainer.env_steps == 2048
+    assert np.isfinite(metrics["train/loss_policy"])
+
+    lines = read_metrics(run_dir)
+    assert [m["update"] for m in lines] == list(range(1, 33))
+    assert [m["env_steps"] for m in lines] == [64 * u for u in range(1, 33)]
+    for m in lines:
+        missing = [k for k in REQUIRED_EVERY_UPDATE if k not in m]
+        assert not missing, f"update {m['update']} lacks {missing}"
+        assert all(np.isfinite(v) for v in m.values())
+        assert m["memory/replay_saved_bytes"] > 0 and m["memory/peak_rss_bytes"] > 0
+        assert m["time/steps_per_sec"] > 0 and m["train/grad_norm"] > 0
+    for k in REQUIRED_ONCE:
+        assert any(k in m for m in lines), f"{k} never logged"
+    returns = [m["rollout/return_mean"] for m in lines if "rollout/return_mean" in m]
+    assert all(r >= 1 for r in returns)  # CartPole pays 1 per step
+
+    offline = sorted((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1, list((run_dir / "wandb").iterdir()) if (run_dir / "wandb").exists() else None
+    assert list(offline[0].glob("*.wandb")), list(offline[0].iterdir())
+    assert trainer.logger.wandb_id and trainer.logger.wandb_id in offline[0].name
