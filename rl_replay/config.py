@@ -173,6 +173,9 @@ class Config:
     """total environment steps to train for (summed over all envs)"""
     run_dir: str | None = None
     """output directory of the run (None = chosen by the trainer)"""
+    torch_threads: int | None = 1
+    """CPU threads for torch ops (None = torch's default). Small policies run fastest on one
+    thread; several threads on an oversubscribed machine can be orders of magnitude slower"""
     env: EnvConfig = field(default_factory=EnvConfig)
     """environment"""
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -212,6 +215,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 # an Optional field is always accepted ("when set").
 _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "total_env_steps": (1, True, None, False),
+    "torch_threads": (1, True, None, False),
     "env.num_envs": (1, True, None, False),
     "env.max_episode_steps": (1, True, None, False),
     "collector.num_steps": (1, True, None, False),

@@ -200,6 +200,8 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         cfg = load_config(resume / "config.yaml", overrides)
         cfg = replace(cfg, run_dir=str(resume))
     assert cfg is not None
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
     info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
     seed_everything(cfg.seed + 1000 * info.rank)
     envs = make_vector_env(
