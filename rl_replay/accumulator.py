@@ -11,6 +11,11 @@ from rl_replay.errors import _PREFIX, ReplayError
 
 __all__ = ["GradientAccumulator"]
 
+# Where checkpoint_fsdp_forward keeps the accumulator of a plain ``accumulated`` dict
+# during its rollout; removed when the backward finishes, so that the dict then maps
+# exactly each parameter to its gradient.
+_ACCUMULATOR_KEY = "__rl_replay_accumulator__"
+
 
 class GradientAccumulator:
     r"""Collects the parameter gradients of every replay block of one rollout.
@@ -130,6 +135,7 @@ class GradientAccumulator:
                     # single source of truth for clip_grad_norm_ and state dicts.
                     g.add_(total)
             if self._mirror is not None:
+                self._mirror.pop(_ACCUMULATOR_KEY, None)
                 for plan in self._plans.values():
                     for p in plan.params:  # type: ignore[attr-defined]
                         if p.grad is not None:

@@ -19,7 +19,9 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         correctly: pass it as an input.
 # Rule 3. The recompute sees the same world as the forward: CPU (and CUDA) RNG
 #         state and autocast state are captured at forward and restored inside
-#         ``fork_rng`` so the caller's RNG stream is not disturbed.
+#         ``fork_rng`` so the caller's RNG stream is not disturbed. The CUDA state is
+#         the inputs' device's, or the current device's when the inputs are on the
+#         host but CUDA is initialized (the model may move them, as FSDP offload does).
 #         ``context_fn`` lets the user snapshot any other mutable state.
 # Rule 4. The model must not change its parameters or buffers: the forward and the
 #         recompute would each apply the change. Version counters are compared
@@ -34,6 +36,10 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         ``torch.autograd.backward`` so FSDP1's pre/post-backward hooks run for
 #         every block, exactly as in FSDP's own reentrant activation checkpointing.
 # Rule 7. A block whose outputs receive no gradient is not recomputed at all.
+# Rule 8. Only a full ``backward()`` may run through a block: ``torch.autograd.grad``
+#         and ``backward(inputs=...)`` must not touch parameter ``.grad``, but the
+#         nested backward accumulates into it, so they raise ReplayError (as
+#         reentrant ``torch.utils.checkpoint`` does).
 """
 
 from __future__ import annotations
@@ -47,7 +53,7 @@ import torch
 import torch.utils._pytree as pytree
 from tensordict import TensorDict, TensorDictBase
 
-from rl_replay.accumulator import GradientAccumulator
+from rl_replay.accumulator import _ACCUMULATOR_KEY, GradientAccumulator
 from rl_replay.errors import _PREFIX, DEBUG_TIP, ReplayError
 
 __all__ = ["replay", "checkpoint_fsdp_forward"]
@@ -102,6 +108,7 @@ class _ModelPlan:
         after = self.versions()
         if after != before:
             changed = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
+            changed = _with_silent_stat_updates(self.module, changed)
             raise ReplayError(
                 _PREFIX + f"{when} changed {', '.join(changed)} of {type(self.module).__name__} "
                 f"(block {block.index}). A replay block must not modify its module's parameters "
@@ -122,6 +129,32 @@ class _ModelPlan:
                     "GradientAccumulator per rollout and stepping after each, or average losses "
                     "before a single backward."
                 )
+
+
+def _with_silent_stat_updates(module: torch.nn.Module | None, changed: list[str]) -> list[str]:
+    """``changed`` plus the running statistics that BatchNorm updated without a trace.
+
+    Error path only. The native batch-norm kernel updates ``running_mean`` and
+    ``running_var`` in place without bumping their version counters (at least on
+    CPU), so only the Python-side ``num_batches_tracked += 1`` is seen; name the
+    statistics too, since they are what the user needs to hear about.
+    """
+    if module is None:
+        return changed
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    out = list(changed)
+    for prefix, sub in module.named_modules():
+        if not (isinstance(sub, _BatchNorm) and sub.training and sub.track_running_stats):
+            continue
+        dot = f"{prefix}." if prefix else ""
+        counter = f"buffer '{dot}num_batches_tracked'"
+        if counter not in out:
+            continue
+        stats = [f"buffer '{dot}{n}'" for n in ("running_mean", "running_var")]
+        at = out.index(counter)
+        out[at:at] = [s for s in stats if s not in out]
+    return out
 
 
 def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -182,8 +215,8 @@ class _Block:
 
     __slots__ = (
         "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
-        "cpu_rng", "cuda_rng", "autocast", "recompute_context", "out_spec", "num_outputs",
-        "versions", "requires_grad", "as_tensordict",
+        "cpu_rng", "cuda_device", "cuda_rng", "autocast", "recompute_context", "out_spec",
+        "num_outputs", "versions", "requires_grad", "as_tensordict", "input_versions",
     )
 
     def __init__(self, model, plan, accumulator, rebuild, context_fn, device, as_tensordict):
@@ -201,17 +234,23 @@ class _Block:
 
     def capture_state(self) -> None:
         self.cpu_rng = torch.get_rng_state()
-        cuda = self.device.type == "cuda"
-        self.cuda_rng = torch.cuda.get_rng_state(self.device) if cuda else None
-        types = ("cpu", "cuda") if cuda else ("cpu",)
+        cuda_device = self.device if self.device.type == "cuda" else None
+        if cuda_device is None and torch.cuda.is_initialized():
+            # CPU inputs, but the model may still compute on the GPU (FSDP with CPU
+            # offload moves its inputs to the compute device): replay the current
+            # GPU's RNG and autocast state too, or dropout masks would differ.
+            cuda_device = torch.device("cuda", torch.cuda.current_device())
+        self.cuda_device = cuda_device
+        self.cuda_rng = None if cuda_device is None else torch.cuda.get_rng_state(cuda_device)
+        types = ("cpu",) if cuda_device is None else ("cpu", "cuda")
         self.autocast = tuple(
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
         )
 
     def recompute_state(self):
         """Context that restores the forward's RNG and autocast state."""
-        cuda = self.cuda_rng is not None
-        return _RestoredState(self, [self.device.index or 0] if cuda else [])
+        cuda = self.cuda_device is not None
+        return _RestoredState(self, [self.cuda_device.index or 0] if cuda else [])
 
 
 class _RestoredState:
@@ -229,13 +268,23 @@ class _RestoredState:
         stack.enter_context(torch.random.fork_rng(devices=self.devices))
         torch.set_rng_state(block.cpu_rng)
         if block.cuda_rng is not None:
-            torch.cuda.set_rng_state(block.cuda_rng, block.device)
+            torch.cuda.set_rng_state(block.cuda_rng, block.cuda_device)
         for device_type, enabled, dtype in block.autocast:
             stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
         return self
 
     def __exit__(self, *exc):
         return self.stack.__exit__(*exc)
+
+
+def _check_inputs_unchanged(saved: Sequence[torch.Tensor], block: _Block) -> None:
+    for i, (t, version) in enumerate(zip(saved, block.input_versions)):
+        if version is not None and t._version != version:
+            raise ReplayError(
+                _PREFIX + f"input {i} of block {block.index} (a {tuple(t.shape)} host tensor) was "
+                "modified in place after the block ran; the recompute would see the new values. "
+                "Pass a fresh tensor to each block (e.g. .clone() a reused observation buffer)."
+            )
 
 
 def _flatten_outputs(outputs: Any, block: _Block) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -282,6 +331,9 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.block = block
         ctx.set_materialize_grads(False)
         block.requires_grad = [t.requires_grad for t in tensors]
+        # save_on_cpu keeps a host input itself, not a copy, and saved-tensor hooks skip
+        # autograd's in-place check: remember its version to check it before recompute.
+        block.input_versions = [None if t.is_cuda else t._version for t in tensors]
         ctx.save_for_backward(*tensors)  # packed to the host by save_on_cpu (see _apply)
         block.capture_state()
         if block.context_fn is None:
@@ -306,14 +358,22 @@ class _ReplayFunction(torch.autograd.Function):
                 "replay block are not supported: the block's parameter gradients are "
                 "accumulated, not differentiable. Use plain autograd for this computation."
             )
+        if not torch.autograd._is_checkpoint_valid():
+            raise ReplayError(
+                _PREFIX + "torch.autograd.grad() and backward(inputs=...) through a replay block "
+                "are not supported: the block's nested backward accumulates into every "
+                "parameter's .grad, which those calls must leave untouched. Call "
+                "loss.backward() without inputs, or use plain autograd for this computation."
+            )
         plan = block.plan
         plan.check_fsdp_sync()
         accumulator = block.accumulator
         accumulator._enter_backward()
-        saved = ctx.saved_tensors
-        nothing = (None, None) + (None,) * len(saved)
         if all(g is None for g in grads):
-            return nothing  # Rule 7: no output of this block reaches the loss
+            # Rule 7: no output of this block reaches the loss (and nothing is unpacked).
+            return (None, None) + (None,) * len(block.requires_grad)
+        saved = ctx.saved_tensors
+        _check_inputs_unchanged(saved, block)
         plan.check_versions(block.versions, "something between the forward and the backward", block)
         start = accumulator._begin_block(plan.params, plan.absorb)
         inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, block.requires_grad)]
@@ -492,7 +552,8 @@ def checkpoint_fsdp_forward(
 
     Distributed use requires FSDP1 ``FULL_SHARD`` with ``use_orig_params=True``
     (``CPUOffload`` optional) and gradient synchronisation enabled. FSDP2,
-    ``no_sync`` and higher-order gradients are rejected with a clear error.
+    ``no_sync``, higher-order gradients and ``torch.autograd.grad`` /
+    ``backward(inputs=...)`` are rejected with a clear error.
     """
     accumulator = _accumulator_from(accumulated)
     if not torch.is_grad_enabled():
@@ -512,6 +573,11 @@ def checkpoint_fsdp_forward(
             + ". Pass the observation (or another tensor) as a keyword argument."
         )
     tensors = [values[i] for i in positions]
+    for i in positions:
+        # The block keeps ``rebuild`` until its backward: it must not hold the inputs
+        # themselves (save_on_cpu keeps their host copies), or CUDA inputs would stay
+        # on the device for the whole rollout.
+        values[i] = None
 
     def rebuild(new_tensors):
         args = list(values)
@@ -525,15 +591,18 @@ def checkpoint_fsdp_forward(
     return _apply(model, accumulator, tensors, rebuild, context_fn, what, False)
 
 
-_ACCUMULATOR_KEY = "__rl_replay_accumulator__"
-
-
 def _accumulator_from(accumulated: GradientAccumulator | dict) -> GradientAccumulator:
     if isinstance(accumulated, GradientAccumulator):
         return accumulated
     if isinstance(accumulated, dict):
         accumulator = accumulated.get(_ACCUMULATOR_KEY)
         if accumulator is None:
+            if accumulated:
+                raise ReplayError(
+                    _PREFIX + "the accumulated dict is not empty: it already finished a backward "
+                    "pass (it now maps parameters to their gradients), so its rollout is over. "
+                    "Pass a fresh empty dict (or GradientAccumulator) for each rollout."
+                )
             accumulator = accumulated[_ACCUMULATOR_KEY] = GradientAccumulator()
             accumulator._mirror = accumulated
         return accumulator

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import pytest
 import torch
 
 # family -> {"abs": worst |actual - expected|, "rel": worst relative difference,
@@ -94,9 +95,53 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
         return
     tr = terminalreporter
     tr.write_sep("=", "worst gradient difference per family")
-    tr.write_line(f"{'family':<16}{'max abs diff':>14}{'max rel diff':>14}{'tensors':>9}{'checks':>8}")
+    tr.write_line(f"{'family':<24}{'max abs diff':>14}{'max rel diff':>14}{'tensors':>9}{'checks':>8}")
     for family in sorted(GRAD_DIFFS):
         e = GRAD_DIFFS[family]
         tr.write_line(
-            f"{family:<16}{e['abs']:>14.3e}{e['rel']:>14.3e}{int(e['tensors']):>9}{int(e['checks']):>8}"
+            f"{family:<24}{e['abs']:>14.3e}{e['rel']:>14.3e}{int(e['tensors']):>9}{int(e['checks']):>8}"
         )
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    """One intra-op thread for the module's tests, restored afterwards.
+
+    The replay tests run many tiny ops; on a small shared machine a second OpenMP
+    thread only spins (it made test_replay.py three times slower).
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------ distributed scenarios
+
+@pytest.fixture(scope="session")
+def fsdp_world2(tmp_path_factory):
+    """Results of every world-size-2 FSDP scenario (tests/_dist.py ``fsdp_all``).
+
+    One ``torch.multiprocessing.spawn`` of two gloo workers per session, shared by
+    test_replay_fsdp.py (parity) and test_replay_errors.py (setup errors): starting
+    the workers (importing torch twice) costs far more than the scenarios.
+    Returns ``[rank0_results, rank1_results]``.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with the gloo backend")
+    import _dist
+
+    return _dist.run_workers("fsdp_all", 2, tmp_path_factory.mktemp("fsdp_world2"))
+
+
+def scenario_results(per_rank: list, group: str, name: str) -> list:
+    """One scenario's per-rank results; fails the test with a worker's traceback."""
+    results = [r[group][name] for r in per_rank]
+    for rank, res in enumerate(results):
+        if isinstance(res, dict) and "error" in res:
+            pytest.fail(f"rank {rank} failed in scenario {name!r}:\n{res['error']}", pytrace=False)
+    return results

@@ -1,0 +1,387 @@
+"""Helpers for the distributed replay tests: spawned gloo workers on CPU.
+
+``run_workers(name, world_size, outdir)`` spawns ``world_size`` processes with
+``torch.multiprocessing.spawn``; each joins a gloo process group on a free local TCP
+port, calls the module-level function ``name(rank, world_size)`` and saves what it
+returns to ``outdir/rank<r>.pt``. The parent gets the list of per-rank results. An
+exception that escapes a worker makes ``spawn`` raise in the parent with the worker's
+traceback; the scenario runners below instead catch per scenario and return the
+traceback text, so one broken scenario fails its own test and no other.
+
+The gradient comparisons themselves happen in the parent (``assert_grads_match``), so
+the per-family worst-difference table covers the distributed tests too.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+from tensordict import TensorDict
+
+import rl_replay
+from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
+
+OK = "ok"
+
+
+# ------------------------------------------------------------------------- plumbing
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, name: str, outdir: str, backend: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        init_method=f"tcp://127.0.0.1:{port}",
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        result = globals()[name](rank, world_size)
+        torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_workers(name: str, world_size: int, outdir, backend: str = "gloo") -> list:
+    mp.spawn(
+        _entry,
+        args=(world_size, free_port(), name, str(outdir), backend),
+        nprocs=world_size,
+        join=True,
+    )
+    return [torch.load(os.path.join(str(outdir), f"rank{r}.pt")) for r in range(world_size)]
+
+
+def run_scenarios(scenarios: dict, *args) -> dict:
+    """``{name: result or {"error": traceback}}`` for each scenario."""
+    results = {}
+    for name, fn in scenarios.items():
+        try:
+            results[name] = fn(*args)
+        except Exception:  # reported to the parent, which fails that scenario's test
+            results[name] = {"error": traceback.format_exc()}
+    return results
+
+
+def clean(name: str) -> str:
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+# --------------------------------------------------------------------------- models
+class MLPPolicy(nn.Module):
+    def __init__(self, obs: int = 6, hidden: int = 16, actions: int = 3) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(obs, hidden)
+        self.l2 = nn.Linear(hidden, hidden)
+        self.pi = nn.Linear(hidden, actions)
+        self.v = nn.Linear(hidden, 1)
+
+    def forward(self, observation):
+        z = torch.tanh(self.l2(torch.tanh(self.l1(observation))))
+        return self.pi(z), self.v(z).squeeze(-1)
+
+
+class GRUPolicy(nn.Module):
+    def __init__(self, obs: int = 5, hidden: int = 12, actions: int = 3, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.enc = nn.Linear(obs, hidden)
+        self.drop = nn.Dropout(dropout)
+        self.cell = nn.GRUCell(hidden, hidden)
+        self.head = nn.Linear(hidden, actions + 1)
+
+    def forward(self, observation, h):
+        h = self.cell(self.drop(torch.relu(self.enc(observation))), h)
+        out = self.head(h)
+        return out[..., :-1], out[..., -1], h
+
+
+def step_loss(logits, value):
+    return logits.logsumexp(-1).mean() + 0.5 * value.square().mean()
+
+
+def rank_data(r: int, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 + r))
+
+
+def gru_loss(model, obs, h0, acc=None):
+    h, loss = h0, 0.0
+    for t in range(obs.shape[0]):
+        if acc is None:
+            logits, value, h = model(observation=obs[t], h=h)
+        else:
+            logits, value, h = replay(model, acc, TensorDict(observation=obs[t], h=h))
+        loss = loss + step_loss(logits, value)
+    return loss + h.square().sum()
+
+
+# ------------------------------------------------------------------ FSDP1 parity
+def _fsdp(module, wrap, **kwargs):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    kwargs.setdefault("sharding_strategy", ShardingStrategy.FULL_SHARD)
+    kwargs.setdefault("use_orig_params", True)
+    return FSDP(
+        module,
+        auto_wrap_policy=ModuleWrapPolicy(wrap) if wrap else None,
+        device_id=torch.device("cpu"),
+        **kwargs,
+    )
+
+
+def _full_grads(fsdp_model) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(fsdp_model, with_grads=True):
+        return {
+            clean(n): None if p.grad is None else p.grad.detach().clone()
+            for n, p in fsdp_model.named_parameters()
+        }
+
+
+def _full_params(fsdp_model) -> dict:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(fsdp_model):
+        return {clean(n): p.detach().clone() for n, p in fsdp_model.named_parameters()}
+
+
+def _ref_step(ref, max_norm, lr):
+    norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
+    torch.optim.SGD(ref.parameters(), lr=lr).step()
+    return norm
+
+
+def _fsdp_mlp(rank: int, world: int, wrap=(nn.Linear,)) -> dict:
+    """Independent blocks, every Linear its own FSDP unit, checkpoint_fsdp_forward."""
+    T, B = 10, 4
+    torch.manual_seed(0)  # identical initial weights on every rank
+    ref = MLPPolicy()
+    model = _fsdp(copy.deepcopy(ref), set(wrap))
+    data = [rank_data(r, T, B, 6) for r in range(world)]
+
+    acc = GradientAccumulator()
+    loss = sum(step_loss(*checkpoint_fsdp_forward(model, acc, observation=data[rank][t])) for t in range(T))
+    loss.backward()
+    grads = _full_grads(model)
+
+    # Reference: plain autograd on each rank's data, averaged (FSDP averages over ranks).
+    for r in range(world):
+        sum(step_loss(*ref(data[r][t])) for t in range(T)).backward()
+    for p in ref.parameters():
+        p.grad /= world
+    expected = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    max_norm, lr = 0.05, 0.1
+    norm = model.clip_grad_norm_(max_norm)
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    ref_norm = _ref_step(ref, max_norm, lr)
+    return {
+        "grads": grads,
+        "expected": expected,
+        "norm": norm.detach().reshape(1),
+        "ref_norm": ref_norm.detach().reshape(1),
+        "params": _full_params(model),
+        "ref_params": {n: p.detach().clone() for n, p in ref.named_parameters()},
+        "counters": (acc.num_blocks, acc.blocks_replayed, acc.backward_passes),
+    }
+
+
+def _fsdp_gru(rank: int, world: int) -> dict:
+    """Recurrent state across blocks, Linear and GRUCell units, replay() API, two
+    rollouts accumulating into .grad (the second starts with the first's gradients)."""
+    T, B, H = 12, 3, 12
+    torch.manual_seed(1)
+    ref = GRUPolicy()
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear, nn.GRUCell})
+    obs = [[rank_data(r + 10 * k, T, B, 5) for r in range(world)] for k in range(2)]
+    h0 = [rank_data(r + 100, B, H) for r in range(world)]
+    out: dict = {}
+
+    for k in range(2):  # two rollouts, no zero_grad in between
+        h_rep = h0[rank].clone().requires_grad_()
+        acc = GradientAccumulator()
+        gru_loss(model, obs[k][rank], h_rep, acc).backward()
+        assert acc.blocks_replayed == T and acc.backward_passes == 1
+        out[f"grads{k}"] = _full_grads(model)
+        for r in range(world):
+            h_ref = h0[r].clone().requires_grad_()
+            loss = gru_loss(ref, obs[k][r], h_ref) / world
+            loss.backward()
+            if r == rank:
+                # The input gradient is local to the rank; undo the 1/world scaling.
+                out[f"h0_{k}"], out[f"h0_ref{k}"] = h_rep.grad, h_ref.grad * world
+        out[f"expected{k}"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    max_norm, lr = 0.5, 0.2
+    out["norm"] = model.clip_grad_norm_(max_norm).detach().reshape(1)
+    torch.optim.SGD(model.parameters(), lr=lr).step()
+    out["ref_norm"] = _ref_step(ref, max_norm, lr).detach().reshape(1)
+    out["params"] = _full_params(model)
+    out["ref_params"] = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    return out
+
+
+def fsdp_parity(rank: int, world: int) -> dict:
+    return run_scenarios(
+        {
+            "mlp": _fsdp_mlp,
+            "mlp_root_only": lambda r, w: _fsdp_mlp(r, w, wrap=()),
+            "gru": _fsdp_gru,
+        },
+        rank,
+        world,
+    )
+
+
+# ---------------------------------------------------------------- FSDP setup errors
+def _expect(exc_type, pattern, fn):
+    import pytest
+
+    with pytest.raises(exc_type, match=pattern):
+        fn()
+
+
+def _err_fsdp2(rank: int, world: int) -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    model = MLPPolicy()
+    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    acc = GradientAccumulator()
+    x = torch.randn(2, 6)
+    _expect(ReplayError, r"FSDP2 fully_shard", lambda: checkpoint_fsdp_forward(model, acc, observation=x))
+    _expect(ReplayError, r"FSDP2 fully_shard", lambda: replay(model, acc, TensorDict(observation=x)))
+    assert acc.num_blocks == 0
+    return OK
+
+
+def _err_orig_params(rank: int, world: int) -> str:
+    model = _fsdp(MLPPolicy(), {nn.Linear}, use_orig_params=False)
+    acc = GradientAccumulator()
+    _expect(
+        ReplayError,
+        r"use_orig_params=False",
+        lambda: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
+    )
+    assert acc.num_blocks == 0
+    return OK
+
+
+def _err_strategy(rank: int, world: int) -> str:
+    from torch.distributed.fsdp import ShardingStrategy
+
+    for strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
+        model = _fsdp(MLPPolicy(), {nn.Linear}, sharding_strategy=strategy)
+        acc = GradientAccumulator()
+        _expect(
+            ReplayError,
+            rf"sharding strategy {strategy.name}.*FULL_SHARD",
+            lambda: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
+        )
+        assert acc.num_blocks == 0
+    return OK
+
+
+def _err_no_sync(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = _fsdp(MLPPolicy(), {nn.Linear})
+    x = torch.randn(2, 6)
+    # Forward under no_sync: rejected before anything is recorded.
+    acc = GradientAccumulator()
+    with model.no_sync():
+        _expect(ReplayError, r"no_sync", lambda: checkpoint_fsdp_forward(model, acc, observation=x))
+    assert acc.num_blocks == 0
+    # Forward outside, backward under no_sync: rejected, no gradient written.
+    loss = step_loss(*checkpoint_fsdp_forward(model, acc, observation=x))
+    assert acc.num_blocks == 1
+    with model.no_sync():
+        _expect(ReplayError, r"no_sync", loss.backward)
+    assert all(p.grad is None for p in model.parameters())
+    assert acc.blocks_replayed == 0
+    return OK
+
+
+def fsdp_errors(rank: int, world: int) -> dict:
+    return run_scenarios(
+        {
+            "fsdp2_fully_shard": _err_fsdp2,
+            "use_orig_params_false": _err_orig_params,
+            "shard_grad_op": _err_strategy,
+            "no_sync": _err_no_sync,
+        },
+        rank,
+        world,
+    )
+
+
+# ------------------------------------------------------------ CUDA (world size 1)
+def cuda_fsdp_offload() -> dict:
+    """FSDP1 + CPUOffload(offload_params=True) on one GPU, in a one-rank process group.
+
+    With one rank FSDP1 turns FULL_SHARD into NO_SHARD; with CPU offload each backward
+    overwrites the (host) gradient instead of adding to it, so this exercises the
+    accumulator's absorb path. Dropout in the policy checks the CUDA RNG replay.
+    Two rollouts without zero_grad: the second must add to the first one's gradient.
+    Returns the gradients (on the host) and the plain single-process references.
+    """
+    from torch.distributed.fsdp import CPUOffload, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    T, B, H = 16, 4, 12
+    torch.manual_seed(2)
+    ref = GRUPolicy(dropout=0.3).to(device)
+    model = FSDP(
+        copy.deepcopy(ref).cpu(),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear, nn.GRUCell}),
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        use_orig_params=True,
+        cpu_offload=CPUOffload(offload_params=True),
+        device_id=device,
+    )
+    out: dict = {"strategy": model.sharding_strategy.name}
+    for k in range(2):
+        obs = rank_data(k, T, B, 5).to(device)
+        h0 = rank_data(100 + k, B, H).to(device)
+        h_rep, h_ref = h0.clone().requires_grad_(), h0.clone().requires_grad_()
+        acc = GradientAccumulator()
+        torch.manual_seed(10 + k)
+        gru_loss(model, obs, h_rep, acc).backward()
+        out[f"rng{k}"] = torch.rand(4, device=device).cpu()
+        assert acc.blocks_replayed == T
+        torch.manual_seed(10 + k)
+        gru_loss(ref, obs, h_ref).backward()
+        out[f"rng_ref{k}"] = torch.rand(4, device=device).cpu()
+        # NO_SHARD: each original parameter's .grad is the full gradient (on the host
+        # under CPU offload), so no summon_full_params is needed.
+        out[f"grads{k}"] = {
+            clean(n): p.grad.detach().cpu().clone() for n, p in model.named_parameters()
+        }
+        out[f"expected{k}"] = {n: p.grad.detach().cpu().clone() for n, p in ref.named_parameters()}
+        out[f"h0_{k}"], out[f"h0_ref{k}"] = h_rep.grad.cpu(), h_ref.grad.cpu()
+    return out
+
+
+# ----------------------------------------------------------------- one spawn for all
+def fsdp_all(rank: int, world: int) -> dict:
+    """Every world-size-2 scenario, so the test session pays for one spawn only."""
+    return {"parity": fsdp_parity(rank, world), "errors": fsdp_errors(rank, world)}

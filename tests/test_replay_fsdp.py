@@ -1,0 +1,124 @@
+"""FSDP1 FULL_SHARD (use_orig_params=True) with world size 2 on CPU (gloo).
+
+One spawn per session runs every scenario in two worker processes (the
+``fsdp_world2`` fixture in conftest.py, scenarios in ``tests/_dist.py``); each rank
+sees different data. After ``loss.backward()`` the full
+gradients (``summon_full_params(with_grads=True)``) must equal the average over both
+ranks of plain single-process autograd gradients, computed inside each rank on an
+unwrapped copy with the same initial weights. One ``clip_grad_norm_`` + SGD step is
+then compared parameter by parameter.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_grads_match, scenario_results
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture
+def results(fsdp_world2):
+    return fsdp_world2
+
+
+def _scenario(results, name):
+    return scenario_results(results, "parity", name)
+
+
+@pytest.mark.parametrize("scenario", ["mlp", "mlp_root_only"])
+def test_fsdp_mlp_independent_blocks(results, scenario):
+    """``mlp``: every Linear its own FSDP unit; ``mlp_root_only``: one unit."""
+    for rank, res in enumerate(_scenario(results, scenario)):
+        assert res["counters"] == (10, 10, 1), f"rank {rank}"
+        assert_grads_match(res["grads"], res["expected"], "fsdp")
+
+
+@pytest.mark.parametrize("scenario", ["mlp", "mlp_root_only"])
+def test_fsdp_mlp_clip_and_sgd_step(results, scenario):
+    for res in _scenario(results, scenario):
+        # The same total norm, and clipping really happened.
+        assert_grads_match({"norm": res["norm"]}, {"norm": res["ref_norm"]}, "fsdp")
+        assert res["ref_norm"].item() > 0.05
+        assert_grads_match(res["params"], res["ref_params"], "fsdp")
+    # Both ranks hold the same model after the step.
+    first, second = _scenario(results, scenario)
+    for name, p in first["params"].items():
+        assert torch.equal(p, second["params"][name])
+
+
+def test_fsdp_gru_recurrent_state(results):
+    for res in _scenario(results, "gru"):
+        assert_grads_match(res["grads0"], res["expected0"], "fsdp")
+        # The initial state's gradient is the rank's own (not averaged).
+        assert_grads_match({"h0": res["h0_0"]}, {"h0": res["h0_ref0"]}, "fsdp")
+
+
+def test_fsdp_gru_second_rollout_accumulates_into_grad(results):
+    for res in _scenario(results, "gru"):
+        assert_grads_match(res["grads1"], res["expected1"], "fsdp")
+        assert_grads_match({"h0": res["h0_1"]}, {"h0": res["h0_ref1"]}, "fsdp")
+        assert not torch.allclose(res["grads1"]["cell.weight_hh"], res["grads0"]["cell.weight_hh"])
+
+
+def test_fsdp_gru_clip_and_sgd_step(results):
+    for res in _scenario(results, "gru"):
+        assert_grads_match({"norm": res["norm"]}, {"norm": res["ref_norm"]}, "fsdp")
+        assert res["ref_norm"].item() > 0.5
+        assert_grads_match(res["params"], res["ref_params"], "fsdp")
+
+
+# ------------------------------------------------- world size 1, in this process
+@pytest.fixture
+def single_process_group():
+    """A one-rank gloo group in the test process, destroyed afterwards."""
+    import torch.distributed as dist
+
+    import _dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    assert not dist.is_initialized(), "a test left a default process group behind"
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_dist.free_port()}"
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_fsdp_world_size_1_no_shard(single_process_group):
+    """One rank: FSDP1 turns FULL_SHARD into NO_SHARD (the engine accepts it); the
+    gradient is then unsharded and accumulated across rollouts in place."""
+    import copy
+
+    import torch.nn as nn
+    from torch.distributed.fsdp import ShardingStrategy
+
+    import _dist
+    from rl_replay import GradientAccumulator
+
+    T, B, H = 12, 3, 12
+    torch.manual_seed(3)
+    ref = _dist.GRUPolicy()
+    model = _dist._fsdp(copy.deepcopy(ref), {nn.Linear, nn.GRUCell})
+    assert model.sharding_strategy == ShardingStrategy.NO_SHARD
+    for k in range(2):  # the second rollout adds to the first one's .grad
+        obs, h0 = torch.randn(T, B, 5), torch.randn(B, H)
+        h_rep, h_ref = h0.clone().requires_grad_(), h0.clone().requires_grad_()
+        acc = GradientAccumulator()
+        _dist.gru_loss(model, obs, h_rep, acc).backward()
+        _dist.gru_loss(ref, obs, h_ref).backward()
+        assert acc.blocks_replayed == T
+        got = {_dist.clean(n): p.grad for n, p in model.named_parameters()}
+        assert_grads_match(got, ref, "fsdp")
+        assert_grads_match({"h0": h_rep.grad}, {"h0": h_ref.grad}, "fsdp")
+    norm = model.clip_grad_norm_(0.5)
+    torch.optim.SGD(model.parameters(), lr=0.2).step()
+    ref_norm = _dist._ref_step(ref, 0.5, 0.2)
+    assert_grads_match({"norm": norm.reshape(1)}, {"norm": ref_norm.reshape(1)}, "fsdp")
+    params = {_dist.clean(n): p.detach() for n, p in model.named_parameters()}
+    assert_grads_match(params, {n: p.detach() for n, p in ref.named_parameters()}, "fsdp")
