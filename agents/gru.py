@@ -17,12 +17,19 @@ class GRUAgent(Agent):
     crosses an episode boundary carries no gradient from one episode into the next.
     """
 
-    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,)):
+    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
+                 update_gate_bias: float = 0.0):
         super().__init__(observation_space, action_space)
         encoder_sizes = list(encoder_sizes)
         self.hidden_size = hidden_size
         self.encoder = mlp(self.obs_dim, encoder_sizes)
         self.cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, hidden_size)
+        if update_gate_bias:
+            # GRUCell gates are ordered (reset, update, new); a positive update-gate bias makes
+            # the cell keep its state by default, so gradient survives long delays (the GRU
+            # analogue of an LSTM forget-gate bias of 1).
+            with torch.no_grad():
+                self.cell.bias_hh[hidden_size : 2 * hidden_size].fill_(update_gate_bias)
         self.head = ActionHead(action_space, hidden_size)
         self.value = nn.Linear(hidden_size, 1)
         nn.init.orthogonal_(self.value.weight, gain=1.0)

@@ -193,7 +193,8 @@ class Collector:
             if self.bptt_truncate and (t + 1) % self.bptt_truncate == 0:
                 state = state.detach()
             # The step after an episode end is gymnasium's autoreset step.
-            self._is_first = torch.as_tensor(self._autoreset, device=self.device)
+            # A copy: as_tensor would alias the numpy flags, which _reset() later overwrites in place.
+            self._is_first = torch.tensor(self._autoreset, device=self.device)
             self._autoreset = terminated | truncated
             self._obs, self._state = self._to_tensor(obs), state
             if self.mode == "episode":

@@ -14,7 +14,7 @@ from torch import nn
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "DistInfo", "init_from_env", "wrap_fsdp", "broadcast_module_states", "hook_tensordict_outputs",
+    "DistInfo", "init_from_env", "wrap_fsdp", "broadcast_module_states",
     "reduce_mean", "reduce_sum", "barrier", "shutdown",
 ]
 
@@ -92,11 +92,9 @@ def wrap_fsdp(
       ranks seed differently, and FSDP1's ``sync_module_states`` refuses CPU modules).
     * ``device`` is passed as FSDP's ``device_id``, also on CPU (FSDP1 otherwise looks
       for an accelerator and fails on CPU-only machines).
-    * FSDP1 registers its pre-backward hooks only on tensors it finds in plain
-      containers (tensor, dict, list, tuple, dataclass); an :class:`~rl_replay.Agent`
-      returns a TensorDict, so :func:`hook_tensordict_outputs` registers them on its
-      leaves. Without that the root never queues its post-backward callback and units
-      owning parameters fail in backward ("expected to be in states FORWARD_BACKWARD").
+    * Agents return TensorDicts, which FSDP1's own output traversal does not see; the
+      replay engine registers FSDP's pre-backward hooks on their leaves itself (see
+      ``rl_replay.replay._hook_tensordict_outputs``).
     """
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -125,7 +123,6 @@ def wrap_fsdp(
             mixed_precision=mp,
             device_id=device,
         )
-    hook_tensordict_outputs(wrapped)
     return wrapped
 
 
@@ -145,52 +142,6 @@ def broadcast_module_states(model: nn.Module, device: torch.device | None = None
             tensor.data.copy_(staged)
         else:
             dist.broadcast(tensor.data, src=src)
-
-
-def _tensordict_leaves(value, out: list[torch.Tensor]) -> None:
-    """The tensors inside TensorDicts in ``value`` (FSDP1's own traversal skips them)."""
-    from tensordict import TensorDictBase
-
-    if isinstance(value, TensorDictBase):
-        out.extend(t for t in value.values(include_nested=True, leaves_only=True)
-                   if isinstance(t, torch.Tensor))
-    elif isinstance(value, dict):
-        for v in value.values():
-            _tensordict_leaves(v, out)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensordict_leaves(v, out)
-
-
-def hook_tensordict_outputs(root: nn.Module) -> None:
-    """Give tensors inside TensorDict outputs of every FSDP1 unit FSDP's pre-backward hook.
-
-    FSDP1's ``_post_forward`` does this for tensors in plain containers only. The hook is
-    what makes the root queue its post-backward callback (which resets the units'
-    training state and finalises gradients) and unshards a unit's parameters for
-    backward; idempotent per backward, so registering it on several outputs is fine.
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import _runtime_utils
-
-    def post_forward(unit: nn.Module, args, output):
-        if not torch.is_grad_enabled():
-            return None
-        leaves: list[torch.Tensor] = []
-        _tensordict_leaves(output, leaves)
-        handle = unit._handle
-        for t in leaves:
-            if t.requires_grad:
-                t.register_hook(torch.utils.hooks.unserializable_hook(
-                    functools.partial(_runtime_utils._pre_backward_hook, unit, unit, handle)))
-                if handle:
-                    handle._needs_pre_backward_unshard = True
-        return None
-
-    for unit in FSDP.fsdp_modules(root):
-        if not getattr(unit, "_rl_replay_tensordict_hook", False):
-            unit.register_forward_hook(post_forward)
-            unit._rl_replay_tensordict_hook = True
 
 
 def reduce_mean(values: dict[str, float], device: torch.device, info: DistInfo) -> dict[str, float]:

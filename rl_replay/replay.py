@@ -192,7 +192,55 @@ def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
                 "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
             )
         units.append(sub)
+    _hook_tensordict_outputs(units)
     return units
+
+
+def _tensordict_leaves(value: Any, out: list[torch.Tensor]) -> None:
+    """The tensors inside TensorDicts in ``value``, however nested in dicts, lists and
+    tuples (FSDP1's own traversal finds every other tensor but skips these)."""
+    if isinstance(value, TensorDictBase):
+        out.extend(t for t in value.values(include_nested=True, leaves_only=True)
+                   if isinstance(t, torch.Tensor))
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _tensordict_leaves(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensordict_leaves(v, out)
+
+
+def _hook_tensordict_outputs(units: list[torch.nn.Module]) -> None:
+    """Give tensors inside TensorDict outputs of FSDP1 units FSDP's pre-backward hook.
+
+    FSDP1's post-forward registers that hook only on tensors it finds in plain
+    containers (tensor, dict, list, tuple, dataclass), so for a model returning a
+    TensorDict the recomputed forward's backward would never unshard the unit nor
+    queue the root's post-backward callback ("expected to be in states
+    FORWARD_BACKWARD"). The hook is idempotent per backward, so registering it on
+    every leaf is safe; installed once per unit.
+    """
+    import functools
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    def post_forward(unit: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or isinstance(output, torch.Tensor):
+            return
+        leaves: list[torch.Tensor] = []
+        _tensordict_leaves(output, leaves)  # plain tensors in containers are FSDP's own
+        handle = unit._handle
+        hook = functools.partial(_runtime_utils._pre_backward_hook, unit, unit, handle)
+        for t in leaves:
+            if t.requires_grad:
+                t.register_hook(torch.utils.hooks.unserializable_hook(hook))
+                if handle:
+                    handle._needs_pre_backward_unshard = True
+
+    for unit in units:
+        if not getattr(unit, "_rl_replay_tensordict_hook", False):
+            unit.register_forward_hook(post_forward)
+            unit._rl_replay_tensordict_hook = True
 
 
 def _plan_for(accumulator: GradientAccumulator, model: Callable) -> _ModelPlan:

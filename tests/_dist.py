@@ -236,12 +236,48 @@ def _fsdp_gru(rank: int, world: int) -> dict:
     return out
 
 
+class TDGRUPolicy(GRUPolicy):
+    """GRUPolicy returning a TensorDict, as rl_replay.Agent subclasses do."""
+
+    def forward(self, observation, h):
+        logits, value, h = super().forward(observation, h)
+        return TensorDict(logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]),
+                          batch_size=h.shape[:1])
+
+
+def _fsdp_gru_tensordict(rank: int, world: int) -> dict:
+    """A model returning a TensorDict, wrapped with plain FSDP1 (no rl_replay helper):
+    FSDP1 does not see tensors inside TensorDicts, so the engine hooks them itself."""
+    T, B, H = 8, 3, 12
+    torch.manual_seed(2)
+    ref = TDGRUPolicy()
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear})  # the GRUCell stays in the root unit
+    obs = [rank_data(r + 50, T, B, 5) for r in range(world)]
+
+    def rollout(m, x, acc=None):
+        h, loss = torch.zeros(B, H), 0.0
+        for t in range(T):
+            inputs = TensorDict(observation=x[t], h=h, batch_size=[B])
+            out = m(**inputs) if acc is None else replay(m, acc, inputs)
+            h = out["state", "h"]
+            loss = loss + step_loss(out["logits"], out["value"])
+        return loss + h.square().sum()
+
+    acc = GradientAccumulator()
+    rollout(model, obs[rank], acc).backward()
+    grads = _full_grads(model)
+    for r in range(world):
+        (rollout(ref, obs[r]) / world).backward()
+    return {"grads": grads, "expected": {n: p.grad.clone() for n, p in ref.named_parameters()}}
+
+
 def fsdp_parity(rank: int, world: int) -> dict:
     return run_scenarios(
         {
             "mlp": _fsdp_mlp,
             "mlp_root_only": lambda r, w: _fsdp_mlp(r, w, wrap=()),
             "gru": _fsdp_gru,
+            "gru_tensordict": _fsdp_gru_tensordict,
         },
         rank,
         world,

@@ -62,6 +62,12 @@ def test_fsdp_gru_second_rollout_accumulates_into_grad(results):
         assert not torch.allclose(res["grads1"]["cell.weight_hh"], res["grads0"]["cell.weight_hh"])
 
 
+def test_fsdp_tensordict_outputs(results):
+    """A model returning a TensorDict under plain FSDP1 (units inside and the root)."""
+    for res in _scenario(results, "gru_tensordict"):
+        assert_grads_match(res["grads"], res["expected"], "fsdp")
+
+
 def test_fsdp_gru_clip_and_sgd_step(results):
     for res in _scenario(results, "gru"):
         assert_grads_match({"norm": res["norm"]}, {"norm": res["ref_norm"]}, "fsdp")
