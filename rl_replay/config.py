@@ -81,7 +81,7 @@ class AgentConfig:
 class CollectorConfig:
     mode: str = "fixed"
     """fixed: horizon T carried across rollouts | episode: whole episodes from a reset, capped at num_steps"""
-    num_steps: int = 32
+    num_steps: int = 5
     """steps T per env per rollout (the per-episode step cap in episode mode)"""
     bptt_truncate: int | None = None
     """cut the recurrent gradient every K steps (None = full backprop through the rollout)"""
@@ -93,13 +93,13 @@ class LossConfig:
     """policy-gradient loss: a2c | reinforce"""
     gamma: float = 0.99
     """discount factor"""
-    gae_lambda: float = 0.95
+    gae_lambda: float = 1.0
     """lambda of generalized advantage estimation"""
     value_coef: float = 0.5
     """weight of the value loss"""
-    entropy_coef: float = 0.01
+    entropy_coef: float = 0.0
     """weight of the entropy bonus"""
-    normalize_advantages: bool = True
+    normalize_advantages: bool = False
     """normalize advantages to zero mean, unit std per batch"""
     baseline: bool = True
     """reinforce only: subtract the learned value as a baseline"""
@@ -107,15 +107,15 @@ class LossConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = "adam"
+    name: str = "rmsprop"
     """optimizer: adam | rmsprop | sgd"""
-    lr: float = 1e-3
+    lr: float = 7e-4
     """learning rate"""
     eps: float = 1e-5
     """epsilon of adam / rmsprop"""
     max_grad_norm: float | None = 0.5
     """global gradient-norm clip (None = no clipping)"""
-    anneal_lr: bool = False
+    anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over training"""
 
 
@@ -169,7 +169,7 @@ class Config:
     """random seed"""
     device: str = "cpu"
     """torch device: cpu | cuda | auto"""
-    total_env_steps: int = 200_000
+    total_env_steps: int = 500_000
     """total environment steps to train for (summed over all envs)"""
     run_dir: str | None = None
     """output directory of the run (None = chosen by the trainer)"""

@@ -30,17 +30,17 @@ YAML_FILES = sorted(CONFIG_DIR.glob("*.yaml")) + sorted(CONFIG_DIR.glob("*.yml")
 def test_defaults():
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.seed == 1 and cfg.device == "cpu" and cfg.total_env_steps == 200_000
+    assert cfg.seed == 1 and cfg.device == "cpu" and cfg.total_env_steps == 500_000
     assert cfg.run_dir is None
     assert cfg.env.id == "CartPole-v1" and cfg.env.num_envs == 8 and cfg.env.vectorization == "sync"
     assert cfg.env.kwargs == {} and cfg.env.max_episode_steps is None
     assert cfg.agent.target == "agents.mlp:MLPAgent" and cfg.agent.kwargs == {}
-    assert (cfg.collector.mode, cfg.collector.num_steps, cfg.collector.bptt_truncate) == ("fixed", 32, None)
-    assert cfg.loss.algorithm == "a2c" and cfg.loss.gamma == 0.99 and cfg.loss.gae_lambda == 0.95
-    assert (cfg.loss.value_coef, cfg.loss.entropy_coef) == (0.5, 0.01)
-    assert cfg.loss.normalize_advantages is True and cfg.loss.baseline is True
-    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.eps, cfg.optim.max_grad_norm) == ("adam", 1e-3, 1e-5, 0.5)
-    assert cfg.optim.anneal_lr is False
+    assert (cfg.collector.mode, cfg.collector.num_steps, cfg.collector.bptt_truncate) == ("fixed", 5, None)
+    assert cfg.loss.algorithm == "a2c" and cfg.loss.gamma == 0.99 and cfg.loss.gae_lambda == 1.0
+    assert (cfg.loss.value_coef, cfg.loss.entropy_coef) == (0.5, 0.0)
+    assert cfg.loss.normalize_advantages is False and cfg.loss.baseline is True
+    assert (cfg.optim.name, cfg.optim.lr, cfg.optim.eps, cfg.optim.max_grad_norm) == ("rmsprop", 7e-4, 1e-5, 0.5)
+    assert cfg.optim.anneal_lr is True
     assert cfg.log.wandb_mode == "offline" and cfg.log.wandb_project == "rl_replay"
     assert cfg.log.wandb_entity is None and cfg.log.run_name is None
     assert cfg.log.progress is True and cfg.log.log_every == 1
@@ -126,7 +126,7 @@ def test_memory_gru_yaml():
     cfg = load_config(CONFIG_DIR / "memory_gru.yaml")
     assert cfg.env.id == "rl_replay/MemoryCue-v0" and cfg.env.kwargs == {"delay": 64}
     assert cfg.env.num_envs == 32
-    assert cfg.agent.target == "agents.gru:GRUAgent" and cfg.agent.kwargs == {"hidden_size": 128}
+    assert cfg.agent.target == "agents.gru:GRUAgent" and cfg.agent.kwargs == {"hidden_size": 128, "update_gate_bias": 5.0}
     assert cfg.collector.mode == "episode"
     assert cfg.collector.num_steps == cfg.env.kwargs["delay"] + 2 == 66
     assert cfg.total_env_steps == 2_000_000
@@ -424,7 +424,7 @@ def test_failed_save_leaves_no_temp_file(tmp_path):
 def test_config_to_dict_is_a_deep_copy_and_round_trips():
     cfg = load_config(CONFIG_DIR / "default.yaml")
     d = config_to_dict(cfg)
-    assert d["agent"]["kwargs"] == {"hidden_sizes": [64, 64]} and d["optim"]["lr"] == 1e-3
+    assert d["agent"]["kwargs"] == {"hidden_sizes": [64, 64]} and d["optim"]["lr"] == 7e-4
     d["agent"]["kwargs"]["hidden_sizes"].append(1)
     assert cfg.agent.kwargs == {"hidden_sizes": [64, 64]}
     assert config_from_dict(config_to_dict(cfg)) == cfg
@@ -434,7 +434,7 @@ def test_config_to_dict_is_a_deep_copy_and_round_trips():
 
 
 def test_derived_sizes():
-    assert derived(Config()) == {"batch_size": 8 * 32, "num_updates": 782}  # ceil(200000 / 256)
+    assert derived(Config()) == {"batch_size": 8 * 5, "num_updates": 12500}  # 500000 / 40
     cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=25", "total_env_steps=1000"])
     assert derived(cfg) == {"batch_size": 100, "num_updates": 10}  # exact division
     cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=25", "total_env_steps=1001"])
