@@ -1,0 +1,81 @@
+"""The benchmark scripts' ``--smoke`` modes run, agree on gradients and print their numbers.
+
+No timing assertions: these only check that the scripts work end to end (each
+configuration in its own process, gradient check against plain autograd below 1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "scripts"
+GRAD_LINE = re.compile(r"gradient check: worst abs diff (\S+), worst rel diff (\S+)")
+
+
+def run_script(name: str, *args: str, timeout: float = 600) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=timeout,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} {' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def assert_grad_line(out: str) -> None:
+    m = GRAD_LINE.search(out)
+    assert m, f"no gradient-check line in:\n{out[-4000:]}"
+    worst_abs, worst_rel = float(m.group(1).rstrip(",")), float(m.group(2))
+    assert worst_abs < 1e-4 and worst_rel < 1e-4, m.group(0)
+
+
+@pytest.mark.slow
+def test_bench_memory_smoke():
+    out = run_script("bench_memory.py", "--smoke")
+    assert_grad_line(out)
+    # every method ran for both tiny policies, none skipped or failed
+    for policy in ("tiny_gru", "tiny_mlp"):
+        for method in ("plain", "checkpoint", "checkpoint_cpu", "rl_replay"):
+            assert re.search(rf"{policy}\s+T=8\s+{method}\s+live", out), (policy, method, out[-4000:])
+    assert "ERROR" not in out
+    assert "summary tiny_gru:" in out and "summary tiny_mlp:" in out
+    assert "glibc" in out
+
+
+@pytest.mark.slow
+def test_bench_memory_worker_mode_prints_json():
+    from_cfg = {"kind": "mlp", "obs": 4, "width": 8, "layers": 2, "actions": 3, "batch": 2}
+    spec = dict(policy="tiny_mlp", cfg=from_cfg, T=4, method="rl_replay", reps=1, threads=1,
+                device="cpu", seed=0, budget_s=60)
+    out = run_script("bench_memory.py", "--worker", json.dumps(spec))
+    line = next(l for l in out.splitlines() if l.startswith("BENCH_RESULT "))
+    result = json.loads(line[len("BENCH_RESULT "):])
+    assert result["mode"] == "full"
+    assert result["live_bytes"] > 0 and result["block_input_bytes"] == 4 * 2 * 4 * 4
+
+
+@pytest.mark.slow
+def test_bench_accumulate_smoke():
+    out = run_script("bench_accumulate.py", "--smoke")
+    assert_grad_line(out)
+    assert "summary accumulate: backward time rl_replay/helper" in out
+
+
+@pytest.mark.slow
+def test_bench_learning_smoke():
+    out = run_script("bench_learning.py", "--smoke")
+    assert_grad_line(out)
+    rep = re.search(r"^rl_replay\s+([\d.]+) env steps/s", out, re.M)
+    bat = re.search(r"^batched\s+([\d.]+) env steps/s", out, re.M)
+    assert rep and bat, out[-4000:]
+    assert float(rep.group(1)) > 0 and float(bat.group(1)) > 0
+    assert "ratio rl_replay/batched" in out
