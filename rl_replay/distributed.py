@@ -172,4 +172,5 @@ def barrier(info: DistInfo) -> None:
 
 def shutdown(info: DistInfo) -> None:
     if info.distributed and dist.is_initialized():
+        dist.barrier()  # no rank tears gloo/nccl down while a peer still talks to it
         dist.destroy_process_group()

@@ -51,6 +51,9 @@ def _entry(rank: int, world_size: int, port: int, name: str, outdir: str, backen
     try:
         result = globals()[name](rank, world_size)
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+        # Leave together: a rank tearing gloo down while its peer still talks to it
+        # aborts ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -49,11 +49,15 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    import torch.distributed as dist
+
     try:
         fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # Leave together: a rank tearing gloo down while its peer still talks to it
+            # aborts ("terminate called without an active exception").
+            dist.barrier()
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
