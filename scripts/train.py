@@ -12,6 +12,7 @@ Several processes (FSDP1, one replay engine per rank):
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -46,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.info.is_main and metrics:
         shown = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("rollout/return", "train/loss"))}
         print(f"finished {trainer.update} updates, {trainer.env_steps} env steps: {shown}", file=sys.stderr)
-    from rl_replay.distributed import shutdown
+    if trainer.info.distributed:
+        from rl_replay.distributed import shutdown
 
-    shutdown(trainer.info)
+        shutdown(trainer.info)
+        # Skip interpreter finalisation: with gloo, destroying the process group's C++
+        # worker state during Python's teardown aborts the process now and then
+        # ("terminate called without an active exception") after all work is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from tensordict import TensorDict
 
-import rl_replay
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
 
 OK = "ok"
@@ -56,6 +55,8 @@ def _entry(rank: int, world_size: int, port: int, name: str, outdir: str, backen
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # Skip interpreter finalisation, where gloo's C++ teardown aborts now and then.
+    os._exit(0)
 
 
 def run_workers(name: str, world_size: int, outdir, backend: str = "gloo") -> list:

@@ -103,12 +103,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
         )
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", autouse=True)
 def single_thread():
-    """One intra-op thread for the module's tests, restored afterwards.
+    """One intra-op thread for every test module, restored afterwards.
 
-    The replay tests run many tiny ops; on a small shared machine a second OpenMP
-    thread only spins (it made test_replay.py three times slower).
+    The tests run many tiny ops; on a small shared machine a second OpenMP thread only
+    spins (it made test_replay.py three times slower and tiny updates ~10x slower).
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)

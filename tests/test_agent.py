@@ -16,13 +16,6 @@ from rl_replay.errors import SetupError
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny policies: torch's thread pool only adds barrier latency on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def head_and_dist(space, batch=5, features=6):

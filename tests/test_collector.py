@@ -28,13 +28,6 @@ from rl_replay.trainer import compute_loss
 T_, F_ = True, False
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny policies: torch's thread pool only adds barrier latency on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 class LinearValueAgent(Agent):

@@ -60,6 +60,8 @@ def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Skip interpreter finalisation, where gloo's C++ teardown aborts now and then.
+    os._exit(0)
 
 
 def run_ranks(fn, *args, world_size: int = 2, timeout: float = WORKER_TIMEOUT_S) -> None:

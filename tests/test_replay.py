@@ -21,7 +21,6 @@ from tensordict import TensorDict, TensorDictBase
 import rl_replay
 from rl_replay import GradientAccumulator, checkpoint_fsdp_forward, replay
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 # ------------------------------------------------------------------------------ models
 

@@ -10,7 +10,6 @@ from tensordict import TensorDict
 
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 class Policy(nn.Module):

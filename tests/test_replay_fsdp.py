@@ -15,7 +15,6 @@ import pytest
 import torch
 from conftest import assert_grads_match, scenario_results
 
-pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from rl_replay.agent import build_agent
 from rl_replay.checkpoint import load_checkpoint
@@ -26,12 +25,6 @@ EVALUATE = str(REPO / "scripts" / "evaluate.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def start(script, *args, cwd):

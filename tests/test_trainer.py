@@ -35,13 +35,6 @@ TINY = (
 BATCH = 2 * 8  # env steps per update
 
 
-@pytest.fixture(autouse=True)
-def _one_intra_op_thread():
-    """Tiny policies: torch's thread pool only adds barrier latency on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tiny_cfg(run_dir, updates, *extra):
