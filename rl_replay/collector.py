@@ -172,7 +172,8 @@ class Collector:
             for i in np.flatnonzero(done):
                 returns.append(float(self._ep_return[i]))
                 lengths.append(int(self._ep_length[i]))
-                if "success" in info:
+                # Vector envs mark which sub-envs reported a key with "_<key>".
+                if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
                     successes.append(float(info["success"][i]))
                 self._ep_return[i] = 0.0
                 self._ep_length[i] = 0

@@ -65,7 +65,8 @@ def evaluate(
             if len(returns) < episodes:
                 returns.append(ep_return[i])
                 lengths.append(ep_length[i])
-                if "success" in info:
+                # Vector envs mark which sub-envs reported a key with "_<key>".
+                if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
                     successes.append(float(info["success"][i]))
             ep_return[i], ep_length[i] = 0.0, 0
         state = out["state"]

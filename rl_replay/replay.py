@@ -568,7 +568,10 @@ def replay(
             "Use TensorDict(observation=obs, ...) or checkpoint_fsdp_forward(model, acc, **kwargs)."
         )
     if not torch.is_grad_enabled():
-        return model(**inputs)
+        outputs = model(**inputs)
+        if isinstance(outputs, Mapping) and not isinstance(outputs, TensorDictBase):
+            outputs = TensorDict(dict(outputs), batch_size=[])  # as with grad enabled
+        return outputs
     leaves, spec = pytree.tree_flatten(inputs)
     if not leaves:
         raise ValueError(

@@ -689,6 +689,11 @@ def test_no_grad_just_calls_the_model():
             assert torch.equal(x, y) and x.grad_fn is None and not x.requires_grad
     assert acc.num_blocks == 0 and acc.saved_bytes == 0
     assert policy.calls == 4
+    # A mapping output is a TensorDict with or without grad.
+    dict_policy = lambda observation: {"x": observation * 2}  # noqa: E731
+    with torch.no_grad():
+        out = replay(dict_policy, acc, TensorDict(observation=obs))
+    assert isinstance(out, TensorDict) and torch.equal(out["x"], obs * 2)
     # The accumulator is still usable for a training rollout.
     logits, value, _ = replay(policy, acc, TensorDict(observation=obs, h=h))
     step_loss(logits, value).backward()
