@@ -444,27 +444,40 @@ class _ReplayFunction(torch.autograd.Function):
         _check_inputs_unchanged(saved, block)
         plan.check_versions(block.versions, "something between the forward and the backward", block)
         start = accumulator._begin_block(plan.params, plan.absorb)
-        inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, block.requires_grad)]
-        with torch.enable_grad(), block.recompute_state(), block.recompute_context:
-            outputs = block.call(inputs)
-        plan.check_versions(block.versions, "the recompute", block)
-        flat, _ = _flatten_outputs(outputs, block)
-        if len(flat) != block.num_outputs:
-            raise ReplayError(
-                _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
-                f"{block.num_outputs} in the forward; the model must be deterministic given its "
-                "inputs, RNG and autocast state." + DEBUG_TIP
-            )
-        roots, root_grads = [], []
-        for out, grad in zip(flat, grads):
-            if grad is not None and out.requires_grad:
-                roots.append(out)
-                root_grads.append(grad)
-        if roots:
-            # Outside enable_grad: the nested backward must not build a graph itself.
-            torch.autograd.backward(roots, root_grads)
+        try:
+            input_grads = _recompute_and_backward(block, saved, grads)
+        except BaseException:
+            # The engine drops queued callbacks when a backward fails: put the gradients
+            # already moved out of .grad (FSDP path) back now, so none is lost.
+            accumulator._finalise()
+            raise
         accumulator._end_block(start)
-        return (None, None) + tuple(t.grad if rg else None for t, rg in zip(inputs, block.requires_grad))
+        return (None, None) + input_grads
+
+
+def _recompute_and_backward(block: _Block, saved: Sequence[torch.Tensor], grads) -> tuple:
+    """Recompute one block with grad enabled and back-propagate ``grads`` through it;
+    returns the gradients of its inputs (None where an input does not require grad)."""
+    inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, block.requires_grad)]
+    with torch.enable_grad(), block.recompute_state(), block.recompute_context:
+        outputs = block.call(inputs)
+    block.plan.check_versions(block.versions, "the recompute", block)
+    flat, _ = _flatten_outputs(outputs, block)
+    if len(flat) != block.num_outputs:
+        raise ReplayError(
+            _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
+            f"{block.num_outputs} in the forward; the model must be deterministic given its "
+            "inputs, RNG and autocast state." + DEBUG_TIP
+        )
+    roots, root_grads = [], []
+    for out, grad in zip(flat, grads):
+        if grad is not None and out.requires_grad:
+            roots.append(out)
+            root_grads.append(grad)
+    if roots:
+        # Outside enable_grad: the nested backward must not build a graph itself.
+        torch.autograd.backward(roots, root_grads)
+    return tuple(t.grad if rg else None for t, rg in zip(inputs, block.requires_grad))
 
 
 # ----------------------------------------------------------------------- shared driver

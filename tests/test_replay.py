@@ -724,3 +724,73 @@ def test_context_fn_enters_forward_and_recompute_contexts():
 def test_public_api():
     assert issubclass(rl_replay.ReplayError, RuntimeError)
     assert rl_replay.GradientAccumulator is GradientAccumulator
+
+
+# ------------------------------------------- the absorb path (FSDP's) on a plain module
+@pytest.fixture
+def absorb_path(monkeypatch):
+    """Make the engine treat a plain module as FSDP-managed: gradients are absorbed into
+    the accumulator's sums before every block and added back once at the end, the path
+    FSDP1 (whose CPU offload overwrites .grad between blocks) takes."""
+    import importlib
+
+    engine = importlib.import_module("rl_replay.replay")  # the package exports a function of that name
+    monkeypatch.setattr(engine, "_fsdp_units", lambda module: [module])
+
+
+def test_absorb_path_matches_plain_autograd(absorb_path):
+    torch.manual_seed(0)
+    policy = GRUPolicy()
+    reference = copy.deepcopy(policy)
+    obs, h0 = torch.randn(20, 4, 5), torch.randn(4, 12)
+    for p, q in zip(policy.parameters(), reference.parameters()):  # pre-existing grads
+        p.grad = torch.full_like(p, 0.5)
+        q.grad = torch.full_like(q, 0.5)
+    acc = GradientAccumulator()
+    h, loss = h0, 0.0
+    for t in range(20):
+        logits, value, h = replay(policy, acc, TensorDict(observation=obs[t], h=h))
+        loss = loss + step_loss(logits, value)
+    (loss + h.square().sum()).backward()
+    h, ref_loss = h0, 0.0
+    for t in range(20):
+        logits, value, h = reference(observation=obs[t], h=h)
+        ref_loss = ref_loss + step_loss(logits, value)
+    (ref_loss + h.square().sum()).backward()
+
+    assert acc.blocks_replayed == 20 and acc.backward_passes == 1
+    assert_grads_match(policy, reference, "absorb_path")
+
+
+class _FailingPolicy(MLPPolicy):
+    """Raises when block ``fail_at`` is recomputed (its forward ran fine)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_at = None
+
+    def forward(self, observation, index):
+        if torch.is_grad_enabled() and index == self.fail_at:
+            raise RuntimeError("recompute failed")
+        return super().forward(observation)
+
+
+def test_failed_backward_loses_no_gradient(absorb_path):
+    torch.manual_seed(1)
+    policy = _FailingPolicy()
+    reference = copy.deepcopy(policy)
+    obs = torch.randn(4, 3, 6)
+    for p, q in zip(policy.parameters(), reference.parameters()):
+        p.grad = torch.full_like(p, 0.25)
+        q.grad = torch.full_like(q, 0.25)
+
+    acc = GradientAccumulator()
+    loss = sum(step_loss(*checkpoint_fsdp_forward(policy, acc, observation=obs[t], index=t)) for t in range(4))
+    policy.fail_at = 1  # blocks 3 and 2 are replayed (newest first), then block 1 fails
+    with pytest.raises(RuntimeError, match="recompute failed"):
+        loss.backward()
+
+    # .grad holds what it held before plus what blocks 3 and 2 produced: nothing lost.
+    sum(step_loss(*reference(observation=obs[t], index=t)) for t in (2, 3)).backward()
+    assert_grads_match(policy, reference, "absorb_path")
+    assert acc.blocks_replayed == 2
