@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from agents.gru import GRUAgent
+from agents.lstm import LSTMAgent
 from agents.mlp import MLPAgent
 from rl_replay.agent import ActionHead, Agent, MultiCategorical, build_agent, load_agent_class
 from rl_replay.errors import SetupError
@@ -128,7 +129,7 @@ def test_load_and_build_agent():
         build_agent("agents.mlp:MLPAgent", {"bogus": 1}, OBS, gym.spaces.Discrete(2))
 
 
-@pytest.mark.parametrize("cls", [MLPAgent, GRUAgent])
+@pytest.mark.parametrize("cls", [MLPAgent, GRUAgent, LSTMAgent])
 def test_reference_agents_follow_the_contract(cls):
     agent = cls(OBS, gym.spaces.Discrete(3))
     state = agent.initial_state(5)

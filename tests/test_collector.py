@@ -17,6 +17,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from agents.gru import GRUAgent
+from agents.lstm import LSTMAgent
 from agents.mlp import MLPAgent
 from envs.chain import ChainEnv
 from rl_replay.agent import ActionHead, Agent
@@ -282,15 +283,17 @@ def plain_autograd_update(agent, data, initial_state, loss_cfg):
     return td, terms, state
 
 
-@pytest.mark.parametrize("agent_name", ["mlp", "gru"])
+@pytest.mark.parametrize("agent_name", ["mlp", "gru", "lstm"])
 def test_replay_gradient_equals_plain_autograd(agent_name):
     torch.manual_seed(3)
     envs = make_vector_env("CartPole-v1", 4, max_episode_steps=15)
     spaces = envs.single_observation_space, envs.single_action_space
     if agent_name == "mlp":
         agent = MLPAgent(*spaces, hidden_sizes=(32, 32))
-    else:
+    elif agent_name == "gru":
         agent = GRUAgent(*spaces, hidden_size=32, encoder_sizes=(32,))
+    else:
+        agent = LSTMAgent(*spaces, hidden_size=32, encoder_sizes=(32,))
     loss_cfg = LossConfig()
     collector = Collector(envs, agent, num_steps=16, seed=1)
 

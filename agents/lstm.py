@@ -1,0 +1,49 @@
+"""A recurrent actor-critic with an LSTM cell: state ``{"h", "c"}`` flows block to block."""
+
+from __future__ import annotations
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from agents.mlp import mlp
+from rl_replay.agent import ActionHead, Agent
+
+
+class LSTMAgent(Agent):
+    """Encoder -> LSTMCell -> actor and critic heads (CleanRL's ``ppo_atari_lstm`` layout).
+
+    Both ``h`` and ``c`` are zeroed inside forward where ``is_first`` is set. The forget
+    gate's bias starts at ``forget_bias`` (1.0, the usual choice) so the cell keeps its
+    memory by default.
+    """
+
+    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
+                 forget_bias: float = 1.0):
+        super().__init__(observation_space, action_space)
+        encoder_sizes = list(encoder_sizes)
+        self.hidden_size = hidden_size
+        self.encoder = mlp(self.obs_dim, encoder_sizes)
+        self.cell = nn.LSTMCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, hidden_size)
+        with torch.no_grad():  # gates are ordered (input, forget, cell, output)
+            self.cell.bias_ih[hidden_size : 2 * hidden_size].fill_(forget_bias)
+            self.cell.bias_hh[hidden_size : 2 * hidden_size].zero_()
+        self.head = ActionHead(action_space, hidden_size)
+        self.value = nn.Linear(hidden_size, 1)
+        nn.init.orthogonal_(self.value.weight, gain=1.0)
+        nn.init.zeros_(self.value.bias)
+
+    def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
+        zeros = torch.zeros(batch_size, self.hidden_size, device=device)
+        return TensorDict(h=zeros, c=zeros.clone(), batch_size=[batch_size])
+
+    def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        h = self.reset_state(state["h"], is_first)  # (N, H)
+        c = self.reset_state(state["c"], is_first)  # (N, H)
+        h, c = self.cell(self.encoder(observation.flatten(1)), (h, c))
+        return TensorDict(
+            dist=self.head(h),
+            value=self.value(h).squeeze(-1),
+            state=TensorDict(h=h, c=c, batch_size=h.shape[:1]),
+            batch_size=h.shape[:1],
+        )
