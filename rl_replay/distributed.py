@@ -15,7 +15,7 @@ from rl_replay.errors import SetupError
 
 __all__ = [
     "DistInfo", "init_from_env", "wrap_fsdp", "broadcast_module_states",
-    "reduce_mean", "reduce_sum", "barrier", "shutdown",
+    "reduce_mean", "reduce_sums", "barrier", "shutdown",
 ]
 
 
@@ -157,12 +157,14 @@ def reduce_mean(values: dict[str, float], device: torch.device, info: DistInfo) 
     return dict(zip(keys, mean.tolist()))
 
 
-def reduce_sum(value: float, device: torch.device, info: DistInfo) -> float:
-    if not info.distributed:
-        return value
-    x = torch.tensor([value], dtype=torch.float64, device=device)
+def reduce_sums(values: dict[str, float], device: torch.device, info: DistInfo) -> dict[str, float]:
+    """Sum scalar counters over ranks (one all-reduce for all of them)."""
+    if not info.distributed or not values:
+        return values
+    keys = sorted(values)
+    x = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(x)
-    return float(x.item())
+    return dict(zip(keys, x.tolist()))
 
 
 def barrier(info: DistInfo) -> None:

@@ -110,17 +110,23 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
         self.update += 1
-        steps = dist_utils.reduce_sum(rollout.env_steps, self.device, self.info)
+        # Episode statistics are pooled over ranks (sums and counts, not means of means).
+        pooled = dist_utils.reduce_sums({
+            "steps": rollout.env_steps,
+            "episodes": len(rollout.episode_returns),
+            "return": sum(rollout.episode_returns),
+            "length": sum(rollout.episode_lengths),
+            "judged": len(rollout.episode_successes),
+            "success": sum(rollout.episode_successes),
+        }, self.device, self.info)
+        steps = pooled["steps"]
         self.env_steps += int(steps)
         self.recent_returns.extend(rollout.episode_returns)
         acc = rollout.accumulator
         nan = float("nan")
+        episodes, judged = pooled["episodes"], pooled["judged"]
         local = {
-            "rollout/return_mean": float(np.mean(rollout.episode_returns)) if rollout.episode_returns else nan,
-            "rollout/episode_length": float(np.mean(rollout.episode_lengths)) if rollout.episode_lengths else nan,
-            "rollout/success_rate": float(np.mean(rollout.episode_successes)) if rollout.episode_successes else nan,
             "rollout/return_recent": float(np.mean(self.recent_returns)) if self.recent_returns else nan,
-            "rollout/episodes": float(len(rollout.episode_returns)),
             "memory/replay_saved_bytes": float(acc.saved_bytes),
             "time/replay_backward_sec": t2 - t1,
             "time/replay_recompute_sec": acc.replay_seconds,
@@ -131,6 +137,10 @@ class Trainer:
         for key, value in terms.items():
             local["train/" + key] = float(value.detach())
         metrics = dist_utils.reduce_mean(local, self.device, self.info)
+        metrics["rollout/episodes"] = episodes
+        metrics["rollout/return_mean"] = pooled["return"] / episodes if episodes else nan
+        metrics["rollout/episode_length"] = pooled["length"] / episodes if episodes else nan
+        metrics["rollout/success_rate"] = pooled["success"] / judged if judged else nan
         metrics["train/grad_norm"] = float(grad_norm)
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["time/steps_per_sec"] = steps / (t3 - t0)
