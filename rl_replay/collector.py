@@ -237,9 +237,14 @@ class Collector:
             # The envs could not be restored: start fresh episodes instead of mixing.
             self._reset(None)
             return
-        self._obs = state["obs"]
-        self._state = None if state["state"] is None else TensorDict(state["state"], batch_size=[self.num_envs])
-        self._is_first = state["is_first"]
+        # Checkpoints load onto the CPU; the policy may live on a GPU.
+        def to(t):
+            return None if t is None else t.to(self.device)
+
+        self._obs = to(state["obs"])
+        self._state = (None if state["state"] is None
+                       else TensorDict(state["state"], batch_size=[self.num_envs]).to(self.device))
+        self._is_first = to(state["is_first"])
         self._autoreset = state["autoreset"]
         self._ep_return = state["ep_return"]
         self._ep_length = state["ep_length"]
