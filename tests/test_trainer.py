@@ -245,3 +245,12 @@ def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
     assert len(offline) == 1, list((run_dir / "wandb").iterdir()) if (run_dir / "wandb").exists() else None
     assert list(offline[0].glob("*.wandb")), list(offline[0].iterdir())
     assert trainer.logger.wandb_id and trainer.logger.wandb_id in offline[0].name
+
+
+def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):
+    from rl_replay.logger import truncate_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"update": 1, "x": 1}\n{"update": 2, "x": 2}\n{"update": 3, "x": 3}\n{"update": 4, "x"')
+    truncate_metrics(path, 2)
+    assert [json.loads(line)["update"] for line in path.read_text().splitlines()] == [1, 2]
