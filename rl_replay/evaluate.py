@@ -36,15 +36,20 @@ def evaluate(
         import gymnasium as gym
         from gymnasium.wrappers import RecordVideo
 
+        import envs as _registered  # noqa: F401  (the rl_replay/* ids)
+
+        # One env, every episode recorded (RecordVideo needs rgb_array rendering).
+        if max_episode_steps is not None:
+            kwargs["max_episode_steps"] = max_episode_steps
+        recorded = RecordVideo(gym.make(env_id, render_mode="rgb_array", **kwargs), video_dir,
+                               episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
-        envs = make_vector_env(env_id, 1, kwargs={**kwargs, "render_mode": "rgb_array"},
-                               max_episode_steps=max_episode_steps)
-        envs = gym.vector.SyncVectorEnv([lambda: RecordVideo(envs.envs[0], video_dir, episode_trigger=lambda i: True)])
+        vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
-        envs = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps)
+        vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps)
     device = torch.device(device)
     agent.eval()
-    obs, _ = envs.reset(seed=seed)
+    obs, _ = vector_env.reset(seed=seed)
     state = agent.initial_state(num_envs, device)
     is_first = torch.ones(num_envs, dtype=torch.bool, device=device)
     autoreset = np.zeros(num_envs, dtype=bool)
@@ -56,7 +61,7 @@ def evaluate(
         dist = agent.distribution(out)
         action = dist.mode if deterministic else dist.sample()
         a = action.cpu().numpy()
-        obs, reward, terminated, truncated, info = envs.step(a)
+        obs, reward, terminated, truncated, info = vector_env.step(a)
         valid = ~autoreset
         ep_return += np.where(valid, reward, 0.0)
         ep_length += valid
@@ -72,7 +77,7 @@ def evaluate(
         state = out["state"]
         is_first = torch.as_tensor(autoreset, device=device)
         autoreset = terminated | truncated
-    envs.close()
+    vector_env.close()
     result = {
         "return_mean": float(np.mean(returns)),
         "return_std": float(np.std(returns)),

@@ -117,3 +117,21 @@ def test_evaluate_error_in_process(tmp_path, capsys):
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and lines[0].startswith("error: Config file not found"), err
+
+
+def test_evaluate_records_video(tmp_path):
+    """The optional video path (skipped unless the `video` extra is installed)."""
+    pytest.importorskip("moviepy")
+    pytest.importorskip("pygame")
+    import gymnasium as gym
+
+    from agents.mlp import MLPAgent
+    from rl_replay.evaluate import evaluate
+
+    env = gym.make("CartPole-v1")
+    agent = MLPAgent(env.observation_space, env.action_space, hidden_sizes=(8,))
+    result = evaluate(agent, "CartPole-v1", episodes=2, video_dir=str(tmp_path / "videos"),
+                      max_episode_steps=50)
+    assert result["episodes"] == 2
+    videos = sorted(p.name for p in (tmp_path / "videos").glob("*.mp4"))
+    assert len(videos) >= 2, videos
