@@ -1,7 +1,7 @@
 """Evaluate a checkpoint: run N episodes and print the mean and std of the return.
 
     python scripts/evaluate.py runs/CartPole-v1-20261130-101500 --episodes 100
-    python scripts/evaluate.py RUN_DIR --video videos/   # needs: pip install moviepy
+    python scripts/evaluate.py RUN_DIR --video videos/   # needs: pip install -e ".[video]"
 
 Works for checkpoints written by one process or by several (FSDP) processes.
 """
