@@ -22,6 +22,8 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         ``fork_rng`` so the caller's RNG stream is not disturbed. The CUDA state is
 #         the inputs' device's, or the current device's when the inputs are on the
 #         host but CUDA is initialized (the model may move them, as FSDP offload does).
+#         A forward that drew no random numbers keeps no snapshot (5 KB per block on
+#         the CPU) and recomputes without ``fork_rng``.
 #         ``context_fn`` lets the user snapshot any other mutable state.
 # Rule 4. The model must not change its parameters or buffers: the forward and the
 #         recompute would each apply the change. Version counters are compared
@@ -264,10 +266,10 @@ class _Block:
     __slots__ = (
         "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
         "cpu_rng", "cuda_device", "cuda_rng", "autocast", "recompute_context", "out_spec",
-        "num_outputs", "versions", "requires_grad", "as_tensordict", "input_versions",
+        "num_outputs", "versions", "requires_grad", "input_versions",
     )
 
-    def __init__(self, model, plan, accumulator, rebuild, context_fn, device, as_tensordict):
+    def __init__(self, model, plan, accumulator, rebuild, context_fn, device):
         self.model = model
         self.plan = plan
         self.accumulator = accumulator
@@ -275,7 +277,6 @@ class _Block:
         self.rebuild = rebuild
         self.context_fn = context_fn
         self.device = device
-        self.as_tensordict = as_tensordict
 
     def call(self, tensors: Sequence[torch.Tensor]):
         return self.model(**self.rebuild(tensors))
@@ -500,7 +501,7 @@ def _input_device(tensors: Sequence[torch.Tensor], what: Callable[[int], str]) -
     return device if device is not None else torch.device("cpu")
 
 
-def _apply(model, accumulator, tensors, rebuild, context_fn, what, as_tensordict):
+def _apply(model, accumulator, tensors, rebuild, context_fn, what):
     if not callable(model):
         raise TypeError(_PREFIX + f"model must be callable, got {type(model).__name__}.")
     if not isinstance(accumulator, GradientAccumulator):
@@ -513,7 +514,7 @@ def _apply(model, accumulator, tensors, rebuild, context_fn, what, as_tensordict
     plan = _plan_for(accumulator, model)
     if plan.fsdp_units:
         plan.check_fsdp_sync()
-    block = _Block(model, plan, accumulator, rebuild, context_fn, device, as_tensordict)
+    block = _Block(model, plan, accumulator, rebuild, context_fn, device)
     pin = device.type == "cuda"
     with torch.autograd.graph.save_on_cpu(pin_memory=pin):
         flat = _ReplayFunction.apply(block, _anchor(device), *tensors)
@@ -603,7 +604,7 @@ def replay(
         td = pytree.tree_unflatten(list(tensors), spec)
         return {key: td.get(key) for key in td.keys()}
 
-    return _apply(model, accumulator, leaves, rebuild, context_fn, what, True)
+    return _apply(model, accumulator, leaves, rebuild, context_fn, what)
 
 
 def checkpoint_fsdp_forward(
@@ -672,7 +673,7 @@ def checkpoint_fsdp_forward(
     def what(i: int) -> str:
         return f"keyword '{keys[positions[i]]}'"
 
-    return _apply(model, accumulator, tensors, rebuild, context_fn, what, False)
+    return _apply(model, accumulator, tensors, rebuild, context_fn, what)
 
 
 def _accumulator_from(accumulated: GradientAccumulator | dict) -> GradientAccumulator:
