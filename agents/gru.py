@@ -7,7 +7,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from agents.mlp import mlp
-from rl_replay.agent import ActionHead, Agent
+from rl_replay.agent import ActionHead, Agent, value_head
 
 
 class GRUAgent(Agent):
@@ -31,9 +31,7 @@ class GRUAgent(Agent):
             with torch.no_grad():
                 self.cell.bias_hh[hidden_size : 2 * hidden_size].fill_(update_gate_bias)
         self.head = ActionHead(action_space, hidden_size)
-        self.value = nn.Linear(hidden_size, 1)
-        nn.init.orthogonal_(self.value.weight, gain=1.0)
-        nn.init.zeros_(self.value.bias)
+        self.value = value_head(hidden_size)
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
         h = torch.zeros(batch_size, self.hidden_size, device=device)

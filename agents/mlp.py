@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rl_replay.agent import ActionHead, Agent
+from rl_replay.agent import ActionHead, Agent, value_head
 
 
 def mlp(in_features: int, hidden_sizes: Sequence[int], activation=nn.Tanh) -> nn.Sequential:
@@ -33,9 +33,7 @@ class MLPAgent(Agent):
         self.actor = mlp(self.obs_dim, hidden_sizes)
         self.critic = mlp(self.obs_dim, hidden_sizes)
         self.head = ActionHead(action_space, last)
-        self.value = nn.Linear(last, 1)
-        nn.init.orthogonal_(self.value.weight, gain=1.0)
-        nn.init.zeros_(self.value.bias)
+        self.value = value_head(last)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         x = observation.flatten(1)  # (N, obs_dim)

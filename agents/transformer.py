@@ -15,7 +15,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rl_replay.agent import ActionHead, Agent
+from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 
 
@@ -58,9 +58,7 @@ class TransformerAgent(Agent):
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
         self.head = ActionHead(action_space, d_model)
-        self.value = nn.Linear(d_model, 1)
-        nn.init.orthogonal_(self.value.weight, gain=1.0)
-        nn.init.zeros_(self.value.bias)
+        self.value = value_head(d_model)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         x = observation.flatten(1)  # (N, obs_dim)

@@ -29,7 +29,7 @@ from torch import nn
 
 from rl_replay.errors import SetupError
 
-__all__ = ["Agent", "ActionHead", "MultiCategorical", "load_agent_class", "build_agent"]
+__all__ = ["Agent", "ActionHead", "MultiCategorical", "value_head", "load_agent_class", "build_agent"]
 
 
 class MultiCategorical(torch.distributions.Distribution):
@@ -95,6 +95,14 @@ class ActionHead(nn.Module):
             return MultiCategorical(dist["logits"], tuple(int(n) for n in space.nvec.reshape(-1)))
         normal = torch.distributions.Normal(dist["loc"], dist["scale"])
         return torch.distributions.Independent(normal, 1)
+
+
+def value_head(in_features: int) -> nn.Linear:
+    """A critic output layer: ``Linear(in_features, 1)``, orthogonal init (gain 1), zero bias."""
+    linear = nn.Linear(in_features, 1)
+    nn.init.orthogonal_(linear.weight, gain=1.0)
+    nn.init.zeros_(linear.bias)
+    return linear
 
 
 def check_action_space(space: gym.Space, agent_name: str = "Agent") -> None:
