@@ -152,8 +152,10 @@ class Collector:
             self._reset(self.seed)
         acc = GradientAccumulator()
         N = self.num_envs
-        rows: list[TensorDict] = []
-        values: list[torch.Tensor] = []
+        # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
+        cols: dict[str, list] = {k: [] for k in (
+            "observation", "is_first", "action", "log_prob", "entropy", "value")}
+        flags: dict[str, list[np.ndarray]] = {k: [] for k in ("reward", "terminated", "truncated", "valid")}
         finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
         returns, lengths, successes = [], [], []
         env_steps = 0
@@ -177,19 +179,14 @@ class Collector:
                     successes.append(float(info["success"][i]))
                 self._ep_return[i] = 0.0
                 self._ep_length[i] = 0
-            rows.append(TensorDict(
-                observation=inputs["observation"],
-                is_first=inputs["is_first"],
-                action=action,
-                log_prob=dist.log_prob(action),
-                entropy=dist.entropy(),
-                reward=torch.as_tensor(reward, dtype=torch.float32, device=self.device),
-                terminated=torch.as_tensor(terminated & valid_np, device=self.device),
-                truncated=torch.as_tensor(truncated & valid_np, device=self.device),
-                valid=torch.as_tensor(valid_np, device=self.device),
-                batch_size=[N],
-            ))
-            values.append(out["value"])
+            for key, value in (("observation", inputs["observation"]), ("is_first", inputs["is_first"]),
+                               ("action", action), ("log_prob", dist.log_prob(action)),
+                               ("entropy", dist.entropy()), ("value", out["value"])):
+                cols[key].append(value)
+            flags["reward"].append(reward)
+            flags["terminated"].append(terminated & valid_np)
+            flags["truncated"].append(truncated & valid_np)
+            flags["valid"].append(valid_np)
             state = out["state"]
             if self.bptt_truncate and (t + 1) % self.bptt_truncate == 0:
                 state = state.detach()
@@ -206,12 +203,13 @@ class Collector:
         with torch.no_grad():
             bootstrap = self.agent(**self._block_inputs())["value"]
         self._state = self._state.detach()
-        value = torch.stack(values)  # (T, N)
-        next_value = torch.cat([value[1:].detach(), bootstrap.unsqueeze(0)])
-        data = torch.stack(rows)
-        data.set("value", value)
-        data.set("next_value", next_value)
-        return Rollout(data, acc, env_steps, returns, lengths, successes)
+        data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
+        for key, column in flags.items():
+            dtype = torch.float32 if key == "reward" else torch.bool
+            data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
+        data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
+        T = data["value"].shape[0]
+        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
