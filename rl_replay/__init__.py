@@ -8,5 +8,15 @@ from rl_replay.accumulator import GradientAccumulator
 from rl_replay.errors import ReplayError
 from rl_replay.replay import checkpoint_fsdp_forward, replay
 
-__all__ = ["GradientAccumulator", "ReplayError", "checkpoint_fsdp_forward", "replay"]
+__all__ = ["Agent", "GradientAccumulator", "ReplayError", "checkpoint_fsdp_forward", "replay"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # rl_replay.Agent is imported on first use, so taking the engine alone does not pull
+    # in gymnasium and the trainer side.
+    if name == "Agent":
+        from rl_replay.agent import Agent
+
+        return Agent
+    raise AttributeError(f"module 'rl_replay' has no attribute {name!r}")

@@ -154,3 +154,12 @@ def test_base_forward_not_implemented():
     agent = Agent(OBS, gym.spaces.Discrete(2))
     with pytest.raises(NotImplementedError, match="must implement forward"):
         agent(observation=torch.zeros(1, 4), state=agent.initial_state(1), is_first=torch.ones(1, dtype=torch.bool))
+
+
+def test_agent_is_exported_from_the_package():
+    import rl_replay
+    from rl_replay import Agent as Exported
+
+    assert Exported is Agent is rl_replay.Agent
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        rl_replay.Nope  # noqa: B018
