@@ -39,7 +39,8 @@ class MultiCategorical(torch.distributions.Distribution):
 
     def __init__(self, logits: torch.Tensor, nvec: tuple[int, ...]) -> None:
         self.nvec = nvec
-        self.parts = [torch.distributions.Categorical(logits=l) for l in logits.split(nvec, dim=-1)]
+        self.parts = [torch.distributions.Categorical(logits=l, validate_args=False)
+                      for l in logits.split(nvec, dim=-1)]
         super().__init__(batch_shape=logits.shape[:-1], validate_args=False)
 
     def sample(self, sample_shape=torch.Size()) -> torch.Tensor:
@@ -88,13 +89,15 @@ class ActionHead(nn.Module):
         return TensorDict(logits=x, batch_size=n)
 
     def distribution(self, dist: TensorDict) -> torch.distributions.Distribution:
+        # Parameters come straight from the network, so argument validation (a per-step
+        # cost in the collector's hot loop) checks nothing useful.
         space = self.action_space
         if isinstance(space, gym.spaces.Discrete):
-            return torch.distributions.Categorical(logits=dist["logits"])
+            return torch.distributions.Categorical(logits=dist["logits"], validate_args=False)
         if isinstance(space, gym.spaces.MultiDiscrete):
             return MultiCategorical(dist["logits"], tuple(int(n) for n in space.nvec.reshape(-1)))
-        normal = torch.distributions.Normal(dist["loc"], dist["scale"])
-        return torch.distributions.Independent(normal, 1)
+        normal = torch.distributions.Normal(dist["loc"], dist["scale"], validate_args=False)
+        return torch.distributions.Independent(normal, 1, validate_args=False)
 
 
 def value_head(in_features: int) -> nn.Linear:
