@@ -20,6 +20,7 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay.agent import Agent, build_agent
+from rl_replay.allocator import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
@@ -212,6 +213,8 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     assert cfg is not None
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
     info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
     seed_everything(cfg.seed + 1000 * info.rank)
     envs = make_vector_env(

@@ -254,3 +254,12 @@ def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):
     path.write_text('{"update": 1, "x": 1}\n{"update": 2, "x": 2}\n{"update": 3, "x": 3}\n{"update": 4, "x"')
     truncate_metrics(path, 2)
     assert [json.loads(line)["update"] for line in path.read_text().splitlines()] == [1, 2]
+
+
+def test_keep_freed_memory_applies_with_glibc():
+    import platform
+
+    from rl_replay.allocator import keep_freed_memory
+
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert keep_freed_memory() is glibc
