@@ -26,6 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from tensordict import TensorDict
 
+from _policies import GRUPolicy, MLPPolicy, step_loss  # noqa: F401  (also used as _dist.X)
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
 
 OK = "ok"
@@ -82,38 +83,6 @@ def run_scenarios(scenarios: dict, *args) -> dict:
 
 def clean(name: str) -> str:
     return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
-
-
-# --------------------------------------------------------------------------- models
-class MLPPolicy(nn.Module):
-    def __init__(self, obs: int = 6, hidden: int = 16, actions: int = 3) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(obs, hidden)
-        self.l2 = nn.Linear(hidden, hidden)
-        self.pi = nn.Linear(hidden, actions)
-        self.v = nn.Linear(hidden, 1)
-
-    def forward(self, observation):
-        z = torch.tanh(self.l2(torch.tanh(self.l1(observation))))
-        return self.pi(z), self.v(z).squeeze(-1)
-
-
-class GRUPolicy(nn.Module):
-    def __init__(self, obs: int = 5, hidden: int = 12, actions: int = 3, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.enc = nn.Linear(obs, hidden)
-        self.drop = nn.Dropout(dropout)
-        self.cell = nn.GRUCell(hidden, hidden)
-        self.head = nn.Linear(hidden, actions + 1)
-
-    def forward(self, observation, h):
-        h = self.cell(self.drop(torch.relu(self.enc(observation))), h)
-        out = self.head(h)
-        return out[..., :-1], out[..., -1], h
-
-
-def step_loss(logits, value):
-    return logits.logsumexp(-1).mean() + 0.5 * value.square().mean()
 
 
 def rank_data(r: int, *shape) -> torch.Tensor:
@@ -303,7 +272,7 @@ def _err_fsdp2(rank: int, world: int) -> str:
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
     model = MLPPolicy()
-    fully_shard(model.l1, mesh=mesh)
+    fully_shard(model.body[0], mesh=mesh)
     fully_shard(model, mesh=mesh)
     acc = GradientAccumulator()
     x = torch.randn(2, 6)

@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
+from _policies import GRUPolicy, MLPPolicy, step_loss
 from conftest import assert_grads_match
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -25,47 +26,6 @@ from rl_replay import GradientAccumulator, checkpoint_fsdp_forward, replay
 # ------------------------------------------------------------------------------ models
 
 
-class MLPPolicy(nn.Module):
-    """Independent blocks: (logits, value) from the observation only."""
-
-    def __init__(self, obs: int = 6, hidden: int = 16, actions: int = 3) -> None:
-        super().__init__()
-        self.body = nn.Sequential(nn.Linear(obs, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh())
-        self.pi = nn.Linear(hidden, actions)
-        self.v = nn.Linear(hidden, 1)
-        self.calls = 0
-
-    def forward(self, observation):
-        self.calls += 1
-        z = self.body(observation)
-        return self.pi(z), self.v(z).squeeze(-1)
-
-
-class GRUPolicy(nn.Module):
-    """Recurrent blocks: the hidden state flows from block to block."""
-
-    def __init__(self, obs: int = 5, hidden: int = 12, actions: int = 3, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.enc = nn.Linear(obs, hidden)
-        self.drop = nn.Dropout(dropout)
-        self.cell = nn.GRUCell(hidden, hidden)
-        self.head = nn.Linear(hidden, actions + 1)
-        self.calls = 0
-
-    def forward(self, observation, h):
-        self.calls += 1
-        x = self.drop(torch.relu(self.enc(observation)))
-        h = self.cell(x, h)
-        out = self.head(h)
-        return out[..., :-1], out[..., -1], h
-
-    def pick(self, h, index):
-        """Logit of action ``index`` per row (an integer tensor input)."""
-        return self.head(h).gather(-1, index.unsqueeze(-1)).squeeze(-1)
-
-
-def step_loss(logits, value):
-    return logits.logsumexp(-1).mean() + 0.5 * value.square().mean()
 
 
 def twin(module: nn.Module) -> nn.Module:
