@@ -288,7 +288,7 @@ def test_wrong_type_in_file(tmp_path):
     [
         ("env.vectorization=threads", "env.vectorization"),
         ("collector.mode=window", "collector.mode"),
-        ("loss.algorithm=ppo", "loss.algorithm"),
+        ("loss.algorithm=sac", "loss.algorithm"),
         ("optim.name=lion", "optim.name"),
         ("log.wandb_mode=cloud", "log.wandb_mode"),
         ("distributed.mixed_precision=fp8", "distributed.mixed_precision"),
