@@ -108,10 +108,11 @@ class PPO:
             order = torch.randperm(N)
             for k in range(p.num_minibatches):
                 envs = order[k * per_mb:(k + 1) * per_mb]
-                terms, acc, grad_norm = self._minibatch(stored[:, envs], rollout.start_state[envs])
+                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(
+                    stored[:, envs], rollout.start_state[envs])
                 grad_norms.append(float(grad_norm))
-                saved_bytes = max(saved_bytes, acc.saved_bytes)
-                replay_sec += acc.replay_seconds
+                saved_bytes = max(saved_bytes, mb_saved)
+                replay_sec += mb_replay_sec
                 for key, value in terms.items():
                     sums[key] = sums.get(key, 0.0) + float(value)
             epochs_run += 1
@@ -129,7 +130,10 @@ class PPO:
         return metrics, sum(grad_norms) / steps
 
     def _minibatch(self, mb: TensorDict, start_state: TensorDict):
-        """One optimizer step on one minibatch; its graph and saved inputs die with it."""
+        """One optimizer step on one minibatch; its graph and saved inputs die with it.
+
+        Returns (detached loss terms, pre-clip grad norm, saved block-input bytes, replay seconds).
+        """
         cfg = self.cfg
         acc = GradientAccumulator()
         new = replay_minibatch(self.model, self.policy, mb, start_state, acc, self.collector.bptt_truncate)
@@ -140,7 +144,7 @@ class PPO:
             normalize_advantages=cfg.ppo.norm_adv,
         )
         grad_norm = optimizer_step(total_loss(terms), self.model, self.optimizer, cfg.optim.max_grad_norm)
-        return terms.detach(), acc, grad_norm
+        return terms.detach(), grad_norm, acc.saved_bytes, acc.replay_seconds
 
     def _mean_over_ranks(self, value: float) -> float:
         return dist_utils.reduce_mean({"x": value}, self.device, self.info)["x"]
