@@ -29,13 +29,20 @@ MLP = ("agents.mlp:MLPAgent", {"hidden_sizes": [16, 16]})
 class GradRecorder(torch.optim.Optimizer):
     """An optimizer whose step records each parameter's gradient and leaves it unchanged."""
 
-    def __init__(self, params):
+    def __init__(self, params, fsdp_model=None):
         super().__init__(params, {})
+        self.fsdp_model = fsdp_model  # record the full (unsharded) gradients of this FSDP model
         self.grads: list[list[torch.Tensor]] = []
 
     @torch.no_grad()
     def step(self, closure=None):
-        self.grads.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+        if self.fsdp_model is None:
+            self.grads.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
+            return
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(self.fsdp_model, with_grads=True):
+            self.grads.append([p.grad.detach().clone() for p in self.fsdp_model.parameters()])
 
 
 def ppo_cfg(num_envs: int, num_steps: int, *extra: str):
@@ -254,3 +261,63 @@ def test_trainer_runs_ppo_and_logs_its_metrics(tmp_path):
     after = trainer.model.state_dict()
     assert all(not torch.equal(before[k], after[k]) for k in before)
     assert Path(tmp_path / "run" / "metrics.jsonl").read_text().count("\n") == 3
+
+
+# ------------------------------------------------------------------ FSDP
+def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from rl_replay.distributed import init_from_env, wrap_fsdp
+
+    info, device = init_from_env("cpu", "gloo")
+    results = {}
+    cfg = ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1")
+    envs = make_vector_env("CartPole-v1", 4, max_episode_steps=25)
+    torch.manual_seed(0)  # identical initialisation on every rank
+    agent = build_agent(GRU[0], GRU[1], envs.single_observation_space, envs.single_action_space)
+    reference = copy.deepcopy(agent)
+    model = wrap_fsdp(agent, device, wrap_modules=["Linear"])
+    assert len(FSDP.fsdp_modules(model)) > 1
+    torch.manual_seed(1 + rank)  # action sampling differs per rank
+    collector = Collector(envs, model, num_steps=40, seed=100 + 1000 * rank)
+    recorder = GradRecorder(model.parameters(), fsdp_model=model)
+    rollout = PPO(cfg, collector, model, recorder, info, device).update().rollout
+    assert len(recorder.grads) == 1
+    local = plain_ppo_grads(reference, rollout, cfg)
+    names = [n for n, _ in reference.named_parameters()]
+    mean, differs = {}, False
+    for name, grad in zip(names, local):
+        both = [torch.empty_like(grad) for _ in range(world_size)]
+        dist.all_gather(both, grad)
+        differs |= not torch.allclose(both[0], both[1], rtol=1e-3, atol=1e-5)
+        mean[name] = torch.stack(both).mean(0)
+    results["fsdp"] = dict(zip(names, recorder.grads[0]))
+    results["mean"] = mean
+    results["differs"] = differs
+    results["boundaries"] = bool(rollout.data["terminated"].any() and rollout.data["truncated"].any())
+    # target_kl: the ranks agree on when to stop (a rank leaving alone would deadlock FSDP).
+    epochs = {}
+    for target in ("null", "1.0e-9"):
+        cfg_kl = ppo_cfg(4, 40, "ppo.epochs=3", "ppo.num_minibatches=2", f"ppo.target_kl={target}")
+        algo = PPO(cfg_kl, collector, model, torch.optim.Adam(model.parameters(), lr=1e-2), info, device)
+        ran = torch.tensor([algo.update().metrics["train/epochs_run"]])
+        gathered = [torch.empty_like(ran) for _ in range(world_size)]
+        dist.all_gather(gathered, ran)
+        epochs[target] = [float(x) for x in gathered]
+    results["epochs"] = epochs
+    envs.close()
+    if rank == 0:
+        torch.save(results, Path(out_dir) / "fsdp_ppo.pt")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
+def test_two_rank_fsdp_ppo_matches_single_process_gradient(tmp_path):
+    from test_distributed_train import run_ranks
+
+    run_ranks(_fsdp_ppo_worker, str(tmp_path))
+    r = torch.load(tmp_path / "fsdp_ppo.pt", weights_only=False)
+    assert r["differs"], "both ranks produced the same gradient: the parity check would be vacuous"
+    assert r["boundaries"], "rank 0's rollout has no termination or no truncation"
+    assert_grads_match(r["fsdp"], r["mean"], "ppo-fsdp", rtol=1e-5, atol=1e-6)
+    assert r["epochs"] == {"null": [3.0, 3.0], "1.0e-9": [1.0, 1.0]}
