@@ -62,14 +62,19 @@ class Rollout:
     ``data`` has batch size ``[T, N]`` with keys ``observation``, ``action``, ``reward``,
     ``terminated``, ``truncated``, ``valid``, ``is_first`` and, attached to autograd through
     the replay blocks, ``log_prob``, ``entropy`` and ``value``; ``next_value`` is detached.
+
+    A rollout collected with ``graph=False`` holds the same keys, all detached, no
+    ``accumulator``, and ``start_state``: each env's recurrent state before its first row
+    (what an update re-running the rollout starts from).
     """
 
     data: TensorDict
-    accumulator: GradientAccumulator
+    accumulator: GradientAccumulator | None
     env_steps: int
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     episode_successes: list[float] = field(default_factory=list)
+    start_state: TensorDict | None = None
 
 
 class Collector:
@@ -144,13 +149,24 @@ class Collector:
         return a
 
     # ------------------------------------------------------------------ collect
-    def collect(self) -> Rollout:
-        """Run one rollout; its outputs stay attached to a fresh GradientAccumulator."""
+    def collect(self, *, graph: bool = True) -> Rollout:
+        """Run one rollout.
+
+        With ``graph=True`` (A2C, REINFORCE) every step is a replay block and the outputs
+        stay attached to a fresh GradientAccumulator. With ``graph=False`` (PPO) the
+        policy runs under ``torch.no_grad`` and the rollout also keeps ``start_state``.
+        """
+        if graph:
+            return self._collect(GradientAccumulator())
+        with torch.no_grad():
+            return self._collect(None)
+
+    def _collect(self, acc: GradientAccumulator | None) -> Rollout:
         if self.mode == "episode":
             self._reset(None if self._obs is not None else self.seed)
         elif self._obs is None:
             self._reset(self.seed)
-        acc = GradientAccumulator()
+        start_state = None if acc is not None else self._state.clone()
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
         cols: dict[str, list] = {k: [] for k in (
@@ -161,7 +177,7 @@ class Collector:
         env_steps = 0
         for t in range(self.num_steps):
             inputs = self._block_inputs()
-            out = replay(self.agent, acc, inputs)
+            out = replay(self.agent, acc, inputs) if acc is not None else self.agent(**inputs)
             dist = self.policy.distribution(out)
             with torch.no_grad():
                 action = dist.sample()
@@ -209,7 +225,8 @@ class Collector:
             data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
         data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
         T = data["value"].shape[0]
-        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes)
+        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes,
+                       start_state)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -35,6 +35,7 @@ __all__ = [
     "AgentConfig",
     "CollectorConfig",
     "LossConfig",
+    "PPOConfig",
     "OptimConfig",
     "LogConfig",
     "CheckpointConfig",
@@ -90,7 +91,7 @@ class CollectorConfig:
 @dataclass
 class LossConfig:
     algorithm: str = "a2c"
-    """policy-gradient loss: a2c | reinforce"""
+    """policy-gradient loss: a2c | reinforce | ppo (see the ``ppo`` section)"""
     gamma: float = 0.99
     """discount factor"""
     gae_lambda: float = 1.0
@@ -100,9 +101,28 @@ class LossConfig:
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     normalize_advantages: bool = False
-    """normalize advantages to zero mean, unit std per batch"""
+    """a2c / reinforce: normalize advantages to zero mean, unit std per rollout (PPO: ppo.norm_adv)"""
     baseline: bool = True
     """reinforce only: subtract the learned value as a baseline"""
+
+
+@dataclass
+class PPOConfig:
+    """Used when ``loss.algorithm: ppo``; defaults follow CleanRL's ``ppo.py``."""
+
+    epochs: int = 4
+    """passes over each rollout (CleanRL update_epochs)"""
+    num_minibatches: int = 4
+    """minibatches per epoch, split over environments: each holds whole T-step sequences of
+    num_envs / num_minibatches envs (must divide env.num_envs)"""
+    clip_coef: float = 0.2
+    """clip range of the probability ratio (and of the value update with clip_vloss)"""
+    clip_vloss: bool = True
+    """clip the value update around the collected value"""
+    target_kl: float | None = None
+    """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
+    norm_adv: bool = True
+    """normalize advantages per minibatch (over its valid rows)"""
 
 
 @dataclass
@@ -187,6 +207,8 @@ class Config:
     """rollout collection"""
     loss: LossConfig = field(default_factory=LossConfig)
     """policy-gradient loss"""
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    """PPO update (loss.algorithm: ppo)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer"""
     log: LogConfig = field(default_factory=LogConfig)
@@ -207,7 +229,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "device": ("cpu", "cuda", "auto"),
     "env.vectorization": ("sync", "async"),
     "collector.mode": ("fixed", "episode"),
-    "loss.algorithm": ("a2c", "reinforce"),
+    "loss.algorithm": ("a2c", "reinforce", "ppo"),
     "optim.name": ("adam", "rmsprop", "sgd"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "distributed.mixed_precision": (None, "bf16", "fp16"),
@@ -225,6 +247,10 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "collector.bptt_truncate": (1, True, None, False),
     "loss.gamma": (0, True, 1, True),
     "loss.gae_lambda": (0, True, 1, True),
+    "ppo.epochs": (1, True, None, False),
+    "ppo.num_minibatches": (1, True, None, False),
+    "ppo.clip_coef": (0, False, None, False),
+    "ppo.target_kl": (0, False, None, False),
     "optim.lr": (0, False, None, False),
     "optim.max_grad_norm": (0, False, None, False),
     "log.log_every": (1, True, None, False),
@@ -409,12 +435,30 @@ def validate(cfg: Config) -> Config:
             f"Invalid value for config key 'agent.target': {cfg.agent.target!r} "
             "(expected 'module:Class', e.g. 'agents.mlp:MLPAgent')"
         )
+    if cfg.loss.algorithm == "ppo":
+        _validate_ppo(cfg)
     if cfg.distributed.wrap_modules and cfg.distributed.min_num_params is not None:
         raise ValueError(
             "Config keys 'distributed.wrap_modules' and 'distributed.min_num_params' "
             "are mutually exclusive: set at most one"
         )
     return cfg
+
+
+def _validate_ppo(cfg: Config) -> None:
+    n, m = cfg.env.num_envs, cfg.ppo.num_minibatches
+    if n % m:
+        raise ValueError(
+            f"Config key 'ppo.num_minibatches' ({m}) must divide 'env.num_envs' ({n}): each PPO "
+            "minibatch holds the whole sequences of num_envs / num_minibatches envs"
+        )
+    if cfg.loss.normalize_advantages:
+        raise ValueError(
+            "Config key 'loss.normalize_advantages' applies to a2c / reinforce; PPO normalizes "
+            "per minibatch with 'ppo.norm_adv' (default true): remove loss.normalize_advantages"
+        )
+    if not cfg.loss.baseline:
+        raise ValueError("Config key 'loss.baseline' applies to reinforce; PPO always trains its critic")
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:

@@ -40,6 +40,8 @@ __all__ = [
     "discounted_returns",
     "a2c_loss",
     "reinforce_loss",
+    "gae_targets",
+    "ppo_loss",
     "total_loss",
 ]
 
@@ -438,6 +440,121 @@ def reinforce_loss(
         entropy_coef=entropy_coef,
         normalize_advantages=normalize_advantages,
         with_value_loss=baseline,
+    )
+
+
+def gae_targets(
+    rollout: TensorDict, *, gamma: float = 0.99, gae_lambda: float = 0.95
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns of a detached rollout, for updates that reuse it (PPO).
+
+    The same validation, invalid-row sanitising and truncation bootstrap as
+    :func:`a2c_loss`; computed once per rollout.
+
+    Args:
+        rollout: TensorDict of batch shape [T, N] with the keys of the module docstring.
+        gamma: discount factor.
+        gae_lambda: GAE lambda.
+
+    Returns:
+        ``(advantages, returns, explained_variance)``: two detached (T, N) tensors (0 on
+        invalid rows) and the scalar explained variance of the rollout's values.
+
+    Raises:
+        KeyError, ValueError, TypeError: as :func:`a2c_loss`.
+    """
+    t = _sanitize(_validate_rollout(rollout))
+    advantages, returns = compute_gae(
+        t["reward"], t["value"], t["next_value"], t["terminated"], t["truncated"],
+        gamma=gamma, gae_lambda=gae_lambda,
+    )  # (T, N) each
+    valid = t["valid"]
+    advantages = torch.where(valid, advantages, 0.0)
+    returns = torch.where(valid, returns, 0.0)
+    ev = _explained_variance(returns, t["value"].detach(), valid, valid.sum())
+    return advantages, returns, ev
+
+
+_PPO_KEYS = ("log_prob", "entropy", "value", "old_log_prob", "old_value", "advantage", "return", "valid")
+
+
+def ppo_loss(
+    batch: TensorDict,
+    *,
+    clip_coef: float = 0.2,
+    clip_vloss: bool = True,
+    value_coef: float = 0.5,
+    entropy_coef: float = 0.0,
+    normalize_advantages: bool = True,
+) -> TensorDict:
+    """Clipped-surrogate PPO loss terms of one minibatch, masked to valid rows.
+
+    CleanRL's ``ppo.py`` objective: with ``ratio = exp(log_prob - old_log_prob)``,
+    ``loss_policy = mean(max(-A * ratio, -A * clip(ratio, 1 - c, 1 + c)))``; the value
+    loss is ``value_coef * 0.5 * mean(max((v - R)^2, (v_clip - R)^2))`` with
+    ``v_clip = old_value + clip(v - old_value, -c, c)`` when ``clip_vloss``, else
+    ``value_coef * 0.5 * mean((v - R)^2)``; ``loss_entropy = -entropy_coef * mean(entropy)``.
+
+    Args:
+        batch: TensorDict whose entries are all (T, n): ``log_prob``, ``entropy`` and
+            ``value`` of the re-run policy (with graph), the collected ``old_log_prob``
+            and ``old_value``, the rollout's ``advantage`` and ``return`` and ``valid``.
+        clip_coef: the clip range c of the ratio (and of the value, with ``clip_vloss``).
+        clip_vloss: clip the value update around the collected value.
+        value_coef: weight of the value loss.
+        entropy_coef: weight of the entropy bonus.
+        normalize_advantages: normalise the advantages over this minibatch's valid rows.
+
+    Returns:
+        TensorDict (batch_size []) with ``loss_policy``, ``loss_value``, ``loss_entropy``
+        and the detached diagnostics ``entropy``, ``approx_kl`` (``mean((ratio - 1) -
+        log ratio)``), ``old_approx_kl`` (``mean(-log ratio)``) and ``clipfrac``.
+
+    Raises:
+        KeyError: a required key is missing.
+        ValueError: shape mismatch between keys, or no valid row.
+    """
+    missing = [k for k in _PPO_KEYS if k not in batch.keys()]
+    if missing:
+        raise KeyError(f"PPO batch is missing key(s) {missing}; it has {sorted(map(str, batch.keys()))}")
+    raw = {k: batch.get(k) for k in _PPO_KEYS}
+    _check_same_shapes(raw.items())
+    valid = raw["valid"].bool()  # (T, n)
+    if not bool(valid.any()):
+        raise ValueError("PPO batch has no valid row (valid is False everywhere)")
+    n_valid = valid.sum()
+    # Invalid rows are zeroed before any arithmetic (see the module docstring).
+    t = {k: torch.where(valid, raw[k], 0.0) for k in _PPO_KEYS if k != "valid"}
+    adv = t["advantage"].detach()
+    if normalize_advantages:
+        adv = _normalize(adv, valid, n_valid)
+    log_ratio = t["log_prob"] - t["old_log_prob"].detach()  # (T, n)
+    ratio = log_ratio.exp()
+    surrogate = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - clip_coef, 1.0 + clip_coef))
+    loss_policy = _masked_mean(surrogate, valid, n_valid)
+
+    value, ret, old_value = t["value"], t["return"].detach(), t["old_value"].detach()
+    value_err = (value - ret) ** 2
+    if clip_vloss:
+        clipped = old_value + (value - old_value).clamp(-clip_coef, clip_coef)
+        value_err = torch.max(value_err, (clipped - ret) ** 2)
+    loss_value = value_coef * 0.5 * _masked_mean(value_err, valid, n_valid)
+    entropy_mean = _masked_mean(t["entropy"], valid, n_valid)
+    with torch.no_grad():
+        approx_kl = _masked_mean((ratio - 1.0) - log_ratio, valid, n_valid)
+        old_approx_kl = _masked_mean(-log_ratio, valid, n_valid)
+        clipfrac = _masked_mean(((ratio - 1.0).abs() > clip_coef).to(ratio.dtype), valid, n_valid)
+    return TensorDict(
+        {
+            "loss_policy": loss_policy,
+            "loss_value": loss_value,
+            "loss_entropy": -entropy_coef * entropy_mean,
+            "entropy": entropy_mean.detach(),
+            "approx_kl": approx_kl,
+            "old_approx_kl": old_approx_kl,
+            "clipfrac": clipfrac,
+        },
+        batch_size=[],
     )
 
 

@@ -1,4 +1,4 @@
-"""The training loop: collect, loss, one backward, clip, step, log, checkpoint.
+"""The training loop: one algorithm update (collect, optimise), log, checkpoint.
 
 :func:`build` turns a config into a ready :class:`Trainer`, validating everything that
 can be wrong (env id, agent path, action space, distributed setup) *before* the run
@@ -20,12 +20,12 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay.agent import Agent, build_agent
+from rl_replay.algorithms import clip_grad_norm, compute_loss, make_algorithm
 from rl_replay.allocator import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
 from rl_replay.logger import METRICS_NAME, RunLogger, peak_memory, truncate_metrics
-from rl_replay.losses import a2c_loss, reinforce_loss, total_loss
 
 __all__ = ["Trainer", "build", "make_optimizer", "compute_loss"]
 
@@ -37,19 +37,6 @@ def make_optimizer(params, cfg) -> torch.optim.Optimizer:
     if cfg.name == "rmsprop":
         return torch.optim.RMSprop(params, lr=cfg.lr, eps=cfg.eps, alpha=0.99)
     return torch.optim.SGD(params, lr=cfg.lr)
-
-
-def compute_loss(data, cfg) -> Any:
-    """The named loss terms of a rollout for a :class:`~rl_replay.config.LossConfig`."""
-    if cfg.algorithm == "a2c":
-        return a2c_loss(
-            data, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, value_coef=cfg.value_coef,
-            entropy_coef=cfg.entropy_coef, normalize_advantages=cfg.normalize_advantages,
-        )
-    return reinforce_loss(
-        data, gamma=cfg.gamma, baseline=cfg.baseline, value_coef=cfg.value_coef,
-        entropy_coef=cfg.entropy_coef, normalize_advantages=cfg.normalize_advantages,
-    )
 
 
 def seed_everything(seed: int) -> None:
@@ -77,6 +64,7 @@ class Trainer:
         # Every rank runs cfg.env.num_envs envs: an update consumes world_size times the batch.
         self.num_updates = math.ceil(cfg.total_env_steps / (derived(cfg)["batch_size"] * info.world_size))
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
+        self.algorithm = make_algorithm(cfg, collector, model, optimizer, info, device)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> dict[str, float]:
@@ -95,21 +83,14 @@ class Trainer:
         return metrics
 
     def step(self) -> dict[str, float]:
-        """One update: collect a rollout, one backward through all its blocks, one step."""
+        """One update of ``cfg.loss.algorithm`` (collect, then optimise), with its metrics."""
         cfg = self.cfg
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
-        t0 = time.perf_counter()
-        rollout = self.collector.collect()
-        t1 = time.perf_counter()
-        terms = compute_loss(rollout.data, cfg.loss)
-        total_loss(terms).backward()  # replays every block, newest first
-        t2 = time.perf_counter()
-        grad_norm = self._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
+        result = self.algorithm.update()
+        rollout = result.rollout
+        update_sec = result.collect_sec + result.optimize_sec
         self.update += 1
         # Episode statistics are pooled over ranks (sums and counts, not means of means).
         pooled = dist_utils.reduce_sums({
@@ -123,35 +104,28 @@ class Trainer:
         steps = pooled["steps"]
         self.env_steps += int(steps)
         self.recent_returns.extend(rollout.episode_returns)
-        acc = rollout.accumulator
         nan = float("nan")
         episodes, judged = pooled["episodes"], pooled["judged"]
         local = {
             "rollout/return_recent": float(np.mean(self.recent_returns)) if self.recent_returns else nan,
-            "memory/replay_saved_bytes": float(acc.saved_bytes),
-            "time/replay_backward_sec": t2 - t1,
-            "time/replay_recompute_sec": acc.replay_seconds,
-            "time/rollout_sec": t1 - t0,
-            "time/update_sec": t3 - t0,
+            **result.metrics,
+            "time/collect_sec": result.collect_sec,
+            "time/optimize_sec": result.optimize_sec,
+            "time/update_sec": update_sec,
             **peak_memory(self.device),
         }
-        for key, value in terms.items():
-            local["train/" + key] = float(value.detach())
         metrics = dist_utils.reduce_mean(local, self.device, self.info)
         metrics["rollout/episodes"] = episodes
         metrics["rollout/return_mean"] = pooled["return"] / episodes if episodes else nan
         metrics["rollout/episode_length"] = pooled["length"] / episodes if episodes else nan
         metrics["rollout/success_rate"] = pooled["success"] / judged if judged else nan
-        metrics["train/grad_norm"] = float(grad_norm)
+        metrics["train/grad_norm"] = result.grad_norm
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["time/steps_per_sec"] = steps / (t3 - t0)
+        metrics["time/steps_per_sec"] = steps / update_sec
         return metrics
 
     def _clip(self) -> torch.Tensor:
-        max_norm = self.cfg.optim.max_grad_norm or float("inf")
-        if hasattr(self.model, "clip_grad_norm_"):  # FSDP: the norm over all shards
-            return self.model.clip_grad_norm_(max_norm)
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        return clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
 
     # ----------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

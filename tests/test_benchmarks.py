@@ -79,3 +79,14 @@ def test_bench_learning_smoke():
     assert rep and bat, out[-4000:]
     assert float(rep.group(1)) > 0 and float(bat.group(1)) > 0
     assert "ratio rl_replay/batched" in out
+
+
+@pytest.mark.slow
+def test_bench_ppo_smoke():
+    out = run_script("bench_ppo.py", "--smoke")
+    assert_grad_line(out)
+    for T in (8, 16):
+        for method in ("plain", "rl_replay"):
+            assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
+    assert "ERROR" not in out
+    assert "summary T=16: time rl_replay/plain" in out and "summary memory slope rl_replay" in out

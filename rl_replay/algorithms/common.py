@@ -1,0 +1,56 @@
+"""What every algorithm shares: the one optimizer step and the result of an update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from rl_replay.collector import Rollout
+
+__all__ = ["UpdateResult", "clip_grad_norm", "optimizer_step"]
+
+
+@dataclass
+class UpdateResult:
+    """What one update hands back to the trainer.
+
+    Attributes:
+        rollout: the rollout it collected (episode statistics and env steps are read here).
+        metrics: this rank's scalar diagnostics, keyed as logged (``train/...``,
+            ``memory/...``, ``time/...``); the trainer averages them over ranks.
+        grad_norm: mean pre-clip gradient norm over the update's optimizer steps.
+        collect_sec: wall time of collection.
+        optimize_sec: wall time of everything after collection (losses, backward, steps).
+    """
+
+    rollout: Rollout
+    metrics: dict[str, float] = field(default_factory=dict)
+    grad_norm: float = float("nan")
+    collect_sec: float = 0.0
+    optimize_sec: float = 0.0
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
+    """Clip the global gradient norm of ``model`` (None = no clip); returns the pre-clip norm.
+
+    Under FSDP the model's own ``clip_grad_norm_`` computes the norm over all shards.
+    """
+    max_norm = max_norm or float("inf")
+    if hasattr(model, "clip_grad_norm_"):
+        return model.clip_grad_norm_(max_norm)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def optimizer_step(loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   max_grad_norm: float | None) -> torch.Tensor:
+    """backward -> clip -> ``optimizer.step()`` -> ``zero_grad``; returns the pre-clip grad norm.
+
+    Every optimizer step of every algorithm goes through here, so a check on the gradients
+    (or the loss) belongs in this one place.
+    """
+    loss.backward()  # replays every block of the graph, newest first
+    grad_norm = clip_grad_norm(model, max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm

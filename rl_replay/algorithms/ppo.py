@@ -1,0 +1,150 @@
+"""Recurrent PPO on replay blocks: whole-sequence minibatches whose memory does not grow with T.
+
+Collection runs the policy without a graph and keeps what the update needs (see
+:meth:`rl_replay.collector.Collector.collect` with ``graph=False``). GAE is computed once
+per rollout. Each epoch shuffles the environments and splits them into
+``num_minibatches`` groups; a minibatch is the whole T-step sequence of its envs. Its
+steps are re-run as replay blocks from the envs' stored start state, the recurrent state
+flowing from block to block (agents reset it inside the block at ``is_first``, exactly as
+in collection), so the gradient spans the whole sequence while only the blocks' inputs
+are kept: peak memory is the minibatch's saved block inputs plus one block's activations.
+
+Under FSDP every rank minibatches its own envs; all ranks run the same number of
+minibatches and blocks, and the ``target_kl`` early stop is decided on the KL averaged
+over ranks so no rank leaves the epoch loop alone.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tensordict import TensorDict
+
+from rl_replay import distributed as dist_utils
+from rl_replay.accumulator import GradientAccumulator
+from rl_replay.algorithms.common import UpdateResult, optimizer_step
+from rl_replay.collector import Collector, Rollout
+from rl_replay.config import Config
+from rl_replay.losses import gae_targets, ppo_loss, total_loss
+from rl_replay.replay import replay
+
+__all__ = ["PPO", "replay_minibatch"]
+
+
+def replay_minibatch(model, policy, data: TensorDict, start_state: TensorDict,
+                     accumulator: GradientAccumulator, bptt_truncate: int | None = None) -> TensorDict:
+    """Re-run a stored (T, n) sequence as T replay blocks; returns ``log_prob``, ``entropy``, ``value``.
+
+    Args:
+        model: what the collector called (the FSDP-wrapped root under FSDP).
+        policy: the :class:`~rl_replay.agent.Agent` (for ``distribution``).
+        data: (T, n) with ``observation``, ``is_first`` and ``action``.
+        start_state: the n envs' recurrent state before row 0.
+        accumulator: a fresh GradientAccumulator for this minibatch.
+        bptt_truncate: detach the state every K steps, as the collector does.
+
+    Returns:
+        TensorDict (T, n) whose entries are attached to autograd through the blocks.
+    """
+    T, n = data.batch_size
+    state = start_state
+    log_prob, entropy, value = [], [], []
+    for t in range(T):
+        inputs = TensorDict(observation=data["observation"][t], state=state,
+                            is_first=data["is_first"][t], batch_size=[n], device=None)
+        out = replay(model, accumulator, inputs)
+        dist = policy.distribution(out)
+        log_prob.append(dist.log_prob(data["action"][t]))
+        entropy.append(dist.entropy())
+        value.append(out["value"])
+        state = out["state"]
+        if bptt_truncate and (t + 1) % bptt_truncate == 0:
+            state = state.detach()
+    return TensorDict(log_prob=torch.stack(log_prob), entropy=torch.stack(entropy),
+                      value=torch.stack(value), batch_size=[T, n])
+
+
+class PPO:
+    """PPO with clipped surrogate, optional value clipping and ``target_kl`` early stop."""
+
+    def __init__(self, cfg: Config, collector: Collector, model, optimizer,
+                 info: dist_utils.DistInfo | None = None, device: torch.device | str = "cpu") -> None:
+        self.cfg = cfg
+        self.collector = collector
+        self.model = model
+        self.policy = collector.policy
+        self.optimizer = optimizer
+        self.info = info or dist_utils.DistInfo()
+        self.device = torch.device(device)
+
+    def update(self) -> UpdateResult:
+        t0 = time.perf_counter()
+        rollout = self.collector.collect(graph=False)
+        t1 = time.perf_counter()
+        metrics, grad_norm = self.optimize(rollout)
+        t2 = time.perf_counter()
+        return UpdateResult(rollout, metrics, grad_norm, collect_sec=t1 - t0, optimize_sec=t2 - t1)
+
+    def optimize(self, rollout: Rollout) -> tuple[dict[str, float], float]:
+        """All epochs and minibatches on one collected rollout; returns (metrics, mean grad norm)."""
+        cfg, p = self.cfg, self.cfg.ppo
+        data = rollout.data
+        T, N = data.batch_size
+        advantages, returns, explained_variance = gae_targets(
+            data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda)
+        stored = TensorDict(
+            observation=data["observation"], is_first=data["is_first"], action=data["action"],
+            old_log_prob=data["log_prob"], old_value=data["value"], advantage=advantages,
+            **{"return": returns}, valid=data["valid"], batch_size=[T, N],
+        )
+        per_mb = N // p.num_minibatches  # config validation guarantees it divides
+        sums: dict[str, float] = {}
+        grad_norms: list[float] = []
+        saved_bytes = 0
+        replay_sec = 0.0
+        epochs_run = 0
+        for _ in range(p.epochs):
+            order = torch.randperm(N)
+            for k in range(p.num_minibatches):
+                envs = order[k * per_mb:(k + 1) * per_mb]
+                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(
+                    stored[:, envs], rollout.start_state[envs])
+                grad_norms.append(float(grad_norm))
+                saved_bytes = max(saved_bytes, mb_saved)
+                replay_sec += mb_replay_sec
+                for key, value in terms.items():
+                    sums[key] = sums.get(key, 0.0) + float(value)
+            epochs_run += 1
+            # CleanRL: stop after an epoch whose last minibatch moved the policy too far.
+            if p.target_kl is not None and self._mean_over_ranks(float(terms["approx_kl"])) > p.target_kl:
+                break
+        steps = len(grad_norms)
+        metrics = {"train/" + key: value / steps for key, value in sums.items()}
+        metrics.update({
+            "train/explained_variance": float(explained_variance),
+            "train/epochs_run": float(epochs_run),
+            "memory/replay_saved_bytes": float(saved_bytes),
+            "time/replay_recompute_sec": replay_sec,
+        })
+        return metrics, sum(grad_norms) / steps
+
+    def _minibatch(self, mb: TensorDict, start_state: TensorDict):
+        """One optimizer step on one minibatch; its graph and saved inputs die with it.
+
+        Returns (detached loss terms, pre-clip grad norm, saved block-input bytes, replay seconds).
+        """
+        cfg = self.cfg
+        acc = GradientAccumulator()
+        new = replay_minibatch(self.model, self.policy, mb, start_state, acc, self.collector.bptt_truncate)
+        batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
+        terms = ppo_loss(
+            batch, clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss,
+            value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
+            normalize_advantages=cfg.ppo.norm_adv,
+        )
+        grad_norm = optimizer_step(total_loss(terms), self.model, self.optimizer, cfg.optim.max_grad_norm)
+        return terms.detach(), grad_norm, acc.saved_bytes, acc.replay_seconds
+
+    def _mean_over_ranks(self, value: float) -> float:
+        return dist_utils.reduce_mean({"x": value}, self.device, self.info)["x"]
