@@ -11,6 +11,8 @@ catches BatchNorm in training mode). Every violation is a one-line
 
 from __future__ import annotations
 
+import re
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -70,7 +72,10 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
         try:
             dist = policy.distribution(out)
         except KeyError as exc:
-            raise SetupError(f"{where}: distribution() needs key {exc} but forward() returned keys "
+            # TensorDict's message is 'key "dist" not found in TensorDict with keys [...]'.
+            found = re.search(r'key "([^"]+)"', str(exc))
+            missing = repr(found.group(1)) if found else str(exc)
+            raise SetupError(f"{where}: distribution() needs key {missing} but forward() returned keys "
                              f"{keys}.") from None
         _check_distribution(dist, action_space, n, where)
 

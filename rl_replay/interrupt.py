@@ -30,8 +30,7 @@ class TrainingInterrupted(Exception):
         self.signum, self.update, self.checkpoint, self.run_dir = signum, update, checkpoint, run_dir
         self.exit_code = 128 + signum
         super().__init__(
-            f"stopped by {signal.Signals(signum).name} after update {update}; checkpoint {checkpoint}. "
-            f"Continue with: python scripts/train.py --resume {run_dir}"
+            f"stopped by {signal.Signals(signum).name} after update {update}; checkpoint {checkpoint} written."
         )
 
 
