@@ -95,11 +95,11 @@ def test_fresh_run_refuses_a_directory_holding_a_run(finished_run, tmp_path):
 
 
 def test_default_run_dirs_are_unique_for_runs_started_together(tmp_path):
-    procs = [start(TRAIN, *TINY, "total_env_steps=32", cwd=tmp_path) for _ in range(3)]
+    procs = [start(TRAIN, *TINY, "total_env_steps=32", cwd=tmp_path) for _ in range(2)]
     results = [finish(p) for p in procs]
     assert all(code == 0 for code, _, _ in results), [err for _, _, err in results]
     dirs = sorted((tmp_path / "runs").iterdir())
-    assert len(dirs) == 3, dirs
+    assert len(dirs) == 2, dirs
     printed = sorted(re.search(r"run directory: (\S+)", err).group(1) for _, _, err in results)
     assert printed == sorted(str(Path("runs") / d.name) for d in dirs)
     for d in dirs:  # each directory holds exactly one complete run
@@ -128,25 +128,20 @@ def test_lock_refuses_a_second_writer_and_dies_with_its_process(finished_run, tm
     resumed = build(resume=run, overrides=("total_env_steps=64",))
     resumed.train()
     assert load_checkpoint(run)["update"] == 4
-    # train() released the lock: another process can take the directory now.
-    taker = subprocess.run([sys.executable, "-c", f"from rl_replay.run_dir import RunLock\nRunLock({str(run)!r})"],
-                           cwd=REPO, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
-    assert taker.returncode == 0, taker.stderr
+    assert not resumed.lock.held  # train() released it
 
 
 # ------------------------------------------------------------------ resume
 def test_resume_with_incompatible_overrides_writes_nothing(finished_run, tmp_path):
     run = copy_run(finished_run, tmp_path / "run")
     before = snapshot(run)
-    cases = {
-        "num-envs": (["env.num_envs=4"], r"env\.num_envs=4: its checkpoint was written with env\.num_envs=2"),
-        "agent": (["agent.kwargs={hidden_sizes: [32]}"], r"agent\.kwargs=\{'hidden_sizes': \[32\]\}"),
-    }
-    procs = {name: start(TRAIN, "--resume", run, *args, cwd=tmp_path) for name, (args, _) in cases.items()}
-    for name, proc in procs.items():
-        code, out, err = finish(proc)
-        line = one_error_line(err)
-        assert code == 2 and re.search(cases[name][1], line) and "start a new run" in line, (name, line)
+    code, out, err = finish(start(TRAIN, "--resume", run, "env.num_envs=4", cwd=tmp_path))
+    line = one_error_line(err)
+    assert code == 2 and "start a new run" in line, line
+    assert re.search(r"env\.num_envs=4: its checkpoint was written with env\.num_envs=2", line), line
+    with pytest.raises(SetupError, match=r"agent\.kwargs=\{'hidden_sizes': \[32\]\}: its checkpoint was written "
+                                         r"with agent\.kwargs=\{'hidden_sizes': \[16\]\}"):
+        build(resume=run, overrides=("agent.kwargs={hidden_sizes: [32]}",))
     assert snapshot(run) == before  # config.yaml and metrics.jsonl untouched
     # The run is intact: a plain resume continues it.
     resumed = build(resume=run, overrides=("total_env_steps=64",))
@@ -154,22 +149,18 @@ def test_resume_with_incompatible_overrides_writes_nothing(finished_run, tmp_pat
     assert resumed.update == 4
 
 
-def test_resume_refuses_config_and_run_dir(finished_run, tmp_path):
+def test_resume_refuses_config_and_run_dir(finished_run, tmp_path, capsys):
+    from rl_replay.cli import train_main
+
     other = tmp_path / "c.yaml"
     other.write_text("seed: 3\n")
-    procs = {
-        "config": start(TRAIN, "--resume", finished_run, "--config", other, cwd=tmp_path),
-        "run_dir": start(TRAIN, "--resume", finished_run, f"run_dir={tmp_path / 'elsewhere'}", cwd=tmp_path),
-    }
-    for name, proc in procs.items():
-        code, out, err = finish(proc)
-        line = one_error_line(err)
-        assert code == 2, (name, err)
-        if name == "config":
-            assert "--config cannot be combined" in line and "key=value overrides" in line
-        else:
-            assert "drop run_dir=" in line
-    assert list(tmp_path.iterdir()) == [other]
+    before = snapshot(finished_run)
+    code, out, err = finish(start(TRAIN, "--resume", finished_run, "--config", other, cwd=tmp_path))
+    line = one_error_line(err)
+    assert code == 2 and "--config cannot be combined" in line and "key=value overrides" in line, err
+    assert train_main(["--resume", str(finished_run), f"run_dir={tmp_path / 'elsewhere'}"]) == 2
+    assert "drop run_dir=" in one_error_line(capsys.readouterr().err)
+    assert list(tmp_path.iterdir()) == [other] and snapshot(finished_run) == before
 
 
 # ------------------------------------------------------------------ checkpoint integrity
@@ -227,7 +218,9 @@ def test_resume_falls_back_to_previous_checkpoint_and_removes_stale_temporaries(
     assert load_checkpoint(run)["update"] == 4
 
 
-def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_path):
+def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_path, capsys):
+    from rl_replay.cli import evaluate_main
+
     truncated = copy_run(finished_run, tmp_path / "truncated")
     checkpoint_path(truncated).write_bytes(checkpoint_path(truncated).read_bytes()[:500])
     nan = copy_run(finished_run, tmp_path / "nan")
@@ -236,14 +229,17 @@ def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_p
     state["agent"][first] = torch.full_like(state["agent"][first], float("nan"))
     torch.save(state, checkpoint_path(nan))  # bypassing save_checkpoint's refusal
     procs = {
-        "truncated": (start(EVALUATE, truncated, "--episodes", 2, cwd=tmp_path), "is truncated"),
         "nan": (start(EVALUATE, nan, "--episodes", 2, cwd=tmp_path), f"non-finite agent weights \\({first}"),
         "zero": (start(EVALUATE, finished_run, "--episodes", 0, cwd=tmp_path), "--episodes must be a positive"),
-        "negative": (start(EVALUATE, finished_run, "--episodes", -3, cwd=tmp_path), "got -3"),
     }
     for name, (proc, pattern) in procs.items():
         code, out, err = finish(proc)
         assert code == 2 and out == "" and re.search(pattern, one_error_line(err)), (name, err)
+    for args, pattern in (([str(truncated)], f"checkpoint {re.escape(str(checkpoint_path(truncated)))} is truncated"),
+                          ([str(finished_run), "--episodes", "-3"], "got -3")):
+        assert evaluate_main(args) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and re.search(pattern, one_error_line(err)), err
 
 
 # ------------------------------------------------------------------ non-finite guards
@@ -437,13 +433,13 @@ def test_second_sigint_exits_at_once(tmp_path):
 
 
 # ------------------------------------------------------------------ command line
-def test_cli_refusals_and_intermixed_overrides(tmp_path):
+def test_cli_refusals_and_intermixed_overrides(tmp_path, monkeypatch, capsys):
+    from rl_replay.cli import train_main
+
     cfg = tmp_path / "c.yaml"
     cfg.write_text("collector: {num_steps: 4}\n")
     cases = {
-        "seed": (["seed=-1"], r"error: Out of range value for config key 'seed': -1"),
         "lr-inf": (["optim.lr=.inf"], r"error: Non-finite value for config key 'optim\.lr': inf"),
-        "lr-nan": (["optim.lr=.nan"], r"error: Non-finite value for config key 'optim\.lr': nan"),
         "contract": (["agent.target=safety_agents:ColumnValueAgent", "agent.kwargs={}"],
                      r"error: agent safety_agents:ColumnValueAgent: forward\(\) returned 'value' of shape"),
     }
@@ -460,6 +456,12 @@ def test_cli_refusals_and_intermixed_overrides(tmp_path):
         assert list((tmp_path / name).iterdir()) == [], name
     code, out, err = finish(procs["mixed"])
     assert code == 0, err
+    monkeypatch.chdir(tmp_path / "lr-inf")
+    for args, pattern in ((["seed=-1"], r"error: Out of range value for config key 'seed': -1"),
+                          (["optim.lr=.nan"], r"error: Non-finite value for config key 'optim\.lr': nan")):
+        assert train_main([*TINY, *args]) == 2
+        assert re.match(pattern, one_error_line(capsys.readouterr().err)), args
+    assert list(Path.cwd().iterdir()) == []
     saved = load_config(mixed / "config.yaml")
     assert (saved.env.num_envs, saved.collector.num_steps, saved.total_env_steps) == (2, 4, 16)
 
@@ -482,7 +484,7 @@ def test_help_lists_every_config_key_with_its_docstring(tmp_path):
         assert any(x.startswith(f"{section}: ") for x in lines), section
 
 
-def test_console_entry_points_resolve():
+def test_console_entry_points_resolve(capsys):
     import importlib
     import tomllib
 
@@ -491,8 +493,7 @@ def test_console_entry_points_resolve():
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
-    code = ("import sys; from rl_replay.cli import train_main, evaluate_main; sys.argv = ['rl-replay-evaluate']; "
-            "sys.exit(evaluate_main(['/nonexistent']))")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=TIMEOUT)
-    assert proc.returncode == 2 and one_error_line(proc.stderr).startswith("error: Config file not found")
+    from rl_replay.cli import evaluate_main
+
+    assert evaluate_main(["/nonexistent"]) == 2
+    assert one_error_line(capsys.readouterr().err).startswith("error: Config file not found")
