@@ -227,12 +227,14 @@ def load_latest(run_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, str |
 
 
 def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
-    """Delete temporary files left by a checkpoint write that was killed; returns them.
+    """Delete temporary files left by a checkpoint (or config / metrics) write that was killed.
 
-    Call it only while holding the run directory's lock (no other writer is active).
+    Returns the files removed. Call it only while holding the run directory's lock (no
+    other writer is active).
     """
     removed = []
-    for tmp in Path(run_dir).glob(".checkpoint*.tmp*"):
-        tmp.unlink(missing_ok=True)
-        removed.append(tmp)
+    for pattern in (".checkpoint*.tmp*", ".config.yaml.*.tmp", "metrics.jsonl.tmp"):
+        for tmp in Path(run_dir).glob(pattern):
+            tmp.unlink(missing_ok=True)
+            removed.append(tmp)
     return removed

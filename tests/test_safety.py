@@ -497,3 +497,26 @@ def test_console_entry_points_resolve(capsys):
 
     assert evaluate_main(["/nonexistent"]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("error: Config file not found")
+
+
+# ------------------------------------------------------------------ RNG capture / restore
+def _draws(device):
+    import random
+
+    return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
+            torch.rand(3, device=device).tolist())
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")]),
+])
+def test_one_rng_helper_restores_every_stream(device):
+    from rl_replay.checkpoint import capture_rng, restore_rng
+
+    rng = capture_rng(device)
+    assert ("cuda" in rng) == (device == "cuda")
+    expected = _draws(device)
+    _draws(device)  # move every stream on
+    restore_rng(rng, device)
+    assert _draws(device) == expected
