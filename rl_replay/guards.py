@@ -61,9 +61,10 @@ def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, par
     local flag into "true on some rank" (an all-reduce under torchrun), so every rank
     takes the same decision.
     """
-    local = torch.stack([t.detach().float().reshape(()) for t in terms.values()
-                         if isinstance(t, torch.Tensor) and t.numel() == 1])
-    bad = any_rank(not bool(torch.isfinite(local).all()) or not bool(torch.isfinite(grad_norm)))
+    scalars = [t.detach().float().reshape(()) for t in terms.values()
+               if isinstance(t, torch.Tensor) and t.numel() == 1]
+    finite = bool(torch.isfinite(torch.stack([*scalars, grad_norm.detach().float().reshape(())])).all())
+    bad = any_rank(not finite)
     if not bad:
         return True
     culprit = _first_bad({f"train/{k}": v for k, v in terms.items() if isinstance(v, torch.Tensor)})
