@@ -9,13 +9,14 @@ the same update even if only one of them received the signal.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
 
 import torch
 
-__all__ = ["StopOnSignal", "TrainingInterrupted"]
+__all__ = ["StopOnSignal", "TrainingInterrupted", "children_ignore_sigint"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -71,3 +72,22 @@ class StopOnSignal:
         flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started inside (async vector env workers) ignore SIGINT.
+
+    Ctrl-C in a terminal signals the whole process group. A worker that died of it would
+    break the env under the trainer before it can finish the update; ignoring it there
+    leaves the stop to the trainer, which closes the envs. (An ignored SIGINT is inherited
+    across fork and exec, and Python then installs no KeyboardInterrupt handler.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

@@ -29,7 +29,7 @@ from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
 from rl_replay.contract import check_agent
 from rl_replay.errors import SetupError
-from rl_replay.interrupt import StopOnSignal, TrainingInterrupted
+from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
 from rl_replay.logger import METRICS_NAME, RunLogger, peak_memory, truncate_metrics
 from rl_replay.losses import a2c_loss, reinforce_loss, total_loss
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
@@ -339,10 +339,11 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
                    lock: RunLock | None) -> Trainer:
     """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk."""
     seed_everything(cfg.seed + 1000 * info.rank)
-    envs = make_vector_env(
-        cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
-        kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-    )
+    with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
+        envs = make_vector_env(
+            cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
+            kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+        )
     try:
         agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
                                    envs.single_action_space).to(device)

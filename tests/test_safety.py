@@ -410,6 +410,24 @@ def test_signal_finishes_the_update_checkpoints_and_exits(tmp_path, sig, code):
     assert load_checkpoint(run)["update"] == state["update"] + 1
 
 
+def test_ctrl_c_to_the_process_group_with_async_env_workers(tmp_path):
+    """A terminal's Ctrl-C reaches every process of the group, env worker processes included."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, "env.vectorization=async", "total_env_steps=100000000",
+                             "checkpoint.every=0", f"run_dir={run}"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for_metrics(run, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc, out, err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 130, err
+    assert "stopped by SIGINT" in err and "Traceback" not in err
+    assert load_checkpoint(run)["update"] >= 1
+
+
 def test_second_sigint_exits_at_once(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
