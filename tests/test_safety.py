@@ -25,7 +25,7 @@ from rl_replay.checkpoint import (
 from rl_replay.config import Config, load_config
 from rl_replay.errors import SetupError
 from rl_replay.guards import NonFiniteError, SkipBudget, check_parameters, check_update
-from rl_replay.run_dir import RunDirError, RunLock
+from rl_replay.run_dir import RunDirError
 from rl_replay.trainer import build
 
 REPO = Path(__file__).resolve().parents[1]
