@@ -23,6 +23,7 @@ from tensordict import TensorDict
 from rl_replay.accumulator import GradientAccumulator
 from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
+from rl_replay.guards import check_env_step
 from rl_replay.replay import replay
 
 __all__ = ["Collector", "Rollout", "make_vector_env"]
@@ -115,6 +116,7 @@ class Collector:
         self.device = torch.device(device)
         self.seed = seed
         self._box = isinstance(envs.single_action_space, gym.spaces.Box)
+        self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         self._obs: torch.Tensor | None = None
         self._state: TensorDict | None = None
         self._is_first: torch.Tensor | None = None
@@ -147,6 +149,16 @@ class Collector:
             space = self.envs.single_action_space
             a = np.clip(a.reshape((-1, *space.shape)), space.low, space.high)
         return a
+
+    def probe_inputs(self) -> TensorDict:
+        """The first block's inputs after a seeded reset, for checking the agent before a run.
+
+        The collector forgets them: the first :meth:`collect` resets with the same seed.
+        """
+        self._reset(self.seed)
+        inputs = self._block_inputs()
+        self._obs = self._state = self._is_first = None
+        return inputs
 
     # ------------------------------------------------------------------ collect
     def collect(self, *, graph: bool = True) -> Rollout:
@@ -183,6 +195,7 @@ class Collector:
                 action = dist.sample()
             valid_np = ~self._autoreset & ~finished
             obs, reward, terminated, truncated, info = self.envs.step(self._env_action(action))
+            check_env_step(self._env_id, obs, reward)
             env_steps += N
             done = (terminated | truncated) & valid_np
             self._ep_return += np.where(valid_np, reward, 0.0)

@@ -137,6 +137,8 @@ class OptimConfig:
     """global gradient-norm clip (None = no clipping)"""
     anneal_lr: bool = True
     """linearly anneal the learning rate to 0 over training"""
+    skip_nonfinite_updates: int = 0
+    """skip up to N updates whose loss or gradient is NaN/inf (no optimizer step, a warning each); 0 = stop at the first"""
 
 
 @dataclass
@@ -239,6 +241,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 # (lower, lower_inclusive, upper, upper_inclusive); None bounds are open. A None value of
 # an Optional field is always accepted ("when set").
 _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
+    "seed": (0, True, None, False),
     "total_env_steps": (1, True, None, False),
     "torch_threads": (1, True, None, False),
     "env.num_envs": (1, True, None, False),
@@ -253,6 +256,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "ppo.target_kl": (0, False, None, False),
     "optim.lr": (0, False, None, False),
     "optim.max_grad_norm": (0, False, None, False),
+    "optim.skip_nonfinite_updates": (0, True, None, False),
     "log.log_every": (1, True, None, False),
     "checkpoint.every": (0, True, None, False),
     "eval.episodes": (1, True, None, False),
@@ -407,6 +411,10 @@ def validate(cfg: Config) -> Config:
     values = {}
     for key, value, tp in _iter_leaves(cfg):
         _check_value(key, value, tp)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(
+                f"Non-finite value for config key '{key}': {value!r} (must be a finite number)"
+            )
         values[key] = value
     for key, allowed in _CHOICES.items():
         if values[key] not in allowed:

@@ -1,8 +1,9 @@
-"""The training loop: one algorithm update (collect, optimise), log, checkpoint.
+"""The training loop: one algorithm update (collect, optimise, guarded steps), log, checkpoint.
 
 :func:`build` turns a config into a ready :class:`Trainer`, validating everything that
-can be wrong (env id, agent path, action space, distributed setup) *before* the run
-directory is created. :meth:`Trainer.train` is the thin loop.
+can be wrong (env id, agent path and contract, action space, distributed setup, a
+resume's overrides against its checkpoint) *before* anything is written to the run
+directory. :meth:`Trainer.train` is the thin loop.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import collections
 import math
 import random
-import time
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,21 @@ import numpy as np
 import torch
 
 from rl_replay import distributed as dist_utils
+from rl_replay import guards
 from rl_replay.agent import Agent, build_agent
-from rl_replay.algorithms import clip_grad_norm, compute_loss, make_algorithm
+from rl_replay.algorithms import compute_loss, make_algorithm
 from rl_replay.allocator import keep_freed_memory
-from rl_replay.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
+from rl_replay.contract import check_agent
+from rl_replay.errors import SetupError
+from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
 from rl_replay.logger import METRICS_NAME, RunLogger, peak_memory, truncate_metrics
+from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
+from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
 
-__all__ = ["Trainer", "build", "make_optimizer", "compute_loss"]
+__all__ = ["Trainer", "build", "make_optimizer", "compute_loss", "RESUME_FIXED_KEYS"]
 
 
 def make_optimizer(params, cfg) -> torch.optim.Optimizer:
@@ -46,11 +53,14 @@ def seed_everything(seed: int) -> None:
 
 
 class Trainer:
-    """Owns one run: the collector, the (possibly FSDP-wrapped) agent and the optimizer."""
+    """Owns one run: the collector, the (possibly FSDP-wrapped) agent and the optimizer.
+
+    Training holds the run directory's lock (rank 0) until :meth:`close`.
+    """
 
     def __init__(self, cfg: Config, *, run_dir: Path, collector: Collector, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, logger: RunLogger, info: dist_utils.DistInfo,
-                 device: torch.device) -> None:
+                 optimizer: torch.optim.Optimizer, logger: RunLogger | None, info: dist_utils.DistInfo,
+                 device: torch.device, lock: RunLock | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.collector = collector
@@ -59,27 +69,45 @@ class Trainer:
         self.logger = logger
         self.info = info
         self.device = device
+        self.lock = lock
         self.update = 0
         self.env_steps = 0  # summed over all ranks
         # Every rank runs cfg.env.num_envs envs: an update consumes world_size times the batch.
         self.num_updates = math.ceil(cfg.total_env_steps / (derived(cfg)["batch_size"] * info.world_size))
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
-        self.algorithm = make_algorithm(cfg, collector, model, optimizer, info, device)
+        self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
+        # Every optimizer step of the algorithm passes through these non-finite checks.
+        self.guard = guards.StepGuard(model, guards.SkipBudget(cfg.optim.skip_nonfinite_updates),
+                                      any_rank=self._any_rank)
+        self.algorithm = make_algorithm(cfg, collector, model, optimizer, info, device, guard=self.guard)
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> dict[str, float]:
-        """Train until ``total_env_steps``; returns the last update's metrics."""
+        """Train until ``total_env_steps``; returns the last update's metrics.
+
+        On SIGINT / SIGTERM the current update is finished, a checkpoint written and
+        :class:`~rl_replay.interrupt.TrainingInterrupted` raised. Non-finite values stop
+        the run with :class:`~rl_replay.guards.NonFiniteError` (no checkpoint is written).
+        The logger and the run directory's lock are released in every case.
+        """
         metrics: dict[str, float] = {}
         try:
-            while self.update < self.num_updates:
-                metrics = self.step()
-                if self.update % self.cfg.log.log_every == 0 or self.update == self.num_updates:
-                    self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
-                every = self.cfg.checkpoint.every
-                if (every and self.update % every == 0) or self.update == self.num_updates:
-                    self.save()
+            with StopOnSignal(announce=self.info.is_main) as signals:
+                while self.update < self.num_updates:
+                    metrics = self.step()
+                    if self.update % self.cfg.log.log_every == 0 or self.update == self.num_updates:
+                        self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
+                    every = self.cfg.checkpoint.every
+                    saved = (every and self.update % every == 0) or self.update == self.num_updates
+                    if saved:
+                        self.save()
+                    signum = signals.requested(self.info, self.device)
+                    if signum and self.update < self.num_updates:
+                        if not saved:
+                            self.save()
+                        raise TrainingInterrupted(signum, self.update, self.last_checkpoint, str(self.run_dir))
         finally:
-            self.logger.close()
+            self.close()
         return metrics
 
     def step(self) -> dict[str, float]:
@@ -88,6 +116,7 @@ class Trainer:
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
+        self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
         result = self.algorithm.update()
         rollout = result.rollout
         update_sec = result.collect_sec + result.optimize_sec
@@ -121,67 +150,90 @@ class Trainer:
         metrics["rollout/success_rate"] = pooled["success"] / judged if judged else nan
         metrics["train/grad_norm"] = result.grad_norm
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["train/skipped_updates"] = float(self.guard.budget.skipped)
         metrics["time/steps_per_sec"] = steps / update_sec
         return metrics
 
-    def _clip(self) -> torch.Tensor:
-        return clip_grad_norm(self.model, self.cfg.optim.max_grad_norm)
+    def _any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is set on some rank (an all-reduce under torchrun)."""
+        return bool(dist_utils.reduce_sums({"bad": float(flag)}, self.device, self.info)["bad"])
 
     # ----------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "update": self.update,
-            "env_steps": self.env_steps,
-            "agent": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "collector": self.collector.state_dict(),
-            "rng": {
-                "torch": torch.get_rng_state(),
-                "numpy": np.random.get_state(),
-                "python": random.getstate(),
-            },
-            "recent_returns": list(self.recent_returns),
-            "wandb_id": self.logger.wandb_id,
-            "config": config_to_dict(self.cfg),
-        }
-
     def save(self) -> None:
-        if self.info.distributed:
-            from rl_replay.distributed_checkpoint import save_distributed
-
-            save_distributed(self)
-            return
-        save_checkpoint(self.state_dict(), checkpoint_path(self.run_dir))
+        """Write the checkpoint (collective under FSDP); refuses non-finite weights."""
+        path = save_trainer(self)
+        self.last_checkpoint = f"{path} (update {self.update})"
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.update = state["update"]
-        self.env_steps = state["env_steps"]
-        self.model.load_state_dict(state["agent"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.collector.load_state_dict(state["collector"])
-        torch.set_rng_state(state["rng"]["torch"])
-        np.random.set_state(state["rng"]["numpy"])
-        random.setstate(state["rng"]["python"])
-        self.recent_returns.extend(state["recent_returns"])
+        """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
+        load_trainer(self, state)
+        restore_trainer_rng(self, state)
+
+    def close(self) -> None:
+        """Close the logger (wandb, metrics file) and release the run directory."""
+        if self.logger is not None:
+            self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
 
 
-def default_run_dir(cfg: Config) -> Path:
-    name = cfg.log.run_name or f"{cfg.env.id.replace('/', '_')}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return Path("runs") / name
+# Keys a resume cannot change: the checkpoint's envs, agent and optimizer state are built
+# for them (pickled envs would even silently replace the newly made ones).
+RESUME_FIXED_KEYS = (
+    "seed", "env.id", "env.num_envs", "env.vectorization", "env.kwargs", "env.max_episode_steps",
+    "agent.target", "agent.kwargs", "optim.name",
+)
+
+
+def _dotted(data: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> None:
+    now = config_to_dict(cfg)
+    for key in RESUME_FIXED_KEYS:
+        if _dotted(now, key) != _dotted(saved, key):
+            raise SetupError(
+                f"cannot resume {where} with {key}={_dotted(now, key)!r}: its checkpoint was written with "
+                f"{key}={_dotted(saved, key)!r}, and a resumed run keeps its environments, agent and "
+                f"optimizer. Resume without that override, or start a new run (another run_dir) to change it."
+            )
+
+
+def _on_main(fn, info: dist_utils.DistInfo):
+    """Run ``fn`` on rank 0 only and return its result there (None on other ranks).
+
+    A SetupError it raises is raised on every rank, so no rank waits for a failed peer.
+    """
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except SetupError as exc:
+            if not info.distributed:
+                raise
+            error = str(exc)
+    if info.distributed:
+        error = _broadcast_obj(error, info)
+        if error is not None:
+            raise SetupError(error)
+    return result
 
 
 def build(cfg: Config | None = None, *, resume: str | Path | None = None,
           overrides: tuple[str, ...] = ()) -> Trainer:
     """Build a Trainer from a config, or resume the run in ``resume`` (its saved config).
 
-    Everything that can be misconfigured is checked before the run directory exists.
+    Everything that can be misconfigured is checked before anything is written: a fresh
+    run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
+    into the new objects before its ``config.yaml`` is rewritten.
     """
-    state = None
     if resume is not None:
         resume = Path(resume)
-        ckpt = checkpoint_path(resume)
-        if not ckpt.exists():
-            raise FileNotFoundError(f"cannot resume: no checkpoint at {ckpt}")
+        if not (checkpoint_path(resume).exists() or previous_checkpoint_path(resume).exists()):
+            raise FileNotFoundError(f"cannot resume: no checkpoint at {checkpoint_path(resume)}")
         cfg = load_config(resume / "config.yaml", overrides)
         cfg = replace(cfg, run_dir=str(resume))
     assert cfg is not None
@@ -190,11 +242,76 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     if cfg.keep_freed_memory:
         keep_freed_memory()
     info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
+    lock: RunLock | None = None
+    state = None
+    if resume is not None:
+        # Refuse a run that is still being written before reading anything.
+        lock = _on_main(lambda: RunLock(resume), info)
+        try:
+            state, ckpt, warning = read_trainer_state(resume, info)
+        except BaseException:
+            if lock is not None:
+                lock.release()
+            raise
+        if warning and info.is_main:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    try:
+        if state is not None:
+            _check_resume_config(cfg, state["config"], resume)
+        trainer = _build_objects(cfg, info, device, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    try:
+        if state is not None:
+            try:
+                load_trainer(trainer, state)
+            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise SetupError(
+                    f"cannot resume {resume}: its checkpoint {ckpt} does not fit the run as configured "
+                    f"({type(exc).__name__}: {first}). Resume without overrides that change the agent, "
+                    "optimizer or environments, or start a new run."
+                ) from None
+            trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
+        # Nothing has been written yet; from here on the run exists on disk.
+        if resume is None:
+            trainer.lock = lock = _on_main(lambda: _claim_new(cfg), info)
+            trainer.run_dir = Path(_broadcast_obj(str(lock.run_dir) if lock else None, info))
+        run_dir = trainer.run_dir
+        trainer.cfg = cfg = replace(cfg, run_dir=str(run_dir))
+        if info.is_main:
+            if state is not None:
+                remove_stale_temporaries(run_dir)
+                truncate_metrics(run_dir / METRICS_NAME, state["update"])
+            save_config(cfg, run_dir / "config.yaml")
+        dist_utils.barrier(info)
+        trainer.logger = RunLogger(
+            run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=cfg.log.wandb_mode,
+            wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
+            run_name=cfg.log.run_name or run_dir.name, wandb_id=state["wandb_id"] if state else None,
+            progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
+            start_env_steps=state["env_steps"] if state else 0,
+        )
+        if state is not None:
+            restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
+    except BaseException:
+        trainer.collector.envs.close()
+        trainer.close()
+        raise
+    return trainer
+
+
+def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
+                   lock: RunLock | None) -> Trainer:
+    """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk."""
     seed_everything(cfg.seed + 1000 * info.rank)
-    envs = make_vector_env(
-        cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
-        kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-    )
+    with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
+        envs = make_vector_env(
+            cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
+            kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+        )
     try:
         agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
                                    envs.single_action_space).to(device)
@@ -205,62 +322,32 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
                                          min_num_params=d.min_num_params, cpu_offload=d.cpu_offload,
                                          mixed_precision=d.mixed_precision)
         elif cfg.distributed.cpu_offload:
-            from rl_replay.errors import SetupError
-
             raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
+        optimizer = make_optimizer(model.parameters(), cfg.optim)
+        collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
+                              bptt_truncate=cfg.collector.bptt_truncate, device=device,
+                              seed=cfg.seed + 1000 * info.rank)
+        check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space,
+                    cfg.agent.target)
     except BaseException:
         envs.close()
         raise
-    optimizer = make_optimizer(model.parameters(), cfg.optim)
-    collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
-                          bptt_truncate=cfg.collector.bptt_truncate, device=device,
-                          seed=cfg.seed + 1000 * info.rank)
-    # Nothing has been written yet; from here on the run exists on disk.
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
-    if info.distributed:
-        run_dir = Path(_broadcast_str(str(run_dir), info))
-    if resume is not None:
-        state = _load_resume_state(run_dir, info)
-    if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        cfg = replace(cfg, run_dir=str(run_dir))
-        save_config(cfg, run_dir / "config.yaml")
-        if state is not None:
-            truncate_metrics(run_dir / METRICS_NAME, state["update"])
-    dist_utils.barrier(info)
-    logger = RunLogger(
-        run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=cfg.log.wandb_mode,
-        wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
-        run_name=cfg.log.run_name or run_dir.name, wandb_id=state["wandb_id"] if state else None,
-        progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
-        start_env_steps=state["env_steps"] if state else 0,
-    )
-    trainer = Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
-                      logger=logger, info=info, device=device)
-    if state is not None:
-        if info.distributed:
-            from rl_replay.distributed_checkpoint import load_distributed
-
-            load_distributed(trainer, state)
-        else:
-            trainer.load_state_dict(state)
-    return trainer
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+    return Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
+                   logger=None, info=info, device=device, lock=lock)
 
 
-def _load_resume_state(run_dir: Path, info: dist_utils.DistInfo) -> dict[str, Any]:
-    if info.distributed:
-        from rl_replay.distributed_checkpoint import read_distributed
-
-        return read_distributed(run_dir, info)
-    state = load_checkpoint(checkpoint_path(run_dir))
-    if state.get("world_size", 1) != 1:  # written by an FSDP run
-        from rl_replay.distributed_checkpoint import check_world_size
-
-        check_world_size(state, 1, checkpoint_path(run_dir))
-    return state
+def _claim_new(cfg: Config) -> RunLock:
+    """Create and lock a fresh run directory (refusing one that holds another run)."""
+    if cfg.run_dir:
+        return claim_fresh(cfg.run_dir)
+    _, lock = claim_default("runs", cfg.log.run_name or default_name(cfg.env.id))
+    return lock
 
 
-def _broadcast_str(value: str, info: dist_utils.DistInfo) -> str:
+def _broadcast_obj(value: Any, info: dist_utils.DistInfo) -> Any:
+    if not info.distributed:
+        return value
     import torch.distributed as dist
 
     box = [value if info.is_main else None]

@@ -123,14 +123,11 @@ class BatchedA2C:
         return data
 
     def step(self) -> None:
-        from rl_replay.losses import total_loss
-        from rl_replay.trainer import compute_loss
+        from rl_replay.algorithms import compute_loss, optimizer_step
 
         data = self.attach(*self.collect())
-        total_loss(compute_loss(data, self.cfg.loss)).backward()
-        self.trainer._clip()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer_step(compute_loss(data, self.cfg.loss), self.trainer.model, self.optimizer,
+                       self.cfg.optim.max_grad_norm, self.trainer.guard)
 
 
 def gradient_check(trainer) -> tuple[float, float]:

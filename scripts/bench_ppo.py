@@ -112,7 +112,7 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
 def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
     """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph."""
     from rl_replay.algorithms.common import optimizer_step
-    from rl_replay.losses import gae_targets, ppo_loss, total_loss
+    from rl_replay.losses import gae_targets, ppo_loss
 
     p = cfg.ppo
     data = rollout.data
@@ -141,7 +141,7 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
             terms = ppo_loss(batch, clip_coef=p.clip_coef, clip_vloss=p.clip_vloss,
                              value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
                              normalize_advantages=p.norm_adv)
-            optimizer_step(total_loss(terms), agent, optimizer, cfg.optim.max_grad_norm)
+            optimizer_step(terms, agent, optimizer, cfg.optim.max_grad_norm)
     return {}
 
 

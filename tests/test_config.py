@@ -243,7 +243,7 @@ def test_unknown_section_in_file(tmp_path):
 def test_unknown_key_lists_valid_keys():
     with pytest.raises(
         ValueError,
-        match=r"Unknown config key 'optim\.lrr'\. Valid keys in 'optim': name, lr, eps, max_grad_norm, anneal_lr$",
+        match=r"Unknown config key 'optim\.lrr'\. Valid keys in 'optim': name, lr, eps, max_grad_norm, anneal_lr, skip_nonfinite_updates$",
     ):
         load_config(overrides=["optim.lrr=1"])
 

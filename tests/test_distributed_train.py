@@ -350,3 +350,45 @@ def test_torchrun_train_resume_evaluate(tmp_path):
 
     evaluation = _run([sys.executable, "scripts/evaluate.py", str(run_dir), "--episodes", "3"])
     assert "over 3 episodes (checkpoint update 6, 1536 env steps)" in evaluation.stdout
+
+
+# ------------------------------------------------------------- signals under torchrun
+def _signal_worker(rank: int, world_size: int, run_dir: str, out_dir: str) -> None:
+    import signal
+
+    from rl_replay.checkpoint import load_checkpoint
+    from rl_replay.config import load_config
+    from rl_replay.interrupt import TrainingInterrupted
+    from rl_replay.trainer import build
+
+    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
+                                       "total_env_steps=4096", "checkpoint.every=0"])
+    trainer = build(cfg)
+    step = trainer.step
+
+    def step_and_signal():
+        metrics = step()
+        if rank == 1 and trainer.update == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # only rank 1 is signalled, in update 2
+        return metrics
+
+    trainer.step = step_and_signal
+    try:
+        trainer.train()
+        stopped = None
+    except TrainingInterrupted as exc:
+        stopped = (exc.signum, exc.update, exc.exit_code)
+    torch.distributed.barrier()
+    saved = load_checkpoint(run_dir)["update"]
+    torch.save({"stopped": stopped, "update": trainer.update, "saved": saved}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_signal_on_one_rank_stops_every_rank_at_the_same_update(tmp_path):
+    run_ranks(_signal_worker, str(tmp_path / "run"), str(tmp_path))
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    import signal
+
+    for r in results:  # rank 0 was never signalled, yet stops with rank 1 after update 2
+        assert r["stopped"] == (signal.SIGTERM, 2, 143) and r["update"] == 2 and r["saved"] == 2, results
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [x["update"] for x in lines] == [1, 2]

@@ -76,7 +76,9 @@ def test_train_main_errors_in_process(tmp_path, monkeypatch, capsys, args, patte
     monkeypatch.chdir(tmp_path)
     train = load_script(TRAIN)
     args = [a.format(tmp=tmp_path) for a in args]
-    assert train.main([*args, f"run_dir={tmp_path / 'run'}"]) == 2
+    if "--resume" not in args:  # a resume names its run directory itself
+        args.append(f"run_dir={tmp_path / 'run'}")
+    assert train.main(args) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and re.match(pattern, lines[0]), err

@@ -22,6 +22,7 @@ from rl_replay.algorithms.common import UpdateResult, clip_grad_norm, optimizer_
 from rl_replay.algorithms.ppo import PPO
 from rl_replay.collector import Collector
 from rl_replay.config import Config
+from rl_replay.guards import StepGuard
 
 __all__ = ["PPO", "PolicyGradient", "UpdateResult", "clip_grad_norm", "compute_loss",
            "make_algorithm", "optimizer_step"]
@@ -29,8 +30,8 @@ __all__ = ["PPO", "PolicyGradient", "UpdateResult", "clip_grad_norm", "compute_l
 
 def make_algorithm(cfg: Config, collector: Collector, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, info: dist_utils.DistInfo,
-                   device: torch.device) -> PolicyGradient | PPO:
-    """The update rule named by ``cfg.loss.algorithm``."""
+                   device: torch.device, guard: StepGuard | None = None) -> PolicyGradient | PPO:
+    """The update rule named by ``cfg.loss.algorithm``; ``guard`` checks each optimizer step."""
     if cfg.loss.algorithm == "ppo":
-        return PPO(cfg, collector, model, optimizer, info, device)
-    return PolicyGradient(cfg, collector, model, optimizer)
+        return PPO(cfg, collector, model, optimizer, info, device, guard=guard)
+    return PolicyGradient(cfg, collector, model, optimizer, guard=guard)

@@ -8,7 +8,8 @@ from typing import Any
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.collector import Collector
 from rl_replay.config import Config
-from rl_replay.losses import a2c_loss, reinforce_loss, total_loss
+from rl_replay.guards import StepGuard
+from rl_replay.losses import a2c_loss, reinforce_loss
 
 __all__ = ["PolicyGradient", "compute_loss"]
 
@@ -33,18 +34,20 @@ class PolicyGradient:
     back-propagated once, which replays every block newest-first.
     """
 
-    def __init__(self, cfg: Config, collector: Collector, model, optimizer) -> None:
+    def __init__(self, cfg: Config, collector: Collector, model, optimizer,
+                 guard: StepGuard | None = None) -> None:
         self.cfg = cfg
         self.collector = collector
         self.model = model
         self.optimizer = optimizer
+        self.guard = guard
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
         rollout = self.collector.collect()
         t1 = time.perf_counter()
         terms = compute_loss(rollout.data, self.cfg.loss)
-        grad_norm = optimizer_step(total_loss(terms), self.model, self.optimizer, self.cfg.optim.max_grad_norm)
+        grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
         acc = rollout.accumulator
         metrics = {

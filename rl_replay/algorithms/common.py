@@ -6,7 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tensordict import TensorDict
+
 from rl_replay.collector import Rollout
+from rl_replay.guards import StepGuard
+from rl_replay.losses import total_loss
 
 __all__ = ["UpdateResult", "clip_grad_norm", "optimizer_step"]
 
@@ -42,15 +46,21 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def optimizer_step(loss: torch.Tensor, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   max_grad_norm: float | None) -> torch.Tensor:
-    """backward -> clip -> ``optimizer.step()`` -> ``zero_grad``; returns the pre-clip grad norm.
+def optimizer_step(terms: TensorDict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                   max_grad_norm: float | None, guard: StepGuard | None = None) -> torch.Tensor:
+    """backward of ``total_loss(terms)`` -> clip -> ``optimizer.step()`` -> ``zero_grad``.
 
-    Every optimizer step of every algorithm goes through here, so a check on the gradients
-    (or the loss) belongs in this one place.
+    Every optimizer step of every algorithm goes through here, so the run's non-finite
+    checks (``guard``, see :class:`rl_replay.guards.StepGuard`) live in this one place: a
+    non-finite loss term or gradient norm skips the step (within the run's skip budget) or
+    raises before the optimizer sees it, and non-finite parameters after the step raise.
+    Returns the pre-clip gradient norm.
     """
-    loss.backward()  # replays every block of the graph, newest first
+    total_loss(terms).backward()  # replays every block of the graph, newest first
     grad_norm = clip_grad_norm(model, max_grad_norm)
-    optimizer.step()
+    if guard is None or guard.allows_step(terms, grad_norm):
+        optimizer.step()
+        if guard is not None:
+            guard.after_step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm

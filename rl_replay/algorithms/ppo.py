@@ -26,7 +26,8 @@ from rl_replay.accumulator import GradientAccumulator
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.collector import Collector, Rollout
 from rl_replay.config import Config
-from rl_replay.losses import gae_targets, ppo_loss, total_loss
+from rl_replay.guards import StepGuard
+from rl_replay.losses import gae_targets, ppo_loss
 from rl_replay.replay import replay
 
 __all__ = ["PPO", "replay_minibatch"]
@@ -69,12 +70,14 @@ class PPO:
     """PPO with clipped surrogate, optional value clipping and ``target_kl`` early stop."""
 
     def __init__(self, cfg: Config, collector: Collector, model, optimizer,
-                 info: dist_utils.DistInfo | None = None, device: torch.device | str = "cpu") -> None:
+                 info: dist_utils.DistInfo | None = None, device: torch.device | str = "cpu",
+                 guard: StepGuard | None = None) -> None:
         self.cfg = cfg
         self.collector = collector
         self.model = model
         self.policy = collector.policy
         self.optimizer = optimizer
+        self.guard = guard
         self.info = info or dist_utils.DistInfo()
         self.device = torch.device(device)
 
@@ -143,7 +146,7 @@ class PPO:
             value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
             normalize_advantages=cfg.ppo.norm_adv,
         )
-        grad_norm = optimizer_step(total_loss(terms), self.model, self.optimizer, cfg.optim.max_grad_norm)
+        grad_norm = optimizer_step(terms, self.model, self.optimizer, cfg.optim.max_grad_norm, self.guard)
         return terms.detach(), grad_norm, acc.saved_bytes, acc.replay_seconds
 
     def _mean_over_ranks(self, value: float) -> float:

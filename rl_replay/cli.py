@@ -1,0 +1,240 @@
+"""Command-line entry points: ``rl-replay-train`` / ``scripts/train.py`` and
+``rl-replay-evaluate`` / ``scripts/evaluate.py``.
+
+Exit codes: 0 done; 1 training stopped on an error (non-finite values); 2 bad input
+(nothing was written); 128 + signal (130 SIGINT, 143 SIGTERM) stopped on a signal after
+writing a checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import inspect
+import json
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["train_main", "evaluate_main", "config_help"]
+
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+
+TRAIN_USAGE = """Train an agent. One process:
+
+    {prog}                                         # CartPole-v1, configs/default.yaml
+    {prog} --config configs/memory_gru.yaml optim.lr=3e-4
+    {prog} optim.lr=3e-4 --config configs/memory_gru.yaml env.num_envs=16
+    {prog} --resume runs/CartPole-v1-20261130-101500 total_env_steps=1000000
+
+Several processes (FSDP1, one replay engine per rank):
+
+    torchrun --nproc_per_node=2 scripts/train.py --config configs/fsdp_transformer.yaml
+
+Overrides are section.key=value (values parsed as YAML) and may come before or after
+--config. Ctrl-C or SIGTERM finishes the current update, writes a checkpoint and exits
+with 130 / 143; a second one exits at once.
+"""
+
+
+# ------------------------------------------------------------------------- config --help
+def _field_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` from the string literal under each field of a dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
+def config_help() -> str:
+    """Every config key with its type, default and one line of documentation, by section."""
+    import typing
+
+    from rl_replay import config as config_module
+
+    root = config_module.Config
+    defaults = config_module.config_to_dict(root())
+    lines = ["config keys (override with section.key=value, or key=value at top level):"]
+
+    def describe(cls, prefix, values):
+        hints, docs = typing.get_type_hints(cls), _field_docs(cls)
+        rows, sections = [], []
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                sections.append((f.name, tp, docs.get(f.name, "")))
+                continue
+            key = f"{prefix}{f.name}"
+            rows.append(f"  {key:<34} {config_module._type_name(tp)} = {values[f.name]!r}: {docs.get(f.name, '')}")
+        return rows, sections
+
+    rows, sections = describe(root, "", defaults)
+    lines += ["", "(top level)", *rows]
+    for name, cls, doc in sections:
+        sub, _ = describe(cls, f"{name}.", defaults[name])
+        lines += ["", f"{name}: {doc}", *sub]
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------- train
+def _override_key(override: str) -> str:
+    return override.split("=", 1)[0].strip()
+
+
+def _resume_command(run_dir: Path, info) -> str:
+    script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
+    if info.distributed:
+        return f"torchrun --nproc_per_node=... {script or 'scripts/train.py'} --resume {run_dir}  (same number of processes)"
+    return f"{'python ' + script if script else 'rl-replay-train'} --resume {run_dir}"
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    """``rl-replay-train``: train, or resume a run; returns the exit code."""
+    prog = "rl-replay-train" if argv is None and not sys.argv[0].endswith(".py") else "python scripts/train.py"
+    parser = argparse.ArgumentParser(
+        prog=prog if prog == "rl-replay-train" else None,
+        description=TRAIN_USAGE.format(prog=prog), epilog=config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--config", default=None, help=f"YAML config (default: configs/{DEFAULT_CONFIG.name})")
+    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
+                        help="continue the run in RUN_DIR with its own config.yaml (overrides allowed)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. optim.lr=3e-4 (see the keys below)")
+    args = parser.parse_intermixed_args(argv)
+
+    from rl_replay.checkpoint import CheckpointError
+    from rl_replay.config import load_config
+    from rl_replay.errors import SetupError
+    from rl_replay.guards import NonFiniteError
+    from rl_replay.interrupt import TrainingInterrupted
+
+    if args.resume and args.config:
+        print(f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
+              "cannot be combined with it: pass changes as key=value overrides, or drop --resume to "
+              "start a new run from the config file.", file=sys.stderr)
+        return 2
+    if args.resume and any(_override_key(o) == "run_dir" for o in args.overrides):
+        print(f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
+              "start a new run elsewhere, drop --resume instead).", file=sys.stderr)
+        return 2
+    try:
+        from rl_replay.trainer import build
+
+        if args.resume:
+            trainer = build(resume=args.resume, overrides=tuple(args.overrides))
+        else:
+            default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+            cfg = load_config(args.config or default, args.overrides)
+            trainer = build(cfg)
+    except (SetupError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("error: interrupted while starting; no training happened.", file=sys.stderr)
+        return 130
+    info = trainer.info
+    if info.is_main:
+        print(f"run directory: {trainer.run_dir}", file=sys.stderr)
+    code = 0
+    try:
+        metrics = trainer.train()
+        if info.is_main and metrics:
+            shown = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("rollout/return", "train/loss"))}
+            print(f"finished {trainer.update} updates, {trainer.env_steps} env steps: {shown}", file=sys.stderr)
+    except TrainingInterrupted as exc:
+        code = exc.exit_code
+        if info.is_main:
+            print(f"{exc}\nto continue: {_resume_command(trainer.run_dir, info)}", file=sys.stderr)
+    except (NonFiniteError, CheckpointError) as exc:
+        if info.is_main or info.distributed:
+            print(f"error: {exc}", file=sys.stderr)
+        code = 1
+    if info.distributed:
+        from rl_replay.distributed import shutdown
+
+        if code in (0, 130, 143) or code > 128:
+            shutdown(info)  # every rank stopped at the same update
+        # Skip interpreter finalisation: with gloo, destroying the process group's C++
+        # worker state during Python's teardown aborts the process now and then
+        # ("terminate called without an active exception") after all work is done.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+# ----------------------------------------------------------------------------- evaluate
+EVALUATE_USAGE = """Evaluate a checkpoint: run N episodes and print the mean and std of the return.
+
+    {prog} runs/CartPole-v1-20261130-101500 --episodes 100
+    {prog} RUN_DIR --video videos/   # needs: pip install -e ".[video]"
+
+Works for checkpoints written by one process or by several (FSDP) processes.
+"""
+
+
+def evaluate_main(argv: list[str] | None = None) -> int:
+    """``rl-replay-evaluate``: evaluate a run's checkpoint; returns the exit code."""
+    prog = "rl-replay-evaluate" if argv is None and not sys.argv[0].endswith(".py") else "python scripts/evaluate.py"
+    parser = argparse.ArgumentParser(
+        prog=prog if prog == "rl-replay-evaluate" else None,
+        description=EVALUATE_USAGE.format(prog=prog), formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", help="run directory (with config.yaml and checkpoint.pt)")
+    parser.add_argument("--episodes", type=int, default=None, help="default: eval.episodes of the run's config")
+    parser.add_argument("--stochastic", action="store_true", help="sample actions instead of the mode")
+    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--video", default=None, metavar="DIR", help="record videos into DIR")
+    args = parser.parse_intermixed_args(argv)
+    if args.episodes is not None and args.episodes < 1:
+        print(f"error: --episodes must be a positive number of episodes, got {args.episodes}.", file=sys.stderr)
+        return 2
+
+    from rl_replay.agent import build_agent
+    from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
+    from rl_replay.collector import make_vector_env
+    from rl_replay.config import load_config
+    from rl_replay.errors import SetupError
+    from rl_replay.evaluate import evaluate
+
+    run_dir = Path(args.run_dir)
+    try:
+        cfg = load_config(run_dir / "config.yaml")
+        state = load_checkpoint(run_dir)
+        bad = non_finite_tensors(state["agent"])
+        if bad:
+            raise SetupError(
+                f"checkpoint {run_dir / 'checkpoint.pt'} holds non-finite agent weights ({', '.join(bad[:4])}); "
+                "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
+            )
+        probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps)
+        agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
+                            probe.single_action_space)
+        probe.close()
+    except (SetupError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    agent.load_state_dict(state["agent"])
+    if args.video:
+        try:
+            import moviepy  # noqa: F401
+        except ImportError:
+            print("error: --video needs the optional video dependency: pip install -e '.[video]'", file=sys.stderr)
+            return 2
+    result = evaluate(
+        agent, cfg.env.id, episodes=args.episodes or cfg.eval.episodes,
+        deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed,
+        env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, video_dir=args.video,
+    )
+    print(f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
+          f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "
+          f"{state['env_steps']} env steps)")
+    print(json.dumps(result))
+    return 0

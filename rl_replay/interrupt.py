@@ -1,0 +1,93 @@
+"""Stop a run cleanly on SIGINT / SIGTERM: finish the update, checkpoint, exit non-zero.
+
+:class:`StopOnSignal` installs handlers for the duration of training (main thread only).
+The first SIGINT or SIGTERM only sets a flag and restores the default handlers, so a
+second one kills the process at once. The trainer asks :meth:`StopOnSignal.requested`
+once per update; under torchrun the flag is all-reduced there, so every rank stops at
+the same update even if only one of them received the signal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+import torch
+
+__all__ = ["StopOnSignal", "TrainingInterrupted", "children_ignore_sigint"]
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on a signal after writing a checkpoint.
+
+    ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM).
+    """
+
+    def __init__(self, signum: int, update: int, checkpoint: str | None, run_dir: str) -> None:
+        self.signum, self.update, self.checkpoint, self.run_dir = signum, update, checkpoint, run_dir
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after update {update}; checkpoint {checkpoint} written."
+        )
+
+
+class StopOnSignal:
+    """Context manager: remembers the first SIGINT/SIGTERM instead of dying on it."""
+
+    def __init__(self, *, announce: bool = True) -> None:
+        self.signum = 0
+        self._announce = announce
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+        self.signum = signum
+        for s in SIGNALS:  # a second signal takes the default action: exit at once
+            signal.signal(s, signal.SIG_DFL)
+        if self._announce:
+            # os.write: print() from a handler can re-enter a stream the main code is writing.
+            os.write(2, f"\nreceived {signal.Signals(signum).name}: finishing this update, then writing a "
+                        "checkpoint (send it again to exit at once)\n".encode())
+
+    def __enter__(self) -> StopOnSignal:
+        if threading.current_thread() is threading.main_thread():
+            for s in SIGNALS:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous.clear()
+
+    def requested(self, info=None, device: torch.device | None = None) -> int:
+        """The signal to stop on (0 = keep going); agreed over all ranks under torchrun."""
+        if info is None or not info.distributed:
+            return self.signum
+        import torch.distributed as dist
+
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+@contextlib.contextmanager
+def children_ignore_sigint():
+    """Processes started inside (async vector env workers) ignore SIGINT.
+
+    Ctrl-C in a terminal signals the whole process group. A worker that died of it would
+    break the env under the trainer before it can finish the update; ignoring it there
+    leaves the stop to the trainer, which closes the envs. (An ignored SIGINT is inherited
+    across fork and exec, and Python then installs no KeyboardInterrupt handler.)
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)

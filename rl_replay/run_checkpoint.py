@@ -1,0 +1,215 @@
+"""A trainer's checkpoint: one code path for single-process and FSDP1 runs.
+
+Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.checkpoint.save_checkpoint`):
+
+=================  ==============================================================
+``agent``          the full agent state dict with the original parameter names (under
+                   FSDP gathered on rank 0 with ``FULL_STATE_DICT``, in host memory):
+                   ``scripts/evaluate.py RUN_DIR`` loads it into an unwrapped agent.
+``optimizer``      ``optimizer.state_dict()`` in one process; under FSDP the full state
+                   from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
+``collector``      list indexed by rank: each rank's collector state.
+``rng``            list indexed by rank: :func:`~rl_replay.checkpoint.capture_rng`
+                   (python, numpy, torch and, on CUDA, the CUDA generator).
+``recent_returns`` list indexed by rank: each rank's recent episode returns.
+``update``, ``env_steps``, ``wandb_id``, ``config``
+``world_size``     number of processes that wrote it; a resume needs the same.
+=================  ==============================================================
+
+Saving is collective (every rank calls :func:`save_trainer`); rank 0 gathers and writes,
+then tells every rank whether the write succeeded, so no rank runs ahead of the file and
+a failed write fails every rank instead of hanging them. Resuming: each rank reads the
+file itself (:func:`read_trainer_state`), :func:`load_trainer` loads agent, optimizer and
+collector (FSDP through its full-state-dict loaders) and :func:`restore_trainer_rng` sets
+the RNG streams last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_replay.checkpoint import capture_rng, checkpoint_path, load_latest, restore_rng, save_checkpoint
+from rl_replay.config import config_to_dict
+from rl_replay.errors import SetupError
+
+__all__ = ["save_trainer", "read_trainer_state", "load_trainer", "restore_trainer_rng", "check_world_size"]
+
+
+def _is_fsdp(model: torch.nn.Module) -> bool:
+    return type(model).__name__ == "FullyShardedDataParallel"
+
+
+@contextlib.contextmanager
+def _full_state_dict_type(model: torch.nn.Module, device: torch.device, *, rank0_only: bool):
+    """FULL_STATE_DICT for the model and the optimizer, gathered into host memory.
+
+    ``offload_to_cpu`` is set only when the compute device is not the CPU: FSDP1's
+    ``FlatParamHandle.to_cpu`` moves the unsharded flat parameter "to the CPU" (a no-op
+    there) and then frees its storage, so on a CPU device the state dict reads freed
+    memory (a segmentation fault in ``_full_post_state_dict_hook``, torch 2.13). On the
+    CPU the gathered tensors are in host memory anyway.
+    """
+    from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    offload = device.type != "cpu"
+    with warnings.catch_warnings():
+        # torch >= 2.4 suggests torch.distributed.checkpoint.state_dict; FSDP1 keeps these.
+        warnings.filterwarnings("ignore", message=".*state_dict_type.*deprecated.*", category=FutureWarning)
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.FULL_STATE_DICT,
+            FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+            FullOptimStateDictConfig(offload_to_cpu=offload, rank0_only=rank0_only),
+        ):
+            yield
+
+
+def _map_tensors(obj: Any, device: torch.device | str) -> Any:
+    """``obj`` with every tensor in nested dicts / lists / tuples moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, device) for v in obj)
+    return obj
+
+
+def _rank_state(trainer) -> dict[str, Any]:
+    """What differs between ranks: collector, RNG streams, recent returns (on the CPU)."""
+    return {
+        "collector": _map_tensors(trainer.collector.state_dict(), "cpu"),
+        "rng": capture_rng(trainer.device),
+        "recent_returns": list(trainer.recent_returns),
+    }
+
+
+def _gather_to_main(obj: Any, info) -> list[Any] | None:
+    if not info.distributed:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] | None = [None] * info.world_size if info.is_main else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def _broadcast_from_main(value: Any, info) -> Any:
+    if not info.distributed:
+        return value
+    import torch.distributed as dist
+
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def save_trainer(trainer) -> Path:
+    """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
+
+    Returns the path written. Raises on every rank if rank 0 could not write it (e.g. a
+    :class:`~rl_replay.checkpoint.CheckpointError` for non-finite weights).
+    """
+    info, model = trainer.info, trainer.model
+    path = checkpoint_path(trainer.run_dir)
+    if _is_fsdp(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _full_state_dict_type(model, trainer.device, rank0_only=True):
+            agent_state = model.state_dict()  # empty on ranks other than 0
+            optim_state = FSDP.optim_state_dict(model, trainer.optimizer)
+    else:
+        agent_state, optim_state = model.state_dict(), trainer.optimizer.state_dict()
+    gathered = _gather_to_main(_rank_state(trainer), info)
+    error: BaseException | None = None
+    if info.is_main:
+        assert gathered is not None
+        payload = {
+            "update": trainer.update,
+            "env_steps": trainer.env_steps,
+            "agent": agent_state,
+            "optimizer": optim_state,
+            "collector": [g["collector"] for g in gathered],
+            "rng": [g["rng"] for g in gathered],
+            "recent_returns": [g["recent_returns"] for g in gathered],
+            "wandb_id": trainer.logger.wandb_id if trainer.logger is not None else None,
+            "config": config_to_dict(trainer.cfg),
+            "world_size": info.world_size,
+        }
+        try:
+            save_checkpoint(payload, path)
+        except BaseException as exc:  # tell the other ranks before failing
+            error = exc
+    # Barrier: no rank continues before rank 0 has written (or failed to write) the file.
+    message = _broadcast_from_main(None if error is None else str(error), info)
+    if error is not None:
+        raise error
+    if message is not None:
+        raise RuntimeError(f"rank 0 failed to write the checkpoint: {message}")
+    return path
+
+
+def check_world_size(state: dict[str, Any], world_size: int, where: str | Path) -> None:
+    """Raise SetupError unless the checkpoint was written by ``world_size`` processes."""
+    saved = int(state.get("world_size", 1))
+    if saved != world_size:
+        raise SetupError(
+            f"cannot resume {where}: its checkpoint was written with world size {saved} but this "
+            f"run has world size {world_size}. Resume with the same number of processes "
+            f"({'a single process' if saved == 1 else f'torchrun with {saved} processes in all, e.g. --nproc_per_node={saved}'})."
+        )
+
+
+def _per_rank_lists(state: dict[str, Any]) -> dict[str, Any]:
+    """Older single-process files kept the per-rank entries unwrapped."""
+    if "world_size" not in state:
+        state = dict(state, world_size=1, collector=[state["collector"]], rng=[state["rng"]],
+                     recent_returns=[state["recent_returns"]])
+    return state
+
+
+def read_trainer_state(run_dir: str | Path, info) -> tuple[dict[str, Any], Path, str | None]:
+    """Each rank reads the run's latest readable checkpoint (on the CPU) and checks the world size.
+
+    Returns ``(state, path, warning)`` as :func:`rl_replay.checkpoint.load_latest`.
+    """
+    state, path, warning = load_latest(run_dir)
+    state = _per_rank_lists(state)
+    check_world_size(state, info.world_size, path)
+    return state, path, warning
+
+
+def load_trainer(trainer, state: dict[str, Any]) -> None:
+    """Load agent, optimizer, collector and counters of ``state`` into ``trainer`` (collective).
+
+    The RNG streams are restored separately (:func:`restore_trainer_rng`), last.
+    """
+    info, model = trainer.info, trainer.model
+    check_world_size(state, info.world_size, trainer.run_dir)
+    if _is_fsdp(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        # Every rank holds the full state (it read the file), so no rank0_only broadcast.
+        with _full_state_dict_type(model, trainer.device, rank0_only=False):
+            model.load_state_dict(state["agent"])
+            optim_state = FSDP.optim_state_dict_to_load(model, trainer.optimizer, state["optimizer"])
+    else:
+        model.load_state_dict(state["agent"])
+        optim_state = state["optimizer"]
+    trainer.optimizer.load_state_dict(optim_state)
+    trainer.collector.load_state_dict(_map_tensors(state["collector"][info.rank], trainer.device))
+    trainer.update = state["update"]
+    trainer.env_steps = state["env_steps"]
+    trainer.recent_returns.clear()
+    trainer.recent_returns.extend(state["recent_returns"][info.rank])
+
+
+def restore_trainer_rng(trainer, state: dict[str, Any]) -> None:
+    """Set this rank's RNG streams from ``state`` (call it after everything else is set up)."""
+    restore_rng(state["rng"][trainer.info.rank], trainer.device)

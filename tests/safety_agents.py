@@ -1,0 +1,76 @@
+"""Agents that break the Agent contract (tests/test_safety.py) and a deliberately slow one.
+
+Loaded through ``agent.target=safety_agents:<Name>`` with tests/ on the path.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from rl_replay.agent import ActionHead, Agent
+
+
+class _Base(Agent):
+    def __init__(self, observation_space, action_space, hidden: int = 8):
+        super().__init__(observation_space, action_space)
+        self.body = nn.Sequential(nn.Linear(self.obs_dim, hidden), nn.Tanh())
+        self.head = ActionHead(action_space, hidden)
+        self.critic = nn.Linear(hidden, 1)
+
+    def forward(self, observation, state, is_first):
+        x = self.body(observation.flatten(1))
+        return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state,
+                          batch_size=observation.shape[:1])
+
+
+class WrongKeyAgent(_Base):
+    """Returns its distribution parameters under 'distribution' instead of 'dist'."""
+
+    def forward(self, observation, state, is_first):
+        out = super().forward(observation, state, is_first)
+        out["distribution"] = out.pop("dist")
+        return out
+
+
+class ColumnValueAgent(_Base):
+    """Returns value of shape (N, 1) (forgot the squeeze)."""
+
+    def forward(self, observation, state, is_first):
+        out = super().forward(observation, state, is_first)
+        out["value"] = out["value"].unsqueeze(-1)
+        return out
+
+
+class WideLogitsAgent(_Base):
+    """Three logits for CartPole's two actions."""
+
+    def __init__(self, observation_space, action_space, hidden: int = 8, extra: int = 1):
+        super().__init__(observation_space, action_space, hidden)
+        self.head.linear = nn.Linear(hidden, int(action_space.n) + extra)
+
+
+class NarrowLogitsAgent(WideLogitsAgent):
+    """One logit for CartPole's two actions."""
+
+    def __init__(self, observation_space, action_space, hidden: int = 8):
+        super().__init__(observation_space, action_space, hidden, extra=-1)
+
+
+class BatchNormAgent(_Base):
+    """BatchNorm in training mode: its running statistics change on every forward."""
+
+    def __init__(self, observation_space, action_space, hidden: int = 8):
+        super().__init__(observation_space, action_space, hidden)
+        self.body = nn.Sequential(nn.Linear(self.obs_dim, hidden), nn.BatchNorm1d(hidden), nn.Tanh())
+
+
+class SlowAgent(_Base):
+    """Sleeps in every forward, so an update takes long enough to signal it twice."""
+
+    def forward(self, observation, state, is_first):
+        time.sleep(0.05)
+        return super().forward(observation, state, is_first)
