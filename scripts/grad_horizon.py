@@ -6,8 +6,10 @@ initialisation, and report:
 
 * ``grad``: the norm of d(sum over the batch of log pi(action 0 | query step)) / d(cue
   observation), i.e. how much gradient the one scored decision sends back to the cue;
-* ``signal``: |mean log pi(0 | query) for cue-0 episodes - the same for cue-1 episodes|,
-  how much of the cue the forward pass still carries at the query (0: forgotten).
+* ``signal``: |mean (logit 0 - logit 1) at the query over cue-0 episodes - the same over
+  cue-1 episodes|, how much of the cue the forward pass still carries to the action at the
+  query (0: forgotten). Logit differences, not log-probs: at initialisation the policy is
+  near uniform and float32 log-probs near log(1/2) cannot resolve differences below ~6e-8.
 
 A column that falls to 0 (float32 underflow) or grows without bound as the delay grows
 marks the horizon past which the agent cannot learn the task by gradient at this init.
@@ -116,8 +118,9 @@ def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 
     log_prob = agent.distribution(out).log_prob(torch.zeros(batch, dtype=torch.long))  # (B,)
     log_prob.sum().backward()
     grad = cue_obs.grad.norm().item()
-    lp = log_prob.detach()
-    signal = (lp[cues == 0].mean() - lp[cues == 1].mean()).abs().item()
+    logits = out["dist"]["logits"].detach().double()  # (B, num_cues)
+    margin = logits[:, 0] - logits[:, 1]
+    signal = (margin[cues == 0].mean() - margin[cues == 1].mean()).abs().item()
     return {
         "agent": target, "kwargs": kwargs, "delay": delay, "batch": batch, "seed": seed,
         "noise_dims": noise_dims, "grad": grad, "signal": signal,
