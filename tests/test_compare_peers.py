@@ -74,3 +74,20 @@ def test_bad_arguments(tmp_path):
                "--out", str(tmp_path / "y"))
     assert proc.returncode != 0 and "--env-kwargs must be a YAML mapping" in proc.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_summarize_curve_steps_to_threshold(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from summarize_curve import load, summarize
+
+    success = [0.5, 0.5, 1.0, 1.0, 0.8, 1.0, 1.0]
+    lines = [{"update": i + 1, "env_steps": 100 * (i + 1), "rollout/success_rate": s,
+              "time/steps_per_sec": 10.0 * (i + 1), "memory/peak_rss_bytes": 2**20 * (i + 1)}
+             for i, s in enumerate(success)]
+    lines.insert(3, {"update": 0, "env_steps": 350})  # a record without the key is skipped
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = summarize(load(tmp_path), window=2, threshold=0.95)
+    # Windowed means: 0.5, 0.75, 1.0 (at 400 steps) ... 0.9, 0.9, 1.0
+    assert s["steps_to_threshold"] == 400 and s["final"] == 1.0 and s["env_steps"] == 700
+    assert s["peak_rss_mib"] == 7 and s["steps_per_sec"] == 40.0
+    assert summarize(load(tmp_path), window=2, threshold=1.1)["steps_to_threshold"] is None
