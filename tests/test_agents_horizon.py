@@ -203,3 +203,22 @@ def test_grad_horizon_matches_plain_autograd():
     agent.distribution(out).log_prob(torch.zeros(4, dtype=torch.long)).sum().backward()
     assert row["grad"] > 0
     assert math.isclose(row["grad"], cue.grad.norm().item(), rel_tol=1e-5)
+
+
+def test_memory_256_config_runs_an_update(tmp_path):
+    # The shipped long-delay config builds its LRU agent and trains (tiny sizes for speed).
+    from rl_replay.config import load_config
+    from rl_replay.trainer import build
+
+    cfg = load_config(ROOT / "configs" / "memory_256.yaml", [
+        "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8", "total_env_steps=32",
+        "log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0", f"run_dir={tmp_path / 'run'}",
+    ])
+    assert cfg.agent.target == "agents.lru:LRUAgent" and cfg.collector.bptt_truncate is None
+    trainer = build(cfg)
+    assert isinstance(trainer.model, LRUAgent)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    metrics = trainer.step()
+    assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
+    changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
+    assert "nu_log" in changed and "B" in changed  # the recurrence itself learns
