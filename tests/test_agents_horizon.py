@@ -115,6 +115,10 @@ def test_chrono_bias_range_and_gate_layout():
     forget, inp = lstm.cell.bias_ih[8:16], lstm.cell.bias_ih[:8]
     assert torch.equal(inp, -forget) and torch.all(forget >= 0) and forget.max() <= math.log(49)
     assert torch.all(lstm.cell.bias_hh[:16] == 0)
+    # minGRU writes with z = sigmoid(b): its keep gate 1 - z has memory time 1 / z in [2, T_max].
+    mingru = MinGRUAgent(OBS, ACT, hidden_size=64, chrono_t_max=50)
+    memory = 1 / torch.sigmoid(mingru.gate.bias.detach())
+    assert memory.min() >= 2 - 1e-4 and memory.max() <= 50 + 1e-3
 
 
 @pytest.mark.parametrize("bad", [2, 1.5, -3, "100", True])
