@@ -6,8 +6,10 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from agents.chrono import check_t_max, chrono_bias
 from agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
+from rl_replay.errors import SetupError
 
 
 class GRUAgent(Agent):
@@ -15,16 +17,29 @@ class GRUAgent(Agent):
 
     The state is zeroed inside forward where ``is_first`` is set, so a rollout that
     crosses an episode boundary carries no gradient from one episode into the next.
+
+    Args:
+        update_gate_bias: one constant bias for the update (keep) gate; 0 leaves torch's init.
+        chrono_t_max: instead, chrono initialisation (see :mod:`agents.chrono`): the update
+            gate's bias per unit is ``log(U[1, chrono_t_max - 1])``, so the units' memory
+            times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
     """
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
-                 update_gate_bias: float = 0.0):
+                 update_gate_bias: float = 0.0, chrono_t_max: float | None = None):
         super().__init__(observation_space, action_space)
         encoder_sizes = list(encoder_sizes)
         self.hidden_size = hidden_size
         self.encoder = mlp(self.obs_dim, encoder_sizes)
         self.cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, hidden_size)
-        if update_gate_bias:
+        if chrono_t_max is not None:
+            if update_gate_bias:
+                raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
+            t_max = check_t_max(chrono_t_max, "GRUAgent")
+            with torch.no_grad():  # z = sigmoid(b_iz + b_hz + ...) is the keep gate in torch
+                self.cell.bias_ih[hidden_size : 2 * hidden_size].copy_(chrono_bias(hidden_size, t_max))
+                self.cell.bias_hh[hidden_size : 2 * hidden_size].zero_()
+        elif update_gate_bias:
             # GRUCell gates are ordered (reset, update, new); a positive update-gate bias makes
             # the cell keep its state by default, so gradient survives long delays (the GRU
             # analogue of an LSTM forget-gate bias of 1).

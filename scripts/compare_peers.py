@@ -1,0 +1,174 @@
+"""Run a peer baseline (sb3-contrib RecurrentPPO) on an env and log it like the trainer does.
+
+Writes ``OUT_DIR/metrics.jsonl`` with one line per RecurrentPPO iteration (rollout + update),
+in the trainer's format, so the same curve tools read both:
+
+==========================  ==========================================================
+``update``, ``env_steps``    iteration number, env steps so far (all envs)
+``rollout/return_recent``    mean return of the last 100 finished episodes
+``rollout/success_rate``     fraction of this iteration's finished episodes whose final
+                             ``info["success"]`` is true (envs that report it)
+``rollout/episodes``         episodes finished in this iteration
+``memory/peak_rss_bytes``    peak resident set size of this process so far
+``time/steps_per_sec``       env steps per second of this iteration (collect + update)
+==========================  ==========================================================
+
+and ``OUT_DIR/peer.json`` with the exact settings. Non-Box observation spaces (POPGym's
+Discrete / MultiDiscrete) are one-hot encoded with ``gymnasium.wrappers.FlattenObservation``.
+
+Needs the optional extra: ``pip install -e ".[compare]"``. Examples::
+
+    python scripts/compare_peers.py --env rl_replay/MemoryCue-v0 --env-kwargs '{delay: 256}' \\
+        --total-env-steps 2000000 --out runs/peer_memory256
+    python scripts/compare_peers.py --env popgym-RepeatPreviousEasy-v0 --total-env-steps 300000 \\
+        --out runs/peer_repeatprevious      # POPGym ids need `pip install popgym`
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import gymnasium  # noqa: E402
+import numpy as np  # noqa: E402
+import yaml  # noqa: E402
+
+from rl_replay.logger import METRICS_NAME  # noqa: E402
+
+
+def _yaml_mapping(text: str, flag: str) -> dict:
+    value = yaml.safe_load(text) if text else {}
+    if not isinstance(value, dict):
+        raise SystemExit(f"compare_peers: {flag} must be a YAML mapping such as '{{delay: 256}}', got {text!r}.")
+    return value
+
+
+def import_env_modules(env_id: str) -> None:
+    """Register the project's envs, and POPGym's when the id asks for them."""
+    import envs  # noqa: F401  (rl_replay/* ids)
+
+    if env_id.startswith("popgym-"):
+        try:
+            import popgym  # noqa: F401
+        except ImportError:
+            raise SystemExit(f"compare_peers: {env_id} needs popgym: pip install popgym") from None
+
+
+def make_env_fn(env_id: str, kwargs: dict):
+    def make():
+        env = gymnasium.make(env_id, **kwargs)
+        if not isinstance(env.observation_space, gymnasium.spaces.Box):
+            env = gymnasium.wrappers.FlattenObservation(env)  # Discrete -> one-hot
+        return env
+    return make
+
+
+def build_callback(metrics_path: Path, window: int = 100):
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    from rl_replay.logger import peak_memory
+
+    class MetricsCallback(BaseCallback):
+        """Per-iteration records in the trainer's metrics.jsonl format."""
+
+        def _on_training_start(self) -> None:
+            self.file = open(metrics_path, "x", buffering=1)
+            self.recent = collections.deque(maxlen=window)
+            self.update = 0
+            self.episodes = self.judged = self.success = 0
+            self.last_time, self.last_steps = time.perf_counter(), self.num_timesteps
+
+        def _on_step(self) -> bool:
+            for done, info in zip(self.locals["dones"], self.locals["infos"]):
+                if not done:
+                    continue
+                if "episode" in info:  # added by SB3's Monitor at the episode's end
+                    self.recent.append(float(info["episode"]["r"]))
+                    self.episodes += 1
+                if "success" in info:
+                    self.judged += 1
+                    self.success += bool(info["success"])
+            return True
+
+        def _on_rollout_end(self) -> None:
+            # SB3 calls this after collecting, before the update; the update's time is
+            # counted in the next record, so steps/s covers collect + update like the trainer's.
+            now = time.perf_counter()
+            self.update += 1
+            record = {"update": self.update, "env_steps": int(self.num_timesteps),
+                      "rollout/episodes": self.episodes}
+            if self.recent:
+                record["rollout/return_recent"] = float(np.mean(self.recent))
+            if self.judged:
+                record["rollout/success_rate"] = self.success / self.judged
+            record.update(peak_memory(self.model.device))
+            record["time/steps_per_sec"] = (self.num_timesteps - self.last_steps) / (now - self.last_time)
+            self.file.write(json.dumps(record) + "\n")
+            self.last_time, self.last_steps = now, self.num_timesteps
+            self.episodes = self.judged = self.success = 0
+
+        def _on_training_end(self) -> None:
+            self.file.close()
+
+    return MetricsCallback()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--env", required=True, help="gymnasium id, e.g. rl_replay/MemoryCue-v0")
+    parser.add_argument("--env-kwargs", default="", help="YAML mapping passed to gymnasium.make")
+    parser.add_argument("--total-env-steps", type=int, required=True, help="env steps, all envs together")
+    parser.add_argument("--num-envs", type=int, default=8)
+    parser.add_argument("--algo-kwargs", default="",
+                        help="YAML mapping of RecurrentPPO arguments (default: sb3-contrib's, n_steps 128)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
+    args = parser.parse_args(argv)
+
+    env_kwargs = _yaml_mapping(args.env_kwargs, "--env-kwargs")
+    algo_kwargs = _yaml_mapping(args.algo_kwargs, "--algo-kwargs")
+    if args.total_env_steps < 1 or args.num_envs < 1:
+        parser.error("--total-env-steps and --num-envs must be positive")
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()):
+        parser.error(f"--out {out} is not empty; pass a new directory (results are never overwritten)")
+    try:
+        import torch
+        from sb3_contrib import RecurrentPPO
+        from stable_baselines3.common.env_util import make_vec_env
+    except ImportError as exc:
+        raise SystemExit(f"compare_peers: needs the peer libraries ({exc}): pip install -e \".[compare]\"") from None
+    import_env_modules(args.env)
+    try:
+        gymnasium.spec(args.env)
+    except gymnasium.error.Error as exc:
+        parser.error(f"--env {args.env}: {exc}")
+
+    torch.set_num_threads(args.threads)
+    vec_env = make_vec_env(make_env_fn(args.env, env_kwargs), n_envs=args.num_envs, seed=args.seed)
+    model = RecurrentPPO("MlpLstmPolicy", vec_env, seed=args.seed, device="cpu", verbose=0, **algo_kwargs)
+    out.mkdir(parents=True, exist_ok=True)
+    settings = {"peer": "sb3_contrib.RecurrentPPO", "policy": "MlpLstmPolicy", "env": args.env,
+                "env_kwargs": env_kwargs, "num_envs": args.num_envs, "total_env_steps": args.total_env_steps,
+                "seed": args.seed, "algo_kwargs": algo_kwargs, "n_steps": model.n_steps,
+                "observation_space": str(vec_env.observation_space)}
+    (out / "peer.json").write_text(json.dumps(settings, indent=1) + "\n")
+    start = time.perf_counter()
+    model.learn(total_timesteps=args.total_env_steps, callback=build_callback(out / METRICS_NAME))
+    print(f"compare_peers: {model.num_timesteps} env steps in {time.perf_counter() - start:.1f} s; "
+          f"metrics in {out / METRICS_NAME}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

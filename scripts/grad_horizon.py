@@ -1,0 +1,181 @@
+"""How far back does an agent's gradient reach? A horizon diagnostic on MemoryCue.
+
+For each agent spec and each delay, run ``batch`` MemoryCue episodes (a cue, ``delay``
+distractors, the query) through replay blocks -- the engine the trainer uses -- at
+initialisation, and report:
+
+* ``grad``: the norm of d(sum over the batch of log pi(action 0 | query step)) / d(cue
+  observation), i.e. how much gradient the one scored decision sends back to the cue;
+* ``signal``: |mean (logit 0 - logit 1) at the query over cue-0 episodes - the same over
+  cue-1 episodes|, how much of the cue the forward pass still carries to the action at the
+  query (0: forgotten). Logit differences, not log-probs: at initialisation the policy is
+  near uniform and float32 log-probs near log(1/2) cannot resolve differences below ~6e-8.
+
+A column that falls to 0 (float32 underflow) or grows without bound as the delay grows
+marks the horizon past which the agent cannot learn the task by gradient at this init.
+
+Usage::
+
+    python scripts/grad_horizon.py                                  # the built-in candidates
+    python scripts/grad_horizon.py --agent 'agents.gru:GRUAgent {update_gate_bias: 5}' \\
+        --agent 'agents.lru:LRUAgent {r_max: 0.9999}' --delays 64 256 1024 4096 --json out.json
+
+An agent spec is ``module:Class`` optionally followed by its kwargs in YAML flow style.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import gymnasium  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import yaml  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+import envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
+from rl_replay import GradientAccumulator, replay  # noqa: E402
+from rl_replay.agent import build_agent  # noqa: E402
+
+#: The agents the diagnostic reports by default: the existing ones (as measured before)
+#: and the long-memory candidates.
+DEFAULT_SPECS = (
+    "agents.gru:GRUAgent {update_gate_bias: 5}",
+    "agents.gru:GRUAgent {update_gate_bias: 8}",
+    "agents.gru:GRUAgent {chrono_t_max: 1024}",
+    "agents.gru:GRUAgent {chrono_t_max: 4096}",
+    "agents.lstm:LSTMAgent {forget_bias: 1}",
+    "agents.lstm:LSTMAgent {forget_bias: 4}",
+    "agents.lstm:LSTMAgent {forget_bias: 7}",
+    "agents.lstm:LSTMAgent {chrono_t_max: 1024}",
+    "agents.lstm:LSTMAgent {chrono_t_max: 4096}",
+    "agents.mingru:MinGRUAgent {chrono_t_max: 1024}",
+    "agents.mingru:MinGRUAgent {chrono_t_max: 4096}",
+    "agents.lru:LRUAgent {r_min: 0.9, r_max: 0.999}",
+    "agents.lru:LRUAgent {r_min: 0.99, r_max: 0.9999}",
+    "agents.lru:LRUAgent {r_min: 0.99, r_max: 0.9999, max_phase: 0}",
+)
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """``'module:Class {k: v}'`` -> ``('module:Class', {'k': v})``."""
+    target, _, rest = spec.strip().partition(" ")
+    kwargs = yaml.safe_load(rest) if rest.strip() else {}
+    if not isinstance(kwargs, dict):
+        raise SystemExit(f"grad_horizon: the kwargs of agent spec {spec!r} must be a YAML mapping "
+                         "such as '{hidden_size: 128}'.")
+    return target, kwargs
+
+
+def episode_observations(delay: int, batch: int, seed: int, noise_dims: int = 0):
+    """Observations ``(delay + 2, batch, obs_dim)`` of ``batch`` MemoryCue episodes, their cues
+    ``(batch,)``, and the env's spaces. Half the episodes get cue 0, half cue 1 (seeded)."""
+    env = gymnasium.make("rl_replay/MemoryCue-v0", delay=delay, noise_dims=noise_dims)
+    cues = np.arange(batch) % 2
+    obs_seq, got = [], []
+    seed_i = seed * 100_003
+    for b in range(batch):
+        while True:  # reseed until this episode shows the cue we want
+            obs, _ = env.reset(seed=seed_i)
+            seed_i += 1
+            if int(np.argmax(obs[:2])) == cues[b]:
+                break
+        episode = [obs]
+        for _ in range(delay + 1):
+            obs, _, _, _, _ = env.step(0)
+            episode.append(obs)
+        obs_seq.append(np.stack(episode))
+        got.append(cues[b])
+    observations = torch.as_tensor(np.stack(obs_seq, axis=1))  # (T, B, obs_dim)
+    return observations, torch.as_tensor(np.array(got)), env.observation_space, env.action_space
+
+
+def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 0,
+            noise_dims: int = 0) -> dict:
+    """Gradient reaching the cue and cue signal at the query, for one agent and delay."""
+    observations, cues, obs_space, act_space = episode_observations(delay, batch, seed, noise_dims)
+    torch.manual_seed(seed)
+    agent = build_agent(target, kwargs, obs_space, act_space)
+    start = time.perf_counter()
+    cue_obs = observations[0].clone().requires_grad_(True)  # (B, obs_dim)
+    acc = GradientAccumulator()
+    state = agent.initial_state(batch)
+    first = torch.ones(batch, dtype=torch.bool)
+    for t in range(delay + 2):
+        obs = cue_obs if t == 0 else observations[t]
+        out = replay(agent, acc, TensorDict(observation=obs, state=state, is_first=first, batch_size=[batch]))
+        state = out["state"]
+        first = torch.zeros(batch, dtype=torch.bool)
+    log_prob = agent.distribution(out).log_prob(torch.zeros(batch, dtype=torch.long))  # (B,)
+    log_prob.sum().backward()
+    grad = cue_obs.grad.norm().item()
+    logits = out["dist"]["logits"].detach().double()  # (B, num_cues)
+    margin = logits[:, 0] - logits[:, 1]
+    signal = (margin[cues == 0].mean() - margin[cues == 1].mean()).abs().item()
+    return {
+        "agent": target, "kwargs": kwargs, "delay": delay, "batch": batch, "seed": seed,
+        "noise_dims": noise_dims, "grad": grad, "signal": signal,
+        "blocks_replayed": acc.blocks_replayed, "seconds": round(time.perf_counter() - start, 3),
+    }
+
+
+def spec_label(target: str, kwargs: dict) -> str:
+    args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
+    return f"{target.rpartition(':')[2]}({args})"
+
+
+def fmt(x: float) -> str:
+    if x == 0:
+        return "0"
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.1e}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--agent", action="append", metavar="SPEC",
+                        help="'module:Class {kwargs}' (repeatable); default: the built-in candidates")
+    parser.add_argument("--delays", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--noise-dims", type=int, default=0, help="distractor noise channels (default 0)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args(argv)
+    if args.batch < 2:
+        parser.error("--batch must be >= 2 (the signal column compares cue-0 and cue-1 episodes)")
+    if any(d < 0 for d in args.delays):
+        parser.error("--delays must be >= 0")
+    if args.json and os.path.exists(args.json):
+        parser.error(f"--json {args.json} exists; pass a new path (results are never overwritten)")
+    torch.set_num_threads(args.threads)
+    specs = [parse_spec(s) for s in (args.agent or DEFAULT_SPECS)]
+
+    rows = []
+    header = "| agent | " + " | ".join(f"grad @{d}" for d in args.delays) + " | " + \
+        " | ".join(f"signal @{d}" for d in args.delays) + " |"
+    print(header)
+    print("|" + "---|" * (1 + 2 * len(args.delays)))
+    for target, kwargs in specs:
+        cells = [measure(target, kwargs, d, args.batch, args.seed, args.noise_dims) for d in args.delays]
+        rows += cells
+        print(f"| {spec_label(target, kwargs)} | " + " | ".join(fmt(c["grad"]) for c in cells) + " | "
+              + " | ".join(fmt(c["signal"]) for c in cells) + " |", flush=True)
+    if args.json:
+        with open(args.json, "x") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

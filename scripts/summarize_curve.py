@@ -1,0 +1,76 @@
+"""Summarise learning curves from ``metrics.jsonl`` files (the trainer's or compare_peers.py's).
+
+For each run directory (or metrics file) prints: env steps at which the mean of
+``--key`` over the last ``--window`` records first reached ``--threshold``, that
+windowed mean at the end, the median env steps/s and the peak RSS.
+
+    python scripts/summarize_curve.py runs/probe_lru128 runs/peer_memory128
+    python scripts/summarize_curve.py RUN --key rollout/return_recent --threshold 475 --window 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def load(path: str | Path) -> list[dict]:
+    """The records of a run directory's ``metrics.jsonl`` (or of that file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"summarize_curve: {path} does not exist; pass a run directory or a metrics.jsonl.")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(records: list[dict], key: str = "rollout/success_rate", threshold: float = 0.95,
+              window: int = 10) -> dict:
+    """``steps_to_threshold`` (None if never), ``final`` windowed mean, ``env_steps``,
+    ``steps_per_sec`` (median) and ``peak_rss_mib``."""
+    values, reached, final = [], None, None
+    for r in records:
+        if key not in r:
+            continue
+        values.append(r[key])
+        if len(values) >= window:
+            final = sum(values[-window:]) / window
+            if reached is None and final >= threshold:
+                reached = r["env_steps"]
+    sps = [r["time/steps_per_sec"] for r in records if "time/steps_per_sec" in r]
+    rss = [r["memory/peak_rss_bytes"] for r in records if "memory/peak_rss_bytes" in r]
+    return {
+        "steps_to_threshold": reached,
+        "final": final,
+        "env_steps": records[-1]["env_steps"] if records else 0,
+        "steps_per_sec": statistics.median(sps) if sps else None,
+        "peak_rss_mib": max(rss) / 2**20 if rss else None,
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
+    parser.add_argument("--key", default="rollout/success_rate")
+    parser.add_argument("--threshold", type=float, default=0.95)
+    parser.add_argument("--window", type=int, default=10, help="records averaged (default 10)")
+    args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error("--window must be >= 1")
+    print(f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
+          "env steps run | env steps/s | peak RSS MiB |")
+    print("|---|---|---|---|---|---|")
+    for run in args.runs:
+        s = summarize(load(run), args.key, args.threshold, args.window)
+        fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
+        print(f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
+              f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
+              f"{fmt(s['peak_rss_mib'], '.0f')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""scripts/compare_peers.py: RecurrentPPO curves in the trainer's metrics.jsonl format.
+
+Skipped when the optional extra ``[compare]`` (sb3-contrib) is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "compare_peers.py"
+TINY = ["--num-envs", "2", "--algo-kwargs", "{n_steps: 16, batch_size: 32, n_epochs: 1}"]
+
+
+def run(*args, timeout=180):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def read_metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_memory_cue_curve_in_trainer_format(tmp_path):
+    pytest.importorskip("sb3_contrib")
+    out = tmp_path / "peer"
+    proc = run("--env", "rl_replay/MemoryCue-v0", "--env-kwargs", "{delay: 4}",
+               "--total-env-steps", "128", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stderr
+    rows = read_metrics(out)
+    # 128 env steps / (2 envs * 16 steps) = 4 iterations, one record each.
+    assert [r["update"] for r in rows] == [1, 2, 3, 4]
+    assert [r["env_steps"] for r in rows] == [32, 64, 96, 128]
+    for r in rows:
+        for key in ("rollout/return_recent", "rollout/success_rate", "memory/peak_rss_bytes",
+                    "time/steps_per_sec"):
+            assert key in r, key
+        assert 0 <= r["rollout/success_rate"] <= 1 and r["memory/peak_rss_bytes"] > 0
+    # 6-step episodes (cue, 4 distractors, query): each env finishes 64 // 6 = 10 in 64 steps.
+    assert sum(r["rollout/episodes"] for r in rows) == 20
+    # Returns are +1 / -1 per episode, so the rolling mean over all episodes so far ties to
+    # the success rates: mean return = 2 * success - 1.
+    total = sum(r["rollout/episodes"] for r in rows)
+    wins = sum(r["rollout/success_rate"] * r["rollout/episodes"] for r in rows)
+    assert abs(rows[-1]["rollout/return_recent"] - (2 * wins / total - 1)) < 1e-9
+    settings = json.loads((out / "peer.json").read_text())
+    assert settings["env_kwargs"] == {"delay": 4} and settings["n_steps"] == 16
+    # An existing result is never overwritten.
+    again = run("--env", "rl_replay/MemoryCue-v0", "--total-env-steps", "32", "--out", str(out), *TINY)
+    assert again.returncode != 0 and "is not empty" in again.stderr
+    assert len(read_metrics(out)) == 4
+
+
+def test_popgym_discrete_observations_are_one_hot(tmp_path):
+    pytest.importorskip("sb3_contrib")
+    pytest.importorskip("popgym")
+    out = tmp_path / "popgym"
+    proc = run("--env", "popgym-RepeatPreviousEasy-v0", "--total-env-steps", "64", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((out / "peer.json").read_text())["observation_space"].startswith("Box(0, 1, (4,)")
+    assert read_metrics(out)[-1]["env_steps"] == 64
+
+
+def test_bad_arguments(tmp_path):
+    pytest.importorskip("sb3_contrib")
+    proc = run("--env", "NoSuchEnv-v0", "--total-env-steps", "10", "--out", str(tmp_path / "x"))
+    assert proc.returncode != 0 and "--env NoSuchEnv-v0" in proc.stderr
+    proc = run("--env", "CartPole-v1", "--env-kwargs", "[1, 2]", "--total-env-steps", "10",
+               "--out", str(tmp_path / "y"))
+    assert proc.returncode != 0 and "--env-kwargs must be a YAML mapping" in proc.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_summarize_curve_steps_to_threshold(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from summarize_curve import load, summarize
+
+    success = [0.5, 0.5, 1.0, 1.0, 0.8, 1.0, 1.0]
+    lines = [{"update": i + 1, "env_steps": 100 * (i + 1), "rollout/success_rate": s,
+              "time/steps_per_sec": 10.0 * (i + 1), "memory/peak_rss_bytes": 2**20 * (i + 1)}
+             for i, s in enumerate(success)]
+    lines.insert(3, {"update": 0, "env_steps": 350})  # a record without the key is skipped
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    s = summarize(load(tmp_path), window=2, threshold=0.95)
+    # Windowed means: 0.5, 0.75, 1.0 (at 400 steps) ... 0.9, 0.9, 1.0
+    assert s["steps_to_threshold"] == 400 and s["final"] == 1.0 and s["env_steps"] == 700
+    assert s["peak_rss_mib"] == 7 and s["steps_per_sec"] == 40.0
+    assert summarize(load(tmp_path), window=2, threshold=1.1)["steps_to_threshold"] is None
