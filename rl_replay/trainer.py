@@ -24,7 +24,8 @@ from rl_replay.allocator import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
-from rl_replay.logger import METRICS_NAME, RunLogger, peak_memory, truncate_metrics
+from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
+                              wandb_preflight)
 from rl_replay.losses import a2c_loss, reinforce_loss, total_loss
 
 __all__ = ["Trainer", "build", "make_optimizer", "compute_loss"]
@@ -100,6 +101,7 @@ class Trainer:
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
+        begin_update(self.device)  # the memory metrics below are this update's, not the run's
         t0 = time.perf_counter()
         rollout = self.collector.collect()
         t1 = time.perf_counter()
@@ -133,7 +135,7 @@ class Trainer:
             "time/replay_recompute_sec": acc.replay_seconds,
             "time/rollout_sec": t1 - t0,
             "time/update_sec": t3 - t0,
-            **peak_memory(self.device),
+            **update_memory(self.device),
         }
         for key, value in terms.items():
             local["train/" + key] = float(value.detach())
@@ -176,8 +178,10 @@ class Trainer:
             from rl_replay.distributed_checkpoint import save_distributed
 
             save_distributed(self)
+            self.logger.checkpointed(self.update)
             return
         save_checkpoint(self.state_dict(), checkpoint_path(self.run_dir))
+        self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.update = state["update"]
@@ -220,10 +224,12 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     envs = make_vector_env(
         cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
         kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+        imports=cfg.env.imports, wrappers=cfg.env.wrappers,
     )
     try:
         agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
                                    envs.single_action_space).to(device)
+        num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
         model: torch.nn.Module = agent
         if info.distributed:
             d = cfg.distributed
@@ -241,6 +247,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
                           bptt_truncate=cfg.collector.bptt_truncate, device=device,
                           seed=cfg.seed + 1000 * info.rank)
+    wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: reachable?
     # Nothing has been written yet; from here on the run exists on disk.
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     if info.distributed:
@@ -255,11 +262,12 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
             truncate_metrics(run_dir / METRICS_NAME, state["update"])
     dist_utils.barrier(info)
     logger = RunLogger(
-        run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=cfg.log.wandb_mode,
+        run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
         wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
         run_name=cfg.log.run_name or run_dir.name, wandb_id=state["wandb_id"] if state else None,
+        group=cfg.log.group, tags=cfg.log.tags, extras=_run_extras(cfg, num_params, info, device),
         progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
-        start_env_steps=state["env_steps"] if state else 0,
+        start_env_steps=state["env_steps"] if state else 0, start_update=state["update"] if state else 0,
     )
     trainer = Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
                       logger=logger, info=info, device=device)
@@ -271,6 +279,16 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         else:
             trainer.load_state_dict(state)
     return trainer
+
+
+def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device: torch.device) -> dict:
+    """Facts about the run that the config does not spell out (wandb config ``run``)."""
+    per_rank = derived(cfg)["batch_size"]
+    return {
+        "num_params": num_params, "world_size": info.world_size, "device": str(device),
+        "batch_size_per_rank": per_rank, "batch_size": per_rank * info.world_size,
+        "num_updates": math.ceil(cfg.total_env_steps / (per_rank * info.world_size)),
+    }
 
 
 def _load_resume_state(run_dir: Path, info: dist_utils.DistInfo) -> dict[str, Any]:
