@@ -1,0 +1,79 @@
+"""Read an offline wandb run back from its ``run-<id>.wandb`` file (for the tests).
+
+wandb 0.31 has no Python reader; the file is a LevelDB-style log (a 7-byte header, then
+32 KiB blocks of records, each ``crc32c(4) length(2) type(1) data``) of protobuf
+``wandb.proto.wandb_internal_pb2.Record`` messages.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+_BLOCK = 32 * 1024
+_FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
+
+
+def _records(path: Path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        left = _BLOCK - pos % _BLOCK
+        if left < 7:  # block trailer padding
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        pos += 7
+        chunk, pos = data[pos:pos + length], pos + length
+        if kind == 0:
+            break
+        if kind == _FULL:
+            yield pb.Record.FromString(chunk)
+        elif kind == _FIRST:
+            pending = chunk
+        elif kind == _MIDDLE:
+            pending += chunk
+        elif kind == _LAST:
+            yield pb.Record.FromString(pending + chunk)
+            pending = b""
+
+
+def _set(target: dict, item) -> None:
+    keys = list(item.nested_key) or [item.key]
+    node = target
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+    node[keys[-1]] = json.loads(item.value_json)
+
+
+def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
+    """``{"id", "group", "tags", "job_type", "config", "summary", "history", "metrics"}`` of one run."""
+    run_dir = Path(run_dir)
+    (path,) = run_dir.glob("run-*.wandb")
+    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "metrics": []}
+    for record in _records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run = record.run
+            out.update(id=run.run_id, group=run.run_group, tags=list(run.tags), job_type=run.job_type)
+            for item in run.config.update:
+                _set(out["config"], item)
+        elif kind == "config":
+            for item in record.config.update:
+                _set(out["config"], item)
+        elif kind == "summary":
+            for item in record.summary.update:
+                _set(out["summary"], item)
+        elif kind == "history":
+            row: dict = {}
+            for item in record.history.item:
+                _set(row, item)
+            out["history"].append(row)
+        elif kind == "metric":
+            out["metrics"].append(record.metric)
+    return out
