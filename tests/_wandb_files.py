@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -51,12 +52,26 @@ def _set(target: dict, item) -> None:
     node[keys[-1]] = json.loads(item.value_json)
 
 
-def read_offline_run(run_dir: str | Path) -> dict[str, Any]:
-    """``{"id", "group", "tags", "job_type", "config", "summary", "history", "metrics"}`` of one run."""
+def read_offline_run(run_dir: str | Path, wait: float = 60.0) -> dict[str, Any]:
+    """``{"id", "group", "tags", "job_type", "config", "summary", "history", "metrics"}`` of one run.
+
+    wandb's service process writes the file; on a loaded machine it may still be writing
+    after ``finish()`` returned, so this waits (up to ``wait`` s) for the final ``exit`` record.
+    """
     run_dir = Path(run_dir)
     (path,) = run_dir.glob("run-*.wandb")
-    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "metrics": []}
-    for record in _records(path):
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            records = list(_records(path))
+        except Exception:  # a record cut short while being written
+            records = []
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "metrics": [],
+                           "complete": any(r.WhichOneof("record_type") == "exit" for r in records)}
+    for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
             run = record.run

@@ -42,7 +42,8 @@ def cfg_for(run_dir, *overrides):
 
 
 # ------------------------------------------------------------------ metrics.jsonl
-def test_non_finite_values_are_kept_as_null(tmp_path):
+def test_non_finite_values_are_kept_as_null(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # it would win over the logger's argument
     logger = RunLogger(tmp_path, config={}, wandb_mode="disabled", progress=False)
     logger.log({"a": math.nan, "b": math.inf, "c": -math.inf, "d": 1.5}, update=1, env_steps=8)
     logger.close()
@@ -180,8 +181,10 @@ def test_resume_resends_rows_wandb_may_have_missed(wandb_env, tmp_path):
     # As if killed between writing the checkpoint of update 4 and handing rows 3-4 to wandb.
     (run_dir / "wandb_logged.json").write_text(json.dumps({"update": 2}))
     build(resume=run_dir, overrides=("total_env_steps=192",)).train()
-    runs = [read_offline_run(f) for f in offline_runs(run_dir)]
-    assert [row["_step"] for row in runs[1]["history"]] == [3, 4, 5, 6]
+    fragments = offline_runs(run_dir)
+    runs = [read_offline_run(f) for f in fragments]
+    assert [row["_step"] for row in runs[1]["history"]] == [3, 4, 5, 6], (
+        [f.name for f in fragments], [[row["_step"] for row in r["history"]] for r in runs])
     assert_history_matches(runs[0]["history"] + runs[1]["history"], read_metrics(run_dir))
 
 
@@ -209,3 +212,20 @@ def test_peak_rss_is_per_update_and_falls_after_a_large_update():
     assert large["memory/peak_rss_bytes"] >= large["memory/rss_bytes"] + 350e6
     assert small["memory/peak_rss_bytes"] < large["memory/peak_rss_bytes"] - 350e6
     assert small["memory/peak_rss_bytes"] >= small["memory/rss_bytes"]
+
+
+def test_evaluate_logs_to_the_training_runs_project(wandb_env, tmp_path):
+    run_dir = tmp_path / "run"
+    trainer = build(cfg_for(run_dir, "log.wandb_mode=disabled", "total_env_steps=64", "log.group=g1"))
+    trainer.train()
+    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--episodes", "3",
+                           "--wandb"], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    (fragment,) = offline_runs(run_dir)
+    run = read_offline_run(fragment)
+    assert run["job_type"] == "eval" and run["group"] == "g1"
+    assert run["config"]["checkpoint_update"] == 2 and run["config"]["checkpoint_env_steps"] == 64
+    assert run["summary"]["eval/return_mean"] == pytest.approx(result["return_mean"])
+    assert run["history"][0]["env_steps"] == 64
