@@ -215,6 +215,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         cfg = load_config(resume / "config.yaml", overrides)
         cfg = replace(cfg, run_dir=str(resume))
     assert cfg is not None
+    wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     if cfg.keep_freed_memory:
@@ -247,7 +248,6 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
                           bptt_truncate=cfg.collector.bptt_truncate, device=device,
                           seed=cfg.seed + 1000 * info.rank)
-    wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: reachable?
     # Nothing has been written yet; from here on the run exists on disk.
     run_dir = Path(cfg.run_dir) if cfg.run_dir else default_run_dir(cfg)
     if info.distributed:

@@ -3,7 +3,6 @@ observation space the converter supports, trained end to end with the reference 
 
 from __future__ import annotations
 
-import textwrap
 
 import gymnasium as gym
 import numpy as np
