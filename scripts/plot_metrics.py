@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
             if title.startswith("memory"):
                 y = [v / 2**20 for v in y]
             ax.plot(x, y, label=key.split("/", 1)[1])
+        if title.startswith("memory"):
+            ax.set_yscale("log")  # RSS (hundreds of MiB) next to the replay's saved inputs (KiB)
         ax.set_title(title)
         ax.set_xlabel("env_steps")
         ax.legend(fontsize=7)
