@@ -229,3 +229,23 @@ def test_evaluate_logs_to_the_training_runs_project(wandb_env, tmp_path):
     assert run["config"]["checkpoint_update"] == 2 and run["config"]["checkpoint_env_steps"] == 64
     assert run["summary"]["eval/return_mean"] == pytest.approx(result["return_mean"])
     assert run["history"][0]["env_steps"] == 64
+
+
+@pytest.mark.cuda
+def test_cuda_peak_is_reset_per_update():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from rl_replay.memory_stats import begin_update, update_memory
+
+    out = []
+    for numel in (64 * 2**20, 2**20):  # 256 MiB, then 4 MiB of float32
+        begin_update("cuda")
+        block = torch.ones(numel, device="cuda")
+        del block
+        out.append(update_memory("cuda"))
+    large, small = out
+    assert large["memory/peak_device_bytes"] >= 256 * 2**20
+    assert small["memory/peak_device_bytes"] < large["memory/peak_device_bytes"] - 200 * 2**20
+    assert small["memory/device_bytes"] <= small["memory/peak_device_bytes"]
