@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
@@ -39,9 +40,12 @@ def test_readme_wrappers_example_trains(tmp_path):
     config.write_text(block)
     cfg = load_config(config, ["env.num_envs=2", "collector.num_steps=4", "total_env_steps=8",
                                "log.wandb_mode=disabled", "log.progress=false", f"run_dir={tmp_path / 'run'}"])
-    assert [w["target"] for w in cfg.env.wrappers] == ["gymnasium.wrappers:TimeAwareObservation",
+    assert [w["target"] for w in cfg.env.wrappers] == ["gymnasium.wrappers:NormalizeObservation",
                                                        "gymnasium.wrappers.NormalizeReward"]
     trainer = build(cfg)
-    assert trainer.collector.envs.single_observation_space.shape == (5,)
-    trainer.train()
+    env = trainer.collector.envs.envs[0]
+    assert type(env).__name__ == "NormalizeReward" and type(env.env).__name__ == "NormalizeObservation"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the wrapped envs pickle into the checkpoint
+        trainer.train()
     assert trainer.update == 1
