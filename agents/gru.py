@@ -54,7 +54,7 @@ class GRUAgent(Agent):
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         h = self.reset_state(state["h"], is_first)  # (N, H)
-        h = self.cell(self.encoder(observation.flatten(1)), h)
+        h = self.cell(self.encoder(self.flatten_observation(observation)), h)
         return TensorDict(
             dist=self.head(h),
             value=self.value(h).squeeze(-1),

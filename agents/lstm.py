@@ -51,7 +51,7 @@ class LSTMAgent(Agent):
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         h = self.reset_state(state["h"], is_first)  # (N, H)
         c = self.reset_state(state["c"], is_first)  # (N, H)
-        h, c = self.cell(self.encoder(observation.flatten(1)), (h, c))
+        h, c = self.cell(self.encoder(self.flatten_observation(observation)), (h, c))
         return TensorDict(
             dist=self.head(h),
             value=self.value(h).squeeze(-1),

@@ -36,7 +36,7 @@ class MLPAgent(Agent):
         self.value = value_head(last)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        x = observation.flatten(1)  # (N, obs_dim)
+        x = self.flatten_observation(observation)  # (N, obs_dim)
         return TensorDict(
             dist=self.head(self.actor(x)),
             value=self.value(self.critic(x)).squeeze(-1),  # (N,)

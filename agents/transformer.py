@@ -61,7 +61,7 @@ class TransformerAgent(Agent):
         self.value = value_head(d_model)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        x = observation.flatten(1)  # (N, obs_dim)
+        x = self.flatten_observation(observation)  # (N, obs_dim)
         tokens = self.embed(x).view(x.shape[0], self.context, self.d_model) + self.position
         h = self.norm(self.encoder(tokens).mean(dim=1))  # (N, d_model)
         return TensorDict(

@@ -3,7 +3,9 @@
 A block's inputs are a TensorDict of batch size ``[N]`` (one row per environment):
 
 ==============  ===============================================================
-``observation``  ``(N, *obs_shape)`` float32
+``observation``  ``(N, *obs_shape)`` float32 (uint8 for uint8 images; one-hot
+                 float32 for Discrete/MultiDiscrete), or a nested TensorDict ``[N]``
+                 for Dict/Tuple spaces (see :mod:`rl_replay.spaces`)
 ``state``        TensorDict ``[N]`` with the recurrent state (empty if stateless)
 ``is_first``     ``(N,)`` bool: the observation starts a new episode. Recurrent
                  agents zero their state here, *inside* the block, so collection
@@ -28,6 +30,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.errors import SetupError
+from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
 
 __all__ = ["Agent", "ActionHead", "MultiCategorical", "value_head", "load_agent_class", "build_agent"]
 
@@ -138,9 +141,13 @@ class Agent(nn.Module):
                 self.critic = nn.Linear(hidden, 1)
 
             def forward(self, observation, state, is_first):
-                x = self.body(observation)
+                x = self.body(self.flatten_observation(observation))
                 return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1),
                                   state=state, batch_size=observation.shape[:1])
+
+    Any observation space of :mod:`rl_replay.spaces` works: ``self.obs_dim`` is the width of
+    :meth:`flatten_observation`'s output; an agent that wants the keys of a Dict observation
+    (e.g. an image encoder plus a vector) reads them from the TensorDict instead.
 
     Select it from a config with ``agent.target=my_pkg.policies:MyAgent``.
     """
@@ -150,15 +157,19 @@ class Agent(nn.Module):
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
         super().__init__()
-        if not isinstance(observation_space, gym.spaces.Box):
-            raise SetupError(
-                f"{type(self).__name__} needs a Box observation space, got {observation_space}. "
-                "Wrap the environment with gymnasium.wrappers.FlattenObservation."
-            )
+        check_observation_space(observation_space, type(self).__name__)
         check_action_space(action_space, type(self).__name__)
         self.observation_space = observation_space
         self.action_space = action_space
-        self.obs_dim = int(math.prod(observation_space.shape))
+        self.obs_dim = flat_size(observation_space)
+        nested = isinstance(observation_space, (gym.spaces.Dict, gym.spaces.Tuple))
+        self._obs_keys = leaf_keys(observation_space) if nested else None
+        self._obs_scales = leaf_scales(observation_space)
+
+    def flatten_observation(self, observation: torch.Tensor | TensorDict) -> torch.Tensor:
+        """``(N, obs_dim)`` float32: the leaves in the space's fixed key order, flattened and
+        concatenated; uint8 images become floats in ``[0, 1]`` here, not in the saved inputs."""
+        return flatten(observation, self._obs_keys, self._obs_scales)
 
     def initial_state(self, batch_size: int, device: torch.device | str = "cpu") -> TensorDict:
         """The recurrent state at the start of an episode: empty for stateless agents."""

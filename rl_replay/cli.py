@@ -175,6 +175,7 @@ EVALUATE_USAGE = """Evaluate a checkpoint: run N episodes and print the mean and
 
     {prog} runs/CartPole-v1-20261130-101500 --episodes 100
     {prog} RUN_DIR --video videos/   # needs: pip install -e ".[video]"
+    {prog} RUN_DIR --wandb           # also log the result to the run's wandb project
 
 Works for checkpoints written by one process or by several (FSDP) processes.
 """
@@ -192,6 +193,9 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stochastic", action="store_true", help="sample actions instead of the mode")
     parser.add_argument("--seed", type=int, default=12345)
     parser.add_argument("--video", default=None, metavar="DIR", help="record videos into DIR")
+    parser.add_argument("--wandb", action="store_true",
+                        help="log the result (and video) to the training run's wandb project, as an eval run "
+                             "in its group (mode: WANDB_MODE, else the run's log.wandb_mode)")
     args = parser.parse_intermixed_args(argv)
     if args.episodes is not None and args.episodes < 1:
         print(f"error: --episodes must be a positive number of episodes, got {args.episodes}.", file=sys.stderr)
@@ -214,10 +218,15 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 f"checkpoint {run_dir / 'checkpoint.pt'} holds non-finite agent weights ({', '.join(bad[:4])}); "
                 "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
             )
-        probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps)
+        probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+                                imports=cfg.env.imports, wrappers=cfg.env.wrappers)
         agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
                             probe.single_action_space)
         probe.close()
+        if args.wandb:
+            from rl_replay.logger import wandb_preflight
+
+            wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
     except (SetupError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -232,9 +241,16 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         agent, cfg.env.id, episodes=args.episodes or cfg.eval.episodes,
         deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed,
         env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, video_dir=args.video,
+        env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
     )
     print(f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
           f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "
           f"{state['env_steps']} env steps)")
     print(json.dumps(result))
+    if args.wandb:
+        from rl_replay.evaluate import log_evaluation
+
+        mode = log_evaluation(run_dir, cfg, result, checkpoint=state, video_dir=args.video,
+                              deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed)
+        print(f"wandb: evaluation logged ({mode}) to project {cfg.log.wandb_project}", file=sys.stderr)
     return 0

@@ -24,36 +24,11 @@ from rl_replay.accumulator import GradientAccumulator
 from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
 from rl_replay.guards import check_env_step
+from rl_replay.environment import make_vector_env
 from rl_replay.replay import replay
+from rl_replay.spaces import obs_converter
 
-__all__ = ["Collector", "Rollout", "make_vector_env"]
-
-
-def make_vector_env(
-    env_id: str,
-    num_envs: int,
-    *,
-    vectorization: str = "sync",
-    kwargs: dict[str, Any] | None = None,
-    max_episode_steps: int | None = None,
-) -> gym.vector.VectorEnv:
-    """Build ``num_envs`` copies of ``env_id`` (any registered gymnasium id).
-
-    The project's own environments (``rl_replay/...``) are registered on import of ``envs``.
-    """
-    import envs  # noqa: F401  (registers the rl_replay/* ids)
-
-    if env_id not in gym.registry:
-        known = sorted(k for k in gym.registry if env_id.split("/")[-1].split("-")[0].lower() in k.lower())
-        hint = f" Similar ids: {', '.join(known[:8])}." if known else ""
-        raise SetupError(f"unknown environment id '{env_id}'.{hint}")
-    make_kwargs = dict(kwargs or {})
-    if max_episode_steps is not None:
-        make_kwargs["max_episode_steps"] = max_episode_steps
-    try:
-        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization, **make_kwargs)
-    except TypeError as exc:
-        raise SetupError(f"environment '{env_id}' rejected env.kwargs {kwargs}: {exc}") from None
+__all__ = ["Collector", "Rollout", "make_vector_env"]  # make_vector_env: re-exported from environment
 
 
 @dataclass
@@ -117,7 +92,9 @@ class Collector:
         self.seed = seed
         self._box = isinstance(envs.single_action_space, gym.spaces.Box)
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
-        self._obs: torch.Tensor | None = None
+        # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
+        self._to_tensor = obs_converter(envs.single_observation_space, self.device)
+        self._obs: torch.Tensor | TensorDict | None = None
         self._state: TensorDict | None = None
         self._is_first: torch.Tensor | None = None
         self._autoreset = np.zeros(self.num_envs, dtype=bool)
@@ -125,9 +102,6 @@ class Collector:
         self._ep_length = np.zeros(self.num_envs, dtype=np.int64)
 
     # ------------------------------------------------------------------ helpers
-    def _to_tensor(self, obs: np.ndarray) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(obs), dtype=torch.float32, device=self.device)
-
     def _reset(self, seed: int | None) -> None:
         obs, _ = self.envs.reset(seed=seed)
         self._obs = self._to_tensor(obs)

@@ -59,7 +59,7 @@ __all__ = [
 @dataclass
 class EnvConfig:
     id: str = "CartPole-v1"
-    """gymnasium environment id (custom envs are registered as ``rl_replay/<Name>-v0``)"""
+    """gymnasium environment id, or ``module:EnvId`` (the module is imported first and registers it)"""
     num_envs: int = 8
     """number of parallel environments in the vector env"""
     vectorization: str = "sync"
@@ -68,6 +68,10 @@ class EnvConfig:
     """extra keyword arguments passed to ``gymnasium.make``"""
     max_episode_steps: int | None = None
     """override of the env's time limit (None = keep the registered limit)"""
+    imports: list[str] = field(default_factory=list)
+    """modules imported before the env is made, e.g. [popgym, my_pkg.envs] (they register ids)"""
+    wrappers: list[dict[str, Any]] = field(default_factory=list)
+    """gymnasium wrappers applied to each sub-env in order: [{target: module:Class, kwargs: {...}}]"""
 
 
 @dataclass
@@ -155,6 +159,10 @@ class LogConfig:
     """show a progress bar"""
     log_every: int = 1
     """log metrics every N updates"""
+    group: str | None = None
+    """wandb run group (e.g. one experiment's seeds)"""
+    tags: list[str] = field(default_factory=list)
+    """wandb run tags"""
 
 
 @dataclass
@@ -443,6 +451,20 @@ def validate(cfg: Config) -> Config:
             f"Invalid value for config key 'agent.target': {cfg.agent.target!r} "
             "(expected 'module:Class', e.g. 'agents.mlp:MLPAgent')"
         )
+    _check_str_list("env.imports", cfg.env.imports)
+    _check_str_list("log.tags", cfg.log.tags)
+    for i, spec in enumerate(cfg.env.wrappers):
+        key = f"env.wrappers[{i}]"
+        form = "(expected {target: 'module:Class', kwargs: {...}})"
+        if not isinstance(spec, Mapping):
+            raise ValueError(f"Invalid value for config key '{key}': {spec!r} {form}")
+        unknown = sorted(set(spec) - {"target", "kwargs"})
+        if unknown:
+            raise ValueError(f"Unknown key {unknown[0]!r} in config key '{key}': {form}")
+        if not isinstance(spec.get("target"), str) or not spec["target"]:
+            raise ValueError(f"Config key '{key}.target' must be a string 'module:Class' {form}")
+        if not isinstance(spec.get("kwargs") or {}, Mapping):
+            raise ValueError(f"Config key '{key}.kwargs' must be a mapping, got {spec['kwargs']!r}")
     if cfg.loss.algorithm == "ppo":
         _validate_ppo(cfg)
     if cfg.distributed.wrap_modules and cfg.distributed.min_num_params is not None:
@@ -467,6 +489,12 @@ def _validate_ppo(cfg: Config) -> None:
         )
     if not cfg.loss.baseline:
         raise ValueError("Config key 'loss.baseline' applies to reinforce; PPO always trains its critic")
+
+
+def _check_str_list(key: str, value: list) -> None:
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"Invalid value for config key '{key}[{i}]': {item!r} (expected a non-empty string)")
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:

@@ -6,9 +6,10 @@ import numpy as np
 import torch
 
 from rl_replay.agent import Agent
-from rl_replay.collector import make_vector_env
+from rl_replay.environment import make_env, make_vector_env
+from rl_replay.spaces import obs_converter
 
-__all__ = ["evaluate"]
+__all__ = ["evaluate", "log_evaluation"]
 
 
 @torch.no_grad()
@@ -24,30 +25,32 @@ def evaluate(
     max_episode_steps: int | None = None,
     device: torch.device | str = "cpu",
     video_dir: str | None = None,
+    env_imports: tuple[str, ...] | list[str] = (),
+    env_wrappers: tuple[dict, ...] | list[dict] = (),
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
     ``deterministic`` takes the distribution's mode instead of sampling.
     ``video_dir`` records the first env's episodes with gymnasium's RecordVideo
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
+    ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``.
     """
     kwargs = dict(env_kwargs or {})
     if video_dir is not None:
         import gymnasium as gym
         from gymnasium.wrappers import RecordVideo
 
-        import envs as _registered  # noqa: F401  (the rl_replay/* ids)
-
         # One env, every episode recorded (RecordVideo needs rgb_array rendering).
-        if max_episode_steps is not None:
-            kwargs["max_episode_steps"] = max_episode_steps
-        recorded = RecordVideo(gym.make(env_id, render_mode="rgb_array", **kwargs), video_dir,
-                               episode_trigger=lambda episode: True, disable_logger=True)
+        env = make_env(env_id, imports=env_imports, wrappers=env_wrappers, kwargs=kwargs,
+                       max_episode_steps=max_episode_steps, render_mode="rgb_array")
+        recorded = RecordVideo(env, video_dir, episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
         vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
-        vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps)
+        vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps,
+                                     imports=env_imports, wrappers=env_wrappers)
     device = torch.device(device)
+    to_tensor = obs_converter(vector_env.single_observation_space, device)
     agent.eval()
     obs, _ = vector_env.reset(seed=seed)
     state = agent.initial_state(num_envs, device)
@@ -56,8 +59,7 @@ def evaluate(
     ep_return, ep_length = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
     returns, lengths, successes = [], [], []
     while len(returns) < episodes:
-        out = agent(observation=torch.as_tensor(obs, dtype=torch.float32, device=device),
-                    state=state, is_first=is_first)
+        out = agent(observation=to_tensor(obs), state=state, is_first=is_first)
         dist = agent.distribution(out)
         action = dist.mode if deterministic else dist.sample()
         a = action.cpu().numpy()
@@ -87,3 +89,48 @@ def evaluate(
     if successes:
         result["success_rate"] = float(np.mean(successes))
     return result
+
+
+def log_evaluation(run_dir, cfg, result: dict[str, float], *, checkpoint: dict, video_dir: str | None = None,
+                   deterministic: bool = True, seed: int = 12345) -> str:
+    """Log an evaluation to the training run's wandb project as a run of ``job_type="eval"``.
+
+    The eval run joins the training run's group (``log.group``, else the run directory's
+    name), records the training run's wandb id and the checkpoint's update and env steps
+    in its config, puts ``eval/*`` in its summary and, with ``video_dir``, the recorded
+    videos. It is written next to the training run's wandb files (``RUN_DIR/wandb``),
+    so one ``wandb sync`` uploads both. ``WANDB_MODE`` wins over ``log.wandb_mode``.
+    Returns the mode used (``disabled`` logs nothing).
+    """
+    from pathlib import Path
+
+    from rl_replay.logger import wandb_preflight
+
+    run_dir = Path(run_dir)
+    mode = wandb_preflight(cfg.log.wandb_mode)
+    if mode == "disabled":
+        return mode
+    import wandb
+
+    name = cfg.log.run_name or run_dir.name
+    run = wandb.init(
+        project=cfg.log.wandb_project, entity=cfg.log.wandb_entity, dir=str(run_dir), mode=mode,
+        name=f"{name}-eval", group=cfg.log.group or name, tags=list(cfg.log.tags) or None, job_type="eval",
+        config={"train_run_id": checkpoint.get("wandb_id"), "checkpoint_update": checkpoint["update"],
+                "checkpoint_env_steps": checkpoint["env_steps"], "deterministic": deterministic, "seed": seed,
+                "env": {"id": cfg.env.id}},
+        settings=wandb.Settings(init_timeout=15) if mode == "online" else None,
+    )
+    try:
+        run.define_metric("env_steps")
+        run.define_metric("eval/*", step_metric="env_steps")
+        row = {"env_steps": checkpoint["env_steps"], **{f"eval/{k}": v for k, v in result.items()}}
+        if video_dir is not None:
+            videos = sorted(Path(video_dir).glob("*.mp4"))
+            if videos:
+                row["eval/video"] = wandb.Video(str(videos[-1]), format="mp4")
+        run.log(row)
+        run.summary.update({f"eval/{k}": v for k, v in result.items()})
+    finally:
+        run.finish()
+    return mode

@@ -1,27 +1,136 @@
-"""All run output in one place: progress bar, ``metrics.jsonl`` and wandb (main rank only)."""
+"""All run output in one place: progress bar, ``metrics.jsonl`` and wandb (main rank only).
+
+``metrics.jsonl`` is the record of a run: one JSON line per logged update, every metric
+kept; a non-finite value (no episode finished, a diverged loss) is written as ``null``.
+
+wandb gets the same rows, with ``step=update`` and ``env_steps`` declared as the x-axis
+of every metric (``define_metric``). A row reaches wandb only once a checkpoint covers
+its update (:meth:`RunLogger.checkpointed`): after a crash the run resumes from that
+checkpoint and logs the following updates again, and wandb, whose history cannot be
+rewritten, then never holds rows of the abandoned continuation. So wandb's history and
+``metrics.jsonl`` (truncated to the checkpoint on resume) agree row for row, online and
+offline. The cost: the dashboard trails the run by up to ``checkpoint.every`` updates.
+
+Mode: the ``WANDB_MODE`` environment variable (``online``, ``offline``, ``disabled``;
+``WANDB_DISABLED=true`` means disabled) wins over ``log.wandb_mode``, as wandb users
+expect. :func:`wandb_preflight` resolves it and, for ``online``, checks within seconds
+that the wandb server can be reached, before the trainer creates the run directory.
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import resource
+import socket
+import threading
+import warnings
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
-import torch
+from rl_replay.errors import SetupError
+from rl_replay.memory_stats import begin_update, update_memory
 
-__all__ = ["RunLogger", "peak_memory", "truncate_metrics"]
+__all__ = [
+    "RunLogger", "begin_update", "update_memory", "peak_memory", "truncate_metrics", "read_metrics",
+    "resolve_wandb_mode", "wandb_preflight", "summarize",
+]
 
 METRICS_NAME = "metrics.jsonl"
+#: Last update handed to wandb (see RunLogger): on resume, rows after it are sent again.
+WANDB_MARK_NAME = "wandb_logged.json"
+WANDB_MODES = ("online", "offline", "disabled")
+# wandb's own aliases for its modes
+_MODE_ALIASES = {"run": "online", "dryrun": "offline"}
+ONLINE_CHECK_SECONDS = 10.0
+
+# Kept for callers of the old name: the per-update numbers (see rl_replay.memory_stats).
+peak_memory = update_memory
 
 
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """Peak resident set size of this process and, on CUDA, peak allocated device bytes."""
-    out = {"memory/peak_rss_bytes": float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)}
-    if device.type == "cuda":
-        out["memory/peak_device_bytes"] = float(torch.cuda.max_memory_allocated(device))
-    return out
+def resolve_wandb_mode(config_mode: str) -> str:
+    """The wandb mode to use: ``WANDB_MODE`` (or ``WANDB_DISABLED``) if set, else the config's."""
+    disabled = os.environ.get("WANDB_DISABLED", "").strip().lower()
+    if disabled in ("true", "1", "yes"):
+        return "disabled"
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    if not env:
+        return config_mode
+    env = _MODE_ALIASES.get(env, env)
+    if env not in WANDB_MODES:
+        raise SetupError(
+            f"environment variable WANDB_MODE={os.environ['WANDB_MODE']!r} is not one of "
+            f"{', '.join(WANDB_MODES)}: fix it or unset it to use log.wandb_mode."
+        )
+    return env
+
+
+def _wandb_address() -> tuple[str, int]:
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    return url.hostname or "api.wandb.ai", url.port or (80 if url.scheme == "http" else 443)
+
+
+def _reachable(host: str, port: int, timeout: float) -> str | None:
+    """None if a TCP connection to host:port opens within ``timeout`` s, else why not.
+
+    Name resolution has no timeout of its own, so the attempt runs in a daemon thread.
+    """
+    result: list[str | None] = []
+
+    def attempt():
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            result.append(None)
+        except OSError as exc:
+            result.append(str(exc) or type(exc).__name__)
+
+    thread = threading.Thread(target=attempt, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return result[0] if result else f"no answer within {timeout:.0f} s"
+
+
+def wandb_preflight(config_mode: str) -> str:
+    """Resolve the mode; for ``online``, fail in seconds if the wandb server is unreachable.
+
+    Call it before anything is written: it raises :class:`SetupError` with one line
+    that suggests ``log.wandb_mode=offline``.
+    """
+    mode = resolve_wandb_mode(config_mode)
+    if mode == "online":
+        host, port = _wandb_address()
+        why = _reachable(host, port, ONLINE_CHECK_SECONDS)
+        if why is not None:
+            source = "WANDB_MODE=online" if os.environ.get("WANDB_MODE") else "log.wandb_mode=online"
+            raise SetupError(
+                f"{source} but the wandb server {host}:{port} cannot be reached ({why}): "
+                "train with log.wandb_mode=offline (or WANDB_MODE=offline) and upload later "
+                "with `wandb sync`, or fix the network."
+            )
+    return mode
+
+
+def _jsonable(value: Any) -> Any:
+    """Floats as JSON numbers; NaN and +-inf as null (JSON has no non-finite numbers)."""
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The records of a ``metrics.jsonl`` (a run directory or the file); skips a torn last line."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / METRICS_NAME
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+    return records
 
 
 def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
@@ -42,6 +151,27 @@ def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
     os.replace(tmp, path)
 
 
+def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
+    """Run summaries from metrics records: best return, last success rate, mean steps/s."""
+    def finite(key):
+        return [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+
+    out: dict[str, float] = {}
+    returns = finite("rollout/return_mean")
+    if returns:
+        out["summary/best_return"] = max(returns)
+    success = finite("rollout/success_rate")
+    if success:
+        out["summary/last_success_rate"] = success[-1]
+    sps = finite("time/steps_per_sec")
+    if sps:
+        out["summary/mean_steps_per_sec"] = sum(sps) / len(sps)
+    if records:
+        out["summary/updates"] = records[-1]["update"]
+        out["summary/env_steps"] = records[-1]["env_steps"]
+    return out
+
+
 class RunLogger:
     """Writes each update's metrics to ``metrics.jsonl``, wandb and the progress bar.
 
@@ -53,9 +183,13 @@ class RunLogger:
         config: the resolved config as a dict (sent to wandb).
         is_main: whether this process writes anything.
         wandb_mode: ``offline`` (default; sync later with ``wandb sync``), ``online`` or
-            ``disabled``.
+            ``disabled``; the ``WANDB_MODE`` environment variable wins over it.
         wandb_id: resume this wandb run (from the checkpoint) instead of starting one.
+        group, tags: the wandb run's group and tags.
+        extras: facts about the run for wandb's config under ``run`` (parameter count,
+            world size, device, batch sizes).
         total_env_steps, start_env_steps: for the progress bar.
+        start_update: the update the run resumes after (0 for a fresh run).
     """
 
     def __init__(
@@ -69,27 +203,42 @@ class RunLogger:
         wandb_entity: str | None = None,
         run_name: str | None = None,
         wandb_id: str | None = None,
+        group: str | None = None,
+        tags: list[str] | tuple[str, ...] = (),
+        extras: dict[str, Any] | None = None,
         progress: bool = True,
         total_env_steps: int = 0,
         start_env_steps: int = 0,
+        start_update: int = 0,
     ) -> None:
         self.is_main = is_main
         self.run_dir = Path(run_dir)
         self._file = None
         self._wandb = None
         self._bar = None
+        self._pending: list[dict[str, Any]] = []  # rows not yet covered by a checkpoint
         self.wandb_id = wandb_id
         if not is_main:
             return
+        # The run's history so far (truncated to the checkpoint on resume) seeds the summaries.
+        self._records = [r for r in read_metrics(self.run_dir) if r.get("update", 0) <= start_update]
         self._file = open(self.run_dir / METRICS_NAME, "a", buffering=1)
-        if wandb_mode != "disabled":
+        mode = resolve_wandb_mode(wandb_mode)
+        if mode != "disabled":
             import wandb  # lazy: the engine and the tests of other parts never need it
 
+            settings = wandb.Settings(init_timeout=15) if mode == "online" else None
             self._wandb = wandb.init(
                 project=wandb_project, entity=wandb_entity, name=run_name, dir=str(self.run_dir),
-                mode=wandb_mode, config=config, id=wandb_id, resume="allow" if wandb_id else None,
+                mode=mode, config={**config, "run": dict(extras or {})}, id=wandb_id,
+                resume="allow" if wandb_id else None, group=group, tags=list(tags) or None,
+                job_type="train", settings=settings,
             )
             self.wandb_id = self._wandb.id
+            # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
+            self._wandb.define_metric("env_steps")
+            self._wandb.define_metric("*", step_metric="env_steps")
+            self._resend(start_update)
         if progress:
             from tqdm import tqdm
 
@@ -97,29 +246,81 @@ class RunLogger:
                              dynamic_ncols=True, smoothing=0.1)
         self._last_steps = start_env_steps
 
+    # ------------------------------------------------------------------ wandb rows
+    def _mark(self) -> int:
+        try:
+            return int(json.loads((self.run_dir / WANDB_MARK_NAME).read_text())["update"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def _send(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            # NaN is "no point" on a wandb chart, as null is in metrics.jsonl; dropping it
+            # keeps wandb's last-value summary of, e.g., the return meaningful.
+            sent = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
+            self._wandb.log(sent, step=int(row["update"]))
+        if rows:
+            last = int(rows[-1]["update"])
+            self._wandb.summary.update(summarize([r for r in self._records if r["update"] <= last]))
+            mark = self.run_dir / WANDB_MARK_NAME
+            tmp = mark.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"update": int(rows[-1]["update"]), "wandb_id": self.wandb_id}))
+            os.replace(tmp, mark)
+
+    def _resend(self, start_update: int) -> None:
+        """On resume: rows up to the checkpoint that wandb may not have (a kill right after a
+        checkpoint was written and before its rows were handed over). A row wandb already
+        holds has the same step and values, and wandb ignores it."""
+        mark = self._mark()
+        rows = [r for r in self._records if mark < r["update"] <= start_update]
+        self._send([{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows])
+
+    def checkpointed(self, update: int) -> None:
+        """A checkpoint of ``update`` is on disk: send the rows it covers to wandb."""
+        if self._wandb is None:
+            self._pending.clear()
+            return
+        ready = [row for row in self._pending if row["update"] <= update]
+        self._pending = [row for row in self._pending if row["update"] > update]
+        self._send(ready)
+
+    # ------------------------------------------------------------------ logging
     def log(self, metrics: dict[str, float], *, update: int, env_steps: int) -> None:
-        """Record one update's metrics (NaNs are dropped: no episode finished, etc.)."""
+        """Record one update's metrics; non-finite values become null in ``metrics.jsonl``."""
         if not self.is_main:
             return
-        clean = {k: float(v) for k, v in metrics.items() if not (isinstance(v, float) and math.isnan(v))}
-        record = {"update": update, "env_steps": env_steps, **clean}
-        self._file.write(json.dumps(record) + "\n")
+        values = {k: float(v) for k, v in metrics.items()}
+        row = {"update": update, "env_steps": env_steps, **values}
+        record = {"update": update, "env_steps": env_steps, **{k: _jsonable(v) for k, v in values.items()}}
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._records.append(record)
         if self._wandb is not None:
-            self._wandb.log(record, step=env_steps)
+            self._pending.append(row)
         if self._bar is not None:
             self._bar.update(env_steps - self._last_steps)
             post = {}
-            if "rollout/return_recent" in clean:
-                post["return"] = f"{clean['rollout/return_recent']:.1f}"
-            if "time/steps_per_sec" in clean:
-                post["sps"] = f"{clean['time/steps_per_sec']:.0f}"
+            if record.get("rollout/return_recent") is not None:
+                post["return"] = f"{record['rollout/return_recent']:.1f}"
+            if record.get("time/steps_per_sec") is not None:
+                post["sps"] = f"{record['time/steps_per_sec']:.0f}"
             self._bar.set_postfix(post, refresh=False)
         self._last_steps = env_steps
 
     def close(self) -> None:
+        """Close the file and wandb. Rows after the last checkpoint stay out of wandb."""
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
             self._file.close()
+            self._file = None
         if self._wandb is not None:
+            if self._pending:
+                warnings.warn(
+                    f"updates {self._pending[0]['update']}-{self._pending[-1]['update']} were not sent to "
+                    "wandb: no checkpoint covers them (a resume continues from the last checkpoint and "
+                    "logs them again); metrics.jsonl has them until then.",
+                    stacklevel=2,
+                )
+                self._pending.clear()
             self._wandb.finish()
+            self._wandb = None

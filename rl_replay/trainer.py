@@ -30,7 +30,8 @@ from rl_replay.config import Config, config_to_dict, derived, load_config, save_
 from rl_replay.contract import check_agent
 from rl_replay.errors import SetupError
 from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
-from rl_replay.logger import METRICS_NAME, RunLogger, peak_memory, truncate_metrics
+from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
+                              wandb_preflight)
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
 from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
 
@@ -76,6 +77,7 @@ class Trainer:
         self.num_updates = math.ceil(cfg.total_env_steps / (derived(cfg)["batch_size"] * info.world_size))
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
+        self.num_params = sum(p.numel() for p in model.parameters())  # build() counts before FSDP shards
         # Every optimizer step of the algorithm passes through these non-finite checks.
         self.guard = guards.StepGuard(model, guards.SkipBudget(cfg.optim.skip_nonfinite_updates),
                                       any_rank=self._any_rank)
@@ -117,6 +119,7 @@ class Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
         self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
+        begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update()
         rollout = result.rollout
         update_sec = result.collect_sec + result.optimize_sec
@@ -141,7 +144,7 @@ class Trainer:
             "time/collect_sec": result.collect_sec,
             "time/optimize_sec": result.optimize_sec,
             "time/update_sec": update_sec,
-            **peak_memory(self.device),
+            **update_memory(self.device),
         }
         metrics = dist_utils.reduce_mean(local, self.device, self.info)
         metrics["rollout/episodes"] = episodes
@@ -163,6 +166,7 @@ class Trainer:
         """Write the checkpoint (collective under FSDP); refuses non-finite weights."""
         path = save_trainer(self)
         self.last_checkpoint = f"{path} (update {self.update})"
+        self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
@@ -237,6 +241,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         cfg = load_config(resume / "config.yaml", overrides)
         cfg = replace(cfg, run_dir=str(resume))
     assert cfg is not None
+    wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     if cfg.keep_freed_memory:
@@ -288,11 +293,14 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
             save_config(cfg, run_dir / "config.yaml")
         dist_utils.barrier(info)
         trainer.logger = RunLogger(
-            run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=cfg.log.wandb_mode,
+            run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
             wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
             run_name=cfg.log.run_name or run_dir.name, wandb_id=state["wandb_id"] if state else None,
+            group=cfg.log.group, tags=cfg.log.tags,
+            extras=_run_extras(cfg, trainer.num_params, info, device),
             progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
             start_env_steps=state["env_steps"] if state else 0,
+            start_update=state["update"] if state else 0,
         )
         if state is not None:
             restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
@@ -311,10 +319,12 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
         envs = make_vector_env(
             cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
             kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+            imports=cfg.env.imports, wrappers=cfg.env.wrappers,
         )
     try:
         agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
                                    envs.single_action_space).to(device)
+        num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
         model: torch.nn.Module = agent
         if info.distributed:
             d = cfg.distributed
@@ -333,8 +343,10 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
         envs.close()
         raise
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
-    return Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
-                   logger=None, info=info, device=device, lock=lock)
+    trainer = Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
+                      logger=None, info=info, device=device, lock=lock)
+    trainer.num_params = num_params
+    return trainer
 
 
 def _claim_new(cfg: Config) -> RunLock:
@@ -343,6 +355,16 @@ def _claim_new(cfg: Config) -> RunLock:
         return claim_fresh(cfg.run_dir)
     _, lock = claim_default("runs", cfg.log.run_name or default_name(cfg.env.id))
     return lock
+
+
+def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device: torch.device) -> dict:
+    """Facts about the run that the config does not spell out (wandb config ``run``)."""
+    per_rank = derived(cfg)["batch_size"]
+    return {
+        "num_params": num_params, "world_size": info.world_size, "device": str(device),
+        "batch_size_per_rank": per_rank, "batch_size": per_rank * info.world_size,
+        "num_updates": math.ceil(cfg.total_env_steps / (per_rank * info.world_size)),
+    }
 
 
 def _broadcast_obj(value: Any, info: dist_utils.DistInfo) -> Any:

@@ -96,12 +96,19 @@ def test_multidimensional_multidiscrete_rejected():
 
 
 @pytest.mark.parametrize(
-    "obs_space",
-    [gym.spaces.Discrete(4), gym.spaces.Dict({"x": OBS}), gym.spaces.MultiBinary(3)],
+    "obs_space, obs_dim",
+    [(gym.spaces.Discrete(4), 4), (gym.spaces.Dict({"x": OBS}), 4), (gym.spaces.MultiBinary(3), 3)],
     ids=["discrete", "dict", "multibinary"],
 )
-def test_non_box_observation_space(obs_space):
-    with pytest.raises(SetupError, match="needs a Box observation space"):
+def test_non_box_observation_space(obs_space, obs_dim):
+    # Converted by rl_replay.spaces (one-hot, nested TensorDict, float); obs_dim is the flat width.
+    assert MLPAgent(obs_space, gym.spaces.Discrete(2)).obs_dim == obs_dim
+
+
+@pytest.mark.parametrize("obs_space", [gym.spaces.Text(4), gym.spaces.Dict({"t": gym.spaces.Text(4)})],
+                         ids=["text", "dict_of_text"])
+def test_unsupported_observation_space(obs_space):
+    with pytest.raises(SetupError, match="MLPAgent cannot handle observation space Text"):
         MLPAgent(obs_space, gym.spaces.Discrete(2))
 
 

@@ -233,12 +233,14 @@ def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
     for m in lines:
         missing = [k for k in REQUIRED_EVERY_UPDATE if k not in m]
         assert not missing, f"update {m['update']} lacks {missing}"
-        assert all(np.isfinite(v) for v in m.values())
+        # null: nothing to measure (no episode ended, CartPole reports no success); never a loss
+        assert all(np.isfinite(v) for k, v in m.items() if not k.startswith("rollout/")), m
+        assert all(v is None or np.isfinite(v) for v in m.values()), m
         assert m["memory/replay_saved_bytes"] > 0 and m["memory/peak_rss_bytes"] > 0
         assert m["time/steps_per_sec"] > 0 and m["train/grad_norm"] > 0
     for k in REQUIRED_ONCE:
-        assert any(k in m for m in lines), f"{k} never logged"
-    returns = [m["rollout/return_mean"] for m in lines if "rollout/return_mean" in m]
+        assert any(m.get(k) is not None for m in lines), f"{k} never logged"
+    returns = [m["rollout/return_mean"] for m in lines if m.get("rollout/return_mean") is not None]
     assert all(r >= 1 for r in returns)  # CartPole pays 1 per step
 
     offline = sorted((run_dir / "wandb").glob("offline-run-*"))

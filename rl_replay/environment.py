@@ -1,0 +1,159 @@
+"""Environment construction: ids, imports and wrappers from the config, checked up front.
+
+``env.id`` is any registered gymnasium id, or gymnasium's own ``module:EnvId`` form (the
+module is imported first, which registers the id). ``env.imports`` names modules to import
+before the env is made (e.g. ``popgym``), and ``env.wrappers`` lists gymnasium wrappers
+applied to each sub-env in order, each ``{target: "module:Class", kwargs: {...}}``.
+Every mistake is a one-line :class:`~rl_replay.errors.SetupError` raised before anything
+is built.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import gymnasium as gym
+
+from rl_replay.errors import SetupError
+
+__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "make_env", "make_vector_env"]
+
+_REGISTER_HINT = (
+    "A custom env must be registered (gymnasium.register(id=..., entry_point='pkg.mod:MyEnv')) "
+    "in a module that is imported first: list it in env.imports, or write env.id=pkg.mod:MyEnv-v0."
+)
+
+
+def import_env_modules(modules: Sequence[str]) -> None:
+    """Import each module (they register their env ids on import)."""
+    import envs  # noqa: F401  (the project's own rl_replay/* ids)
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise SetupError(f"env.imports: cannot import module '{name}' ({exc}).") from None
+
+
+def resolve_env_id(env_id: str, imports: Sequence[str] = ()) -> str:
+    """Import what ``env_id`` needs and return the registered id (``module:`` prefix removed)."""
+    import_env_modules(imports)
+    if ":" in env_id:
+        module, _, env_id = env_id.partition(":")
+        if not module or not env_id:
+            raise SetupError(f"env.id '{module}:{env_id}' must look like 'package.module:EnvId-v0'.")
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise SetupError(f"env.id '{module}:{env_id}': cannot import module '{module}' ({exc}).") from None
+    if env_id not in gym.registry:
+        stem = env_id.split("/")[-1].split("-")[0].lower()
+        known = sorted(k for k in gym.registry if stem and stem in k.lower())
+        hint = f" Similar ids: {', '.join(known[:8])}." if known else ""
+        raise SetupError(f"unknown environment id '{env_id}'.{hint} {_REGISTER_HINT}")
+    return env_id
+
+
+def _import_target(target: str, what: str) -> Any:
+    """``module:attr`` or ``module.attr`` -> the attribute."""
+    if ":" in target:
+        module_name, _, attr = target.partition(":")
+    else:
+        module_name, _, attr = target.rpartition(".")
+    if not module_name or not attr:
+        raise SetupError(f"{what} '{target}' must look like 'package.module:Name' or 'package.module.Name'.")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SetupError(f"{what} '{target}': cannot import module '{module_name}' ({exc}).") from None
+    obj = getattr(module, attr, None)
+    if obj is None:
+        raise SetupError(f"{what} '{target}': module '{module_name}' has no attribute '{attr}'.")
+    return obj
+
+
+def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env], gym.Env]]:
+    """Turn ``[{target, kwargs}, ...]`` into wrapper callables ``env -> wrapped env``, in order.
+
+    ``functools.partial`` of an importable class pickles, so ``async`` vector envs work too.
+    """
+    wrappers = []
+    for i, spec in enumerate(specs):
+        what = f"env.wrappers[{i}].target"
+        wrapper = _import_target(spec["target"], what)
+        if not callable(wrapper):
+            raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a wrapper class or function.")
+        wrappers.append(functools.partial(wrapper, **dict(spec.get("kwargs") or {})))
+    return wrappers
+
+
+def _make_kwargs(kwargs: Mapping[str, Any] | None, max_episode_steps: int | None) -> dict[str, Any]:
+    out = dict(kwargs or {})
+    if max_episode_steps is not None:
+        out["max_episode_steps"] = max_episode_steps
+    return out
+
+
+def _apply(env: gym.Env, wrappers: Sequence[Callable], specs: Sequence[Mapping[str, Any]]) -> gym.Env:
+    for i, wrapper in enumerate(wrappers):
+        try:
+            env = wrapper(env)
+        except Exception as exc:
+            raise SetupError(f"env.wrappers[{i}] '{specs[i]['target']}' failed on {env}: {exc}") from None
+    return env
+
+
+def make_env(
+    env_id: str,
+    *,
+    imports: Sequence[str] = (),
+    wrappers: Sequence[Mapping[str, Any]] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    max_episode_steps: int | None = None,
+    render_mode: str | None = None,
+) -> gym.Env:
+    """One wrapped env (evaluation videos); the same ids, imports and wrappers as training."""
+    env_id = resolve_env_id(env_id, imports)
+    loaded = load_wrappers(wrappers)
+    make_kwargs = _make_kwargs(kwargs, max_episode_steps)
+    if render_mode is not None:
+        make_kwargs["render_mode"] = render_mode
+    try:
+        env = gym.make(env_id, **make_kwargs)
+    except TypeError as exc:
+        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+    return _apply(env, loaded, wrappers)
+
+
+def make_vector_env(
+    env_id: str,
+    num_envs: int,
+    *,
+    vectorization: str = "sync",
+    kwargs: Mapping[str, Any] | None = None,
+    max_episode_steps: int | None = None,
+    imports: Sequence[str] = (),
+    wrappers: Sequence[Mapping[str, Any]] = (),
+) -> gym.vector.VectorEnv:
+    """Build ``num_envs`` copies of ``env_id``, each wrapped by ``wrappers`` in order.
+
+    The project's own environments (``rl_replay/...``) are registered on import of ``envs``.
+    """
+    env_id = resolve_env_id(env_id, imports)
+    loaded = load_wrappers(wrappers)
+    if loaded:
+        # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
+        # not a traceback from inside a vector env (or an async worker process).
+        try:
+            probe = gym.make(env_id, **_make_kwargs(kwargs, max_episode_steps))
+        except TypeError as exc:
+            raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+        _apply(probe, loaded, wrappers).close()
+    try:
+        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization,
+                            wrappers=loaded, **_make_kwargs(kwargs, max_episode_steps))
+    except TypeError as exc:
+        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None

@@ -1,0 +1,79 @@
+"""Small envs with Dict, Tuple and uint8-image observations for the tests (registered on import).
+
+Each episode lasts ``length`` steps; the reward is 1 when the action equals the parity of
+the step counter, so there is something to learn and episodes end inside a rollout.
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+
+
+class _CountingEnv(gym.Env):
+    def __init__(self, length: int = 5):
+        self.length = length
+        self.action_space = gym.spaces.Discrete(2)
+        self._t = 0
+
+    def _obs(self):
+        raise NotImplementedError
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        self._t = 0
+        return self._obs(), {}
+
+    def step(self, action):
+        reward = float(int(action) == self._t % 2)
+        self._t += 1
+        return self._obs(), reward, self._t >= self.length, False, {}
+
+
+class DictObsEnv(_CountingEnv):
+    """``Dict(pos: Box(2,), phase: Discrete(3), nested: Dict(flags: MultiBinary(2), code: MultiDiscrete([2, 3])))``."""
+
+    def __init__(self, length: int = 5):
+        super().__init__(length)
+        self.observation_space = gym.spaces.Dict({
+            "pos": gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
+            "phase": gym.spaces.Discrete(3),
+            "nested": gym.spaces.Dict({
+                "flags": gym.spaces.MultiBinary(2),
+                "code": gym.spaces.MultiDiscrete([2, 3]),
+            }),
+        })
+
+    def _obs(self):
+        x = self.np_random.uniform(-1, 1, 2).astype(np.float32)
+        return {"pos": x, "phase": self._t % 3,
+                "nested": {"flags": np.array([self._t % 2, 1], np.int8),
+                           "code": np.array([self._t % 2, self._t % 3], np.int64)}}
+
+
+class TupleObsEnv(_CountingEnv):
+    """``Tuple(Discrete(4), Box(3,))``."""
+
+    def __init__(self, length: int = 5):
+        super().__init__(length)
+        self.observation_space = gym.spaces.Tuple((gym.spaces.Discrete(4), gym.spaces.Box(0.0, 1.0, (3,), np.float32)))
+
+    def _obs(self):
+        return (self._t % 4, np.full(3, self._t / self.length, np.float32))
+
+
+class ImageObsEnv(_CountingEnv):
+    """``Box(0, 255, (8, 8, 3), dtype)`` images; ``dtype`` uint8 (default) or float32."""
+
+    def __init__(self, length: int = 5, dtype: str = "uint8"):
+        super().__init__(length)
+        self.observation_space = gym.spaces.Box(0, 255, (8, 8, 3), np.dtype(dtype))
+
+    def _obs(self):
+        img = self.np_random.integers(0, 256, (8, 8, 3))
+        return img.astype(self.observation_space.dtype)
+
+
+for _name, _cls in (("DictObs", "DictObsEnv"), ("TupleObs", "TupleObsEnv"), ("ImageObs", "ImageObsEnv")):
+    if f"test/{_name}-v0" not in gym.registry:
+        gym.register(id=f"test/{_name}-v0", entry_point=f"obs_envs:{_cls}")
