@@ -266,7 +266,7 @@ class _Block:
     __slots__ = (
         "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
         "cpu_rng", "cuda_device", "cuda_rng", "autocast", "recompute_context", "out_spec",
-        "num_outputs", "versions", "requires_grad", "input_versions",
+        "num_outputs", "versions", "requires_grad", "input_versions", "input_devices",
     )
 
     def __init__(self, model, plan, accumulator, rebuild, context_fn, device):
@@ -345,6 +345,75 @@ class _RestoredState:
         return None if self.stack is None else self.stack.__exit__(*exc)
 
 
+def _same(t):
+    return t
+
+
+def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulator):
+    """What a block saves of its inputs (Rule 1): ``(saved, devices, versions)``.
+
+    ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
+    host); ``versions[i]`` the version of an input kept as it is (None: copied).
+    """
+    slabs = accumulator._slabs
+    saved, devices, versions = [], [], []
+    for t in tensors:
+        if t.is_cuda:
+            # Device memory is what replay saves; contiguous unless dense (as save_on_cpu).
+            src = t if _dense(t) else t.contiguous()
+            saved.append(slabs.copy(src, pinned=True))
+            devices.append(t.device)
+            versions.append(None)
+        elif _keep_as_is(t):
+            saved.append(t)
+            devices.append(None)
+            versions.append(t._version)
+        else:
+            saved.append(slabs.copy(t, pinned=False))
+            devices.append(None)
+            versions.append(None)
+    return saved, devices, versions
+
+
+def _keep_as_is(t: torch.Tensor) -> bool:
+    """Whether a host input is saved as itself rather than copied into a slab.
+
+    Kept: a slice of a larger buffer (``obs[t]`` of a preallocated rollout tensor:
+    the buffer is the caller's and stays alive anyway, so a copy would only add
+    bytes); a leaf that requires grad (the graph holds it anyway); and anything the
+    slab cannot hold faithfully (sparse, subclasses, overlapping or gappy strides,
+    empty). Everything else, typically the recurrent state a previous block returned
+    or a fresh observation, is copied, so the tensor itself can be freed.
+    """
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+        return True
+    if t.requires_grad and t.is_leaf:
+        return True
+    if not _dense(t):
+        return True
+    return t._base is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides lay out exactly numel elements."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _restore_inputs(saved: Sequence[torch.Tensor], devices: Sequence[torch.device | None]):
+    """The saved inputs where the block got them: CUDA ones are copied back from pinned
+    memory asynchronously (ordered on the current stream before the recompute)."""
+    if all(d is None for d in devices):
+        return saved
+    return [t if d is None else t.to(d, non_blocking=True) for t, d in zip(saved, devices)]
+
+
 def _check_inputs_unchanged(saved: Sequence[torch.Tensor], block: _Block) -> None:
     for i, (t, version) in enumerate(zip(saved, block.input_versions)):
         if version is not None and t._version != version:
@@ -399,10 +468,13 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.block = block
         ctx.set_materialize_grads(False)
         block.requires_grad = [t.requires_grad for t in tensors]
-        # save_on_cpu keeps a host input itself, not a copy, and saved-tensor hooks skip
-        # autograd's in-place check: remember its version to check it before recompute.
-        block.input_versions = [None if t.is_cuda else t._version for t in tensors]
-        ctx.save_for_backward(*tensors)  # packed to the host by save_on_cpu (see _apply)
+        # Rule 1: copied into the rollout's slabs before the model runs (so an in-place
+        # change by the forward cannot reach the copy), or kept as they are. Saved
+        # through identity saved-tensor hooks (see _apply), which skip autograd's
+        # in-place check: a kept tensor's version is remembered and checked before the
+        # recompute instead.
+        saved, block.input_devices, block.input_versions = _save_inputs(tensors, block.accumulator)
+        ctx.save_for_backward(*saved)
         block.capture_state()
         if block.context_fn is None:
             forward_context, block.recompute_context = nullcontext(), nullcontext()
@@ -443,6 +515,7 @@ class _ReplayFunction(torch.autograd.Function):
             return (None, None) + (None,) * len(block.requires_grad)
         saved = ctx.saved_tensors
         _check_inputs_unchanged(saved, block)
+        saved = _restore_inputs(saved, block.input_devices)
         plan.check_versions(block.versions, "something between the forward and the backward", block)
         start = accumulator._begin_block(plan.params, plan.absorb)
         try:
@@ -515,8 +588,7 @@ def _apply(model, accumulator, tensors, rebuild, context_fn, what):
     if plan.fsdp_units:
         plan.check_fsdp_sync()
     block = _Block(model, plan, accumulator, rebuild, context_fn, device)
-    pin = device.type == "cuda"
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
         flat = _ReplayFunction.apply(block, _anchor(device), *tensors)
     accumulator._record_block(sum(t.numel() * t.element_size() for t in tensors))
     return _unflatten_outputs(flat, block.out_spec)
@@ -660,7 +732,7 @@ def checkpoint_fsdp_forward(
     tensors = [values[i] for i in positions]
     for i in positions:
         # The block keeps ``rebuild`` until its backward: it must not hold the inputs
-        # themselves (save_on_cpu keeps their host copies), or CUDA inputs would stay
+        # themselves (the block saves their host copies), or CUDA inputs would stay
         # on the device for the whole rollout.
         values[i] = None
 
