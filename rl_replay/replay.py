@@ -8,8 +8,22 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #
 # Rule 1. Block boundary = one call of the model. The block's tensor inputs (the
 #         kwargs, or the leaves of the input TensorDict) are the only tensors saved,
-#         and they are saved on the host (``save_on_cpu``). Outputs are attached to
-#         autograd through one ``_ReplayFunction`` node.
+#         and they are saved on the host. Outputs are attached to autograd through one
+#         ``_ReplayFunction`` node.
+#         Where saved inputs live (rl_replay/storage.py): in the rollout's slabs, large
+#         contiguous host chunks owned by its GradientAccumulator, copied in before the
+#         model runs: pageable mmapped chunks for host inputs, pinned ones for CUDA
+#         inputs (copied back with non_blocking copies in backward). Why: saved
+#         inputs are the only memory that grows with T. Kept where the model made them
+#         (the recurrent state a block returned, a fresh observation), small survivors
+#         sit between each block's freed activations, so the heap can neither reuse
+#         that memory compactly nor return it: peak RSS grew 1.5-5x faster than the
+#         saved bytes. In slabs, RSS grows by the saved bytes, and each chunk goes back
+#         to the OS (or the pinned cache) in one piece once the backward is done.
+#         Host inputs that are slices of a larger buffer (``obs[t]`` of a preallocated
+#         rollout tensor) and leaves that require grad are kept as they are: their
+#         memory is held anyway, a copy would only add bytes. Those, unlike copies,
+#         see later in-place writes, so their versions are checked before recompute.
 # Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
 #         recompute detaches the saved inputs into fresh leaves, so the nested
 #         backward stops at the block's edge; the input gradients are returned to
@@ -69,6 +83,11 @@ _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
+# Per-block state kept until backward is shared where it is the same for every block.
+_NO_CONTEXT = nullcontext()  # reusable and reentrant
+_AUTOCAST_STATES: dict[tuple, tuple] = {}
+_NONES: dict[int, tuple] = {}
+
 
 def _anchor(device: torch.device) -> torch.Tensor:
     anchor = _ANCHORS.get(device)
@@ -108,6 +127,8 @@ class _ModelPlan:
 
     def check_versions(self, before: list[int], when: str, block: "_Block") -> list[int]:
         after = self.versions()
+        if after == before:
+            return before  # blocks keep it until backward: one list, not one per block
         if after != before:
             changed = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
             changed = _with_silent_stat_updates(self.module, changed)
@@ -292,9 +313,11 @@ class _Block:
         self.cuda_device = cuda_device
         self.cuda_rng = None if cuda_device is None else torch.cuda.get_rng_state(cuda_device)
         types = ("cpu",) if cuda_device is None else ("cpu", "cuda")
-        self.autocast = tuple(
+        autocast = tuple(
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
         )
+        # Interned: every block of a rollout usually has the same state (kept until backward).
+        self.autocast = _AUTOCAST_STATES.setdefault(autocast, autocast)
 
     def forget_unused_rng(self) -> None:
         """Drop the RNG snapshots the forward did not consume (most policies draw none).
@@ -356,7 +379,7 @@ def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulat
     host); ``versions[i]`` the version of an input kept as it is (None: copied).
     """
     slabs = accumulator._slabs
-    saved, devices, versions = [], [], []
+    saved, devices, versions = [], [], []  # devices, versions: tuples when not all None
     for t in tensors:
         if t.is_cuda:
             # Device memory is what replay saves; contiguous unless dense (as save_on_cpu).
@@ -364,7 +387,7 @@ def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulat
             saved.append(slabs.copy(src, pinned=True))
             devices.append(t.device)
             versions.append(None)
-        elif _keep_as_is(t):
+        elif _keep_as_is(t, accumulator):
             saved.append(t)
             devices.append(None)
             versions.append(t._version)
@@ -372,18 +395,29 @@ def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulat
             saved.append(slabs.copy(t, pinned=False))
             devices.append(None)
             versions.append(None)
-    return saved, devices, versions
+    return saved, _compact(devices), _compact(versions)
 
 
-def _keep_as_is(t: torch.Tensor) -> bool:
+def _compact(values: list) -> tuple:
+    """``values`` as a tuple, one shared tuple when all are None (the usual case)."""
+    if all(v is None for v in values):
+        nones = _NONES.get(len(values))
+        if nones is None:
+            nones = _NONES[len(values)] = (None,) * len(values)
+        return nones
+    return tuple(values)
+
+
+def _keep_as_is(t: torch.Tensor, accumulator: GradientAccumulator) -> bool:
     """Whether a host input is saved as itself rather than copied into a slab.
 
-    Kept: a slice of a larger buffer (``obs[t]`` of a preallocated rollout tensor:
+    Kept: a previous block's output (already in the rollout's slab); a slice of a
+    larger buffer (``obs[t]`` of a preallocated rollout tensor:
     the buffer is the caller's and stays alive anyway, so a copy would only add
     bytes); a leaf that requires grad (the graph holds it anyway); and anything the
     slab cannot hold faithfully (sparse, subclasses, overlapping or gappy strides,
-    empty). Everything else, typically the recurrent state a previous block returned
-    or a fresh observation, is copied, so the tensor itself can be freed.
+    empty). Everything else, e.g. a fresh observation, is copied, so the tensor
+    itself can be freed.
     """
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
         return True
@@ -391,7 +425,33 @@ def _keep_as_is(t: torch.Tensor) -> bool:
         return True
     if not _dense(t):
         return True
+    if accumulator._slabs.owns(t):
+        return True  # a previous block's output, already in this rollout's slab
     return t._base is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
+def _place_outputs(flat: tuple, inputs: Sequence[torch.Tensor], slabs) -> tuple:
+    """A CPU block's outputs, moved into the rollout's slab (Rule 1).
+
+    The outputs are what survives a block's forward (the next block's state, the
+    loss's inputs); left where the model allocated them, among the block's freed
+    activations, they fragment the heap exactly as saved inputs would. An output that
+    shares storage with an input (a pass-through) is returned as it is.
+    """
+    inputs_storage = {t.untyped_storage().data_ptr() for t in inputs}
+    placed: dict[int, torch.Tensor] = {}
+    out = []
+    for o in flat:
+        if (type(o) is not torch.Tensor or o.is_cuda or o.layout != torch.strided
+                or o.numel() == 0 or not _dense(o)
+                or o.untyped_storage().data_ptr() in inputs_storage):
+            out.append(o)
+            continue
+        p = placed.get(id(o))
+        if p is None:
+            p = placed[id(o)] = slabs.place(o)
+        out.append(p)
+    return tuple(out)
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -477,7 +537,7 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.save_for_backward(*saved)
         block.capture_state()
         if block.context_fn is None:
-            forward_context, block.recompute_context = nullcontext(), nullcontext()
+            forward_context = block.recompute_context = _NO_CONTEXT
         else:
             forward_context, block.recompute_context = block.context_fn()
         plan = block.plan
@@ -488,6 +548,8 @@ class _ReplayFunction(torch.autograd.Function):
         block.forget_unused_rng()
         flat, block.out_spec = _flatten_outputs(outputs, block)
         block.num_outputs = len(flat)
+        if block.device.type == "cpu":
+            flat = _place_outputs(flat, tensors, block.accumulator._slabs)
         return flat
 
     @staticmethod

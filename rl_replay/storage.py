@@ -12,7 +12,7 @@ tensors carved from large contiguous chunks ("slabs"):
   allocator, so copies back to the device can be asynchronous; the allocator keeps
   freed pinned blocks for reuse and waits for pending copies before reusing one.
 
-Chunks grow geometrically (1 MiB, doubling, up to 32 MiB each; a larger tensor gets a
+Chunks grow geometrically (1 MiB, doubling, up to 4 MiB each; a larger tensor gets a
 chunk of its own size), so a rollout needs few of them and wastes at most the unused
 tail of its last chunk (untouched, hence not resident, for pageable chunks). Every
 tensor starts on a 64-byte boundary, PyTorch's own CPU alignment, so kernels see the
@@ -29,7 +29,7 @@ __all__ = ["SlabStore"]
 
 _ALIGN = 64
 _FIRST_CHUNK = 1 << 20
-_MAX_CHUNK = 32 << 20
+_MAX_CHUNK = 4 << 20
 
 
 class _Chunk:
@@ -57,12 +57,13 @@ class SlabStore:
 
     Attributes:
         reserved_bytes: bytes of all chunks allocated so far (pageable + pinned).
-        copied_bytes: bytes of the tensors copied in.
+        copied_bytes: bytes of the tensors copied in (saved inputs and outputs).
     """
 
     def __init__(self) -> None:
         self._open: dict[bool, _Chunk] = {}  # pinned? -> chunk being filled
         self._chunks: list[_Chunk] = []
+        self._ptrs: set[int] = set()
         self._next_size = {False: _FIRST_CHUNK, True: _FIRST_CHUNK}
         self.reserved_bytes = 0
         self.copied_bytes = 0
@@ -77,6 +78,7 @@ class SlabStore:
             self._next_size[pinned] = min(2 * self._next_size[pinned], _MAX_CHUNK)
             chunk = self._open[pinned] = _Chunk(size, pinned)
             self._chunks.append(chunk)
+            self._ptrs.add(chunk.buffer.data_ptr())
             self.reserved_bytes += size
             raw = chunk.take(nbytes)
         # Same strides as the source: dense tensors are a permutation of a contiguous
@@ -87,6 +89,17 @@ class SlabStore:
         self.copied_bytes += nbytes
         return out
 
+    def place(self, t: torch.Tensor) -> torch.Tensor:
+        """A copy of dense host ``t`` in a pageable chunk that is a tensor of its own (no
+        ``_base``, its own version counter), for a block's outputs."""
+        view = self.copy(t, pinned=False)
+        out = torch.empty(0, dtype=t.dtype)
+        return out.set_(view.untyped_storage(), view.storage_offset(), t.shape, t.stride())
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` lives in one of this store's chunks."""
+        return t.untyped_storage().data_ptr() in self._ptrs
+
     def used_bytes(self) -> dict[int, int]:
         """``{chunk data_ptr: bytes handed out}`` for the chunks of this rollout."""
         return {c.buffer.data_ptr(): c.used for c in self._chunks}
@@ -96,3 +109,4 @@ class SlabStore:
         views it any more (at once, unless a retained graph still holds its blocks)."""
         self._open.clear()
         self._chunks.clear()
+        self._ptrs.clear()

@@ -2,7 +2,8 @@
 
 The policy: observation (64) -> 3 x (Linear 1024 + ReLU) -> GRUCell 256 -> actor (8) and
 critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, a per-step
-A2C-style loss, one ``backward``. The observations are views of one preallocated
+loss on both heads (``0.5 * value.square().mean() + logits.mean()``; ``--a2c-loss``: the
+A2C terms, whose own graph keeps ~10 KiB per step), one ``backward``. The observations are views of one preallocated
 ``(T, B, 64)`` tensor (allocated before the measurement starts), so the only new bytes a
 block saves are its recurrent state: 32 x 256 x 4 B = 32 KiB per step.
 
@@ -50,7 +51,7 @@ def _status_bytes(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+)\s+kB", fh.read(), re.M).group(1)) * 1024
 
 
-def worker(T: int, keep: bool) -> dict:
+def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
     """One measurement in this (fresh) process."""
     import torch
     import torch.nn.functional as F
@@ -91,8 +92,11 @@ def worker(T: int, keep: bool) -> dict:
         terms = []
         for t in range(steps):
             logits, value, h = rl_replay.checkpoint_fsdp_forward(policy, acc, obs=obs[t], h=h)
-            logp = F.log_softmax(logits, -1).gather(1, actions[t]).squeeze(1)
-            terms.append(-(logp * advantages[t]).mean() + 0.5 * value.square().mean())
+            if heavy_loss:
+                logp = F.log_softmax(logits, -1).gather(1, actions[t]).squeeze(1)
+                terms.append(-(logp * advantages[t]).mean() + 0.5 * value.square().mean())
+            else:
+                terms.append(0.5 * value.square().mean() + logits.mean())
         return torch.stack(terms).sum(), acc
 
     loss, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
@@ -114,11 +118,11 @@ def worker(T: int, keep: bool) -> dict:
                 state_bytes_per_step=BATCH * HIDDEN * 4)
 
 
-def measure(setting: str, T: int, timeout: float = 600) -> dict:
+def measure(setting: str, T: int, heavy: bool = False, timeout: float = 600) -> dict:
     env_add, keep = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep))]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), str(int(heavy))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
@@ -143,12 +147,14 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--json", help="write the raw results and slopes here")
-    ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--a2c-loss", action="store_true", help="per-step A2C loss terms instead")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        print(PREFIX + json.dumps(worker(int(args.worker[0]), bool(int(args.worker[1])))), flush=True)
+        T, keep, heavy = (int(a) for a in args.worker)
+        print(PREFIX + json.dumps(worker(T, bool(keep), bool(heavy))), flush=True)
         return 0
-    results = [measure(s, T) for s in args.settings for T in args.T]
+    results = [measure(s, T, args.a2c_loss) for s in args.settings for T in args.T]
     slopes = [slope(results, s) for s in args.settings]
     print("| allocator | keep_freed_memory | T | peak RSS growth | RSS after forward | saved input bytes |")
     print("|---|---|---:|---:|---:|---:|")
