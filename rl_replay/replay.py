@@ -100,7 +100,7 @@ def _anchor(device: torch.device) -> torch.Tensor:
 class _ModelPlan:
     """Facts about one model computed once per rollout (cached on the accumulator)."""
 
-    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units")
+    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units", "last")
 
     def __init__(self, model: Callable) -> None:
         module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
@@ -123,7 +123,14 @@ class _ModelPlan:
         self.watched = tuple(t for _, t in named)
 
     def versions(self) -> list[int]:
-        return [t._version for t in self.watched]
+        """The watched tensors' versions; the previous block's list when unchanged, so
+        the blocks of a rollout (which keep it until backward) share one list."""
+        now = [t._version for t in self.watched]
+        last = getattr(self, "last", None)
+        if now == last:
+            return last
+        self.last = now
+        return now
 
     def check_versions(self, before: list[int], when: str, block: "_Block") -> list[int]:
         after = self.versions()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import mmap
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 __all__ = ["SlabStore"]
 
@@ -62,8 +63,9 @@ class SlabStore:
 
     def __init__(self) -> None:
         self._open: dict[bool, _Chunk] = {}  # pinned? -> chunk being filled
-        self._chunks: list[_Chunk] = []
-        self._ptrs: set[int] = set()
+        # Every chunk of the rollout, weakly: a chunk is freed as soon as no tensor views
+        # it (e.g. while the backward goes through its blocks), not kept by the store.
+        self._chunks: dict[int, tuple[StorageWeakRef, _Chunk]] = {}
         self._next_size = {False: _FIRST_CHUNK, True: _FIRST_CHUNK}
         self.reserved_bytes = 0
         self.copied_bytes = 0
@@ -76,9 +78,11 @@ class SlabStore:
         if raw is None:
             size = max(self._next_size[pinned], -(-nbytes // _ALIGN) * _ALIGN)
             self._next_size[pinned] = min(2 * self._next_size[pinned], _MAX_CHUNK)
+            if chunk is not None:
+                chunk.buffer = None  # full: its tensors alone keep it now
             chunk = self._open[pinned] = _Chunk(size, pinned)
-            self._chunks.append(chunk)
-            self._ptrs.add(chunk.buffer.data_ptr())
+            self._forget_freed()
+            self._chunks[chunk.buffer.data_ptr()] = (StorageWeakRef(chunk.buffer.untyped_storage()), chunk)
             self.reserved_bytes += size
             raw = chunk.take(nbytes)
         # Same strides as the source: dense tensors are a permutation of a contiguous
@@ -98,15 +102,21 @@ class SlabStore:
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of this store's chunks."""
-        return t.untyped_storage().data_ptr() in self._ptrs
+        entry = self._chunks.get(t.untyped_storage().data_ptr())
+        return entry is not None and not entry[0].expired()
+
+    def _forget_freed(self) -> None:
+        for ptr in [p for p, (ref, _) in self._chunks.items() if ref.expired()]:
+            del self._chunks[ptr]
 
     def used_bytes(self) -> dict[int, int]:
         """``{chunk data_ptr: bytes handed out}`` for the chunks of this rollout."""
-        return {c.buffer.data_ptr(): c.used for c in self._chunks}
+        return {ptr: c.used for ptr, (ref, c) in self._chunks.items() if not ref.expired()}
 
     def release(self) -> None:
-        """Drop the store's references: each chunk is freed as soon as no saved tensor
+        """Drop the open chunks: from now on every chunk is freed as soon as no tensor
         views it any more (at once, unless a retained graph still holds its blocks)."""
+        for chunk in self._open.values():
+            chunk.buffer = None
         self._open.clear()
         self._chunks.clear()
-        self._ptrs.clear()
