@@ -11,19 +11,23 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         and they are saved on the host. Outputs are attached to autograd through one
 #         ``_ReplayFunction`` node.
 #         Where saved inputs live (rl_replay/storage.py): in the rollout's slabs, large
-#         contiguous host chunks owned by its GradientAccumulator, copied in before the
-#         model runs: pageable mmapped chunks for host inputs, pinned ones for CUDA
-#         inputs (copied back with non_blocking copies in backward). Why: saved
-#         inputs are the only memory that grows with T. Kept where the model made them
-#         (the recurrent state a block returned, a fresh observation), small survivors
-#         sit between each block's freed activations, so the heap can neither reuse
-#         that memory compactly nor return it: peak RSS grew 1.5-5x faster than the
-#         saved bytes. In slabs, RSS grows by the saved bytes, and each chunk goes back
-#         to the OS (or the pinned cache) in one piece once the backward is done.
-#         Host inputs that are slices of a larger buffer (``obs[t]`` of a preallocated
-#         rollout tensor) and leaves that require grad are kept as they are: their
-#         memory is held anyway, a copy would only add bytes. Those, unlike copies,
-#         see later in-place writes, so their versions are checked before recompute.
+#         contiguous host chunks of its GradientAccumulator, copied in before the model
+#         runs: pageable mmapped chunks for host inputs, pinned ones for CUDA inputs
+#         (copied back with non_blocking copies in backward). A CPU block's outputs are
+#         written into the slab too, so the recurrent state a block returns is already
+#         there when the next block saves it (kept, not copied again). Why: what
+#         survives a block (its saved inputs and its outputs) is the only memory that
+#         grows with T. Left where the model allocated it, among the block's freed
+#         activations, it splits the heap's free space, which then can neither be
+#         reused compactly nor returned: peak RSS grew 2-5x faster than the saved
+#         bytes. In slabs, the heap's growth per step equals the bytes in use, and a
+#         chunk goes back to the OS (or the pinned cache) in one piece as soon as the
+#         backward has replayed its blocks (the store holds chunks weakly; a tensor
+#         the caller keeps holds its chunk). Host inputs that are slices of a larger
+#         buffer (``obs[t]`` of a preallocated rollout tensor) and leaves that require
+#         grad are kept as they are: their memory is held anyway, a copy would only add
+#         bytes. Those, unlike copies, see later in-place writes, so their versions are
+#         checked before the recompute; a copy is immune to them.
 # Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
 #         recompute detaches the saved inputs into fresh leaves, so the nested
 #         backward stops at the block's edge; the input gradients are returned to
