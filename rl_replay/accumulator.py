@@ -8,6 +8,7 @@ from typing import Iterable
 import torch
 
 from rl_replay.errors import _PREFIX, ReplayError
+from rl_replay.storage import SlabStore
 
 __all__ = ["GradientAccumulator"]
 
@@ -43,7 +44,11 @@ class GradientAccumulator:
 
     Attributes:
         num_blocks: replay blocks recorded in the forward pass.
-        saved_bytes: bytes of block inputs kept for backward (on the host).
+        saved_bytes: bytes of block inputs kept for backward (on the host), whether
+            copied into the rollout's slabs or kept as views of the caller's tensors.
+        slab_bytes: host bytes reserved for the copied inputs (the rollout's slabs;
+            see NOTE [ Replay blocks ], Rule 1). They are freed in one piece per
+            chunk when the backward is done (or when the rollout's graph is dropped).
         blocks_replayed: blocks recomputed during backward.
         replay_seconds: wall time spent recomputing and back-propagating blocks.
         backward_passes: finished backward passes through this accumulator.
@@ -59,6 +64,9 @@ class GradientAccumulator:
         self.blocks_replayed = 0
         self.replay_seconds = 0.0
         self.backward_passes = 0
+        self.slab_bytes = 0
+        # The saved inputs' host chunks (replay._save_inputs copies into them).
+        self._slabs = SlabStore()
         # Per model (keyed by id) facts computed once per rollout: see replay._ModelPlan.
         self._plans: dict[int, object] = {}
         # Running sums for parameters whose .grad FSDP may overwrite between blocks.
@@ -80,6 +88,7 @@ class GradientAccumulator:
     def _record_block(self, saved_bytes: int) -> None:
         self.num_blocks += 1
         self.saved_bytes += saved_bytes
+        self.slab_bytes = self._slabs.reserved_bytes
 
     # --------------------------------------------------------------- backward side
     def _enter_backward(self) -> None:
@@ -141,6 +150,9 @@ class GradientAccumulator:
                         if p.grad is not None:
                             self._mirror[p] = p.grad
         finally:
+            # The blocks' saved tensors hold their chunks until autograd frees them
+            # (after each block's backward, or with the graph under retain_graph).
+            self._slabs.release()
             self._sums.clear()
             self._absorbed.clear()
             self._absorbed_ids.clear()
@@ -152,6 +164,7 @@ class GradientAccumulator:
         return {
             "blocks": self.num_blocks,
             "saved_bytes": self.saved_bytes,
+            "slab_bytes": self.slab_bytes,
             "blocks_replayed": self.blocks_replayed,
             "replay_seconds": self.replay_seconds,
         }

@@ -26,6 +26,9 @@ class DistInfo:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    launched: bool = False
+    """started by torchrun: a distributed (FSDP) job even with one process, e.g.
+    ``torchrun --nproc_per_node=1`` for FSDP's CPU offload on one GPU"""
 
     @property
     def is_main(self) -> bool:
@@ -33,7 +36,7 @@ class DistInfo:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        return self.world_size > 1 or self.launched
 
 
 def init_from_env(device: str, backend: str = "auto") -> tuple[DistInfo, torch.device]:
@@ -51,8 +54,9 @@ def init_from_env(device: str, backend: str = "auto") -> tuple[DistInfo, torch.d
     torch_device = torch.device(device, local_rank) if device == "cuda" else torch.device("cpu")
     if torch_device.type == "cuda":
         torch.cuda.set_device(torch_device)
-    info = DistInfo(rank, world_size, local_rank)
-    if world_size > 1 and not dist.is_initialized():
+    # torchrun's elastic agent sets TORCHELASTIC_RUN_ID in every worker it starts.
+    info = DistInfo(rank, world_size, local_rank, launched="TORCHELASTIC_RUN_ID" in os.environ)
+    if info.distributed and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch_device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)

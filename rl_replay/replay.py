@@ -8,8 +8,26 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #
 # Rule 1. Block boundary = one call of the model. The block's tensor inputs (the
 #         kwargs, or the leaves of the input TensorDict) are the only tensors saved,
-#         and they are saved on the host (``save_on_cpu``). Outputs are attached to
-#         autograd through one ``_ReplayFunction`` node.
+#         and they are saved on the host. Outputs are attached to autograd through one
+#         ``_ReplayFunction`` node.
+#         Where saved inputs live (rl_replay/storage.py): in the rollout's slabs, large
+#         contiguous host chunks of its GradientAccumulator, copied in before the model
+#         runs: pageable mmapped chunks for host inputs, pinned ones for CUDA inputs
+#         (copied back with non_blocking copies in backward). A CPU block's outputs are
+#         written into the slab too, so the recurrent state a block returns is already
+#         there when the next block saves it (kept, not copied again). Why: what
+#         survives a block (its saved inputs and its outputs) is the only memory that
+#         grows with T. Left where the model allocated it, among the block's freed
+#         activations, it splits the heap's free space, which then can neither be
+#         reused compactly nor returned: peak RSS grew 2-5x faster than the saved
+#         bytes. In slabs, the heap's growth per step equals the bytes in use, and a
+#         chunk goes back to the OS (or the pinned cache) in one piece as soon as the
+#         backward has replayed its blocks (the store holds chunks weakly; a tensor
+#         the caller keeps holds its chunk). Host inputs that are slices of a larger
+#         buffer (``obs[t]`` of a preallocated rollout tensor) and leaves that require
+#         grad are kept as they are: their memory is held anyway, a copy would only add
+#         bytes. Those, unlike copies, see later in-place writes, so their versions are
+#         checked before the recompute; a copy is immune to them.
 # Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
 #         recompute detaches the saved inputs into fresh leaves, so the nested
 #         backward stops at the block's edge; the input gradients are returned to
@@ -69,6 +87,11 @@ _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 
+# Per-block state kept until backward is shared where it is the same for every block.
+_NO_CONTEXT = nullcontext()  # reusable and reentrant
+_AUTOCAST_STATES: dict[tuple, tuple] = {}
+_NONES: dict[int, tuple] = {}
+
 
 def _anchor(device: torch.device) -> torch.Tensor:
     anchor = _ANCHORS.get(device)
@@ -81,7 +104,7 @@ def _anchor(device: torch.device) -> torch.Tensor:
 class _ModelPlan:
     """Facts about one model computed once per rollout (cached on the accumulator)."""
 
-    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units")
+    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units", "last")
 
     def __init__(self, model: Callable) -> None:
         module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
@@ -104,10 +127,19 @@ class _ModelPlan:
         self.watched = tuple(t for _, t in named)
 
     def versions(self) -> list[int]:
-        return [t._version for t in self.watched]
+        """The watched tensors' versions; the previous block's list when unchanged, so
+        the blocks of a rollout (which keep it until backward) share one list."""
+        now = [t._version for t in self.watched]
+        last = getattr(self, "last", None)
+        if now == last:
+            return last
+        self.last = now
+        return now
 
     def check_versions(self, before: list[int], when: str, block: "_Block") -> list[int]:
         after = self.versions()
+        if after == before:
+            return before  # blocks keep it until backward: one list, not one per block
         if after != before:
             changed = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
             changed = _with_silent_stat_updates(self.module, changed)
@@ -266,7 +298,7 @@ class _Block:
     __slots__ = (
         "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
         "cpu_rng", "cuda_device", "cuda_rng", "autocast", "recompute_context", "out_spec",
-        "num_outputs", "versions", "requires_grad", "input_versions",
+        "num_outputs", "versions", "requires_grad", "input_versions", "input_devices",
     )
 
     def __init__(self, model, plan, accumulator, rebuild, context_fn, device):
@@ -292,9 +324,11 @@ class _Block:
         self.cuda_device = cuda_device
         self.cuda_rng = None if cuda_device is None else torch.cuda.get_rng_state(cuda_device)
         types = ("cpu",) if cuda_device is None else ("cpu", "cuda")
-        self.autocast = tuple(
+        autocast = tuple(
             (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
         )
+        # Interned: every block of a rollout usually has the same state (kept until backward).
+        self.autocast = _AUTOCAST_STATES.setdefault(autocast, autocast)
 
     def forget_unused_rng(self) -> None:
         """Drop the RNG snapshots the forward did not consume (most policies draw none).
@@ -343,6 +377,112 @@ class _RestoredState:
 
     def __exit__(self, *exc):
         return None if self.stack is None else self.stack.__exit__(*exc)
+
+
+def _same(t):
+    return t
+
+
+def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulator):
+    """What a block saves of its inputs (Rule 1): ``(saved, devices, versions)``.
+
+    ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
+    host); ``versions[i]`` the version of an input kept as it is (None: copied).
+    """
+    slabs = accumulator._slabs
+    saved, devices, versions = [], [], []  # devices, versions: tuples when not all None
+    for t in tensors:
+        if t.is_cuda:
+            # Device memory is what replay saves; contiguous unless dense (as save_on_cpu).
+            src = t if _dense(t) else t.contiguous()
+            saved.append(slabs.copy(src, pinned=True))
+            devices.append(t.device)
+            versions.append(None)
+        elif _keep_as_is(t, accumulator):
+            saved.append(t)
+            devices.append(None)
+            versions.append(t._version)
+        else:
+            saved.append(slabs.copy(t, pinned=False))
+            devices.append(None)
+            versions.append(None)
+    return saved, _compact(devices), _compact(versions)
+
+
+def _compact(values: list) -> tuple:
+    """``values`` as a tuple, one shared tuple when all are None (the usual case)."""
+    if all(v is None for v in values):
+        nones = _NONES.get(len(values))
+        if nones is None:
+            nones = _NONES[len(values)] = (None,) * len(values)
+        return nones
+    return tuple(values)
+
+
+def _keep_as_is(t: torch.Tensor, accumulator: GradientAccumulator) -> bool:
+    """Whether a host input is saved as itself rather than copied into a slab.
+
+    Kept: a previous block's output (already in the rollout's slab); a slice of a
+    larger buffer (``obs[t]`` of a preallocated rollout tensor:
+    the buffer is the caller's and stays alive anyway, so a copy would only add
+    bytes); a leaf that requires grad (the graph holds it anyway); and anything the
+    slab cannot hold faithfully (sparse, subclasses, overlapping or gappy strides,
+    empty). Everything else, e.g. a fresh observation, is copied, so the tensor
+    itself can be freed.
+    """
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+        return True
+    if t.requires_grad and t.is_leaf:
+        return True
+    if not _dense(t):
+        return True
+    if accumulator._slabs.owns(t):
+        return True  # a previous block's output, already in this rollout's slab
+    return t._base is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
+def _place_outputs(flat: tuple, inputs: Sequence[torch.Tensor], slabs) -> tuple:
+    """A CPU block's outputs, moved into the rollout's slab (Rule 1).
+
+    The outputs are what survives a block's forward (the next block's state, the
+    loss's inputs); left where the model allocated them, among the block's freed
+    activations, they fragment the heap exactly as saved inputs would. An output that
+    shares storage with an input (a pass-through) is returned as it is.
+    """
+    inputs_storage = {t.untyped_storage().data_ptr() for t in inputs}
+    placed: dict[int, torch.Tensor] = {}
+    out = []
+    for o in flat:
+        if (type(o) is not torch.Tensor or o.is_cuda or o.layout != torch.strided
+                or o.numel() == 0 or not _dense(o)
+                or o.untyped_storage().data_ptr() in inputs_storage):
+            out.append(o)
+            continue
+        p = placed.get(id(o))
+        if p is None:
+            p = placed[id(o)] = slabs.place(o)
+        out.append(p)
+    return tuple(out)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides lay out exactly numel elements."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _restore_inputs(saved: Sequence[torch.Tensor], devices: Sequence[torch.device | None]):
+    """The saved inputs where the block got them: CUDA ones are copied back from pinned
+    memory asynchronously (ordered on the current stream before the recompute)."""
+    if all(d is None for d in devices):
+        return saved
+    return [t if d is None else t.to(d, non_blocking=True) for t, d in zip(saved, devices)]
 
 
 def _check_inputs_unchanged(saved: Sequence[torch.Tensor], block: _Block) -> None:
@@ -399,13 +539,16 @@ class _ReplayFunction(torch.autograd.Function):
         ctx.block = block
         ctx.set_materialize_grads(False)
         block.requires_grad = [t.requires_grad for t in tensors]
-        # save_on_cpu keeps a host input itself, not a copy, and saved-tensor hooks skip
-        # autograd's in-place check: remember its version to check it before recompute.
-        block.input_versions = [None if t.is_cuda else t._version for t in tensors]
-        ctx.save_for_backward(*tensors)  # packed to the host by save_on_cpu (see _apply)
+        # Rule 1: copied into the rollout's slabs before the model runs (so an in-place
+        # change by the forward cannot reach the copy), or kept as they are. Saved
+        # through identity saved-tensor hooks (see _apply), which skip autograd's
+        # in-place check: a kept tensor's version is remembered and checked before the
+        # recompute instead.
+        saved, block.input_devices, block.input_versions = _save_inputs(tensors, block.accumulator)
+        ctx.save_for_backward(*saved)
         block.capture_state()
         if block.context_fn is None:
-            forward_context, block.recompute_context = nullcontext(), nullcontext()
+            forward_context = block.recompute_context = _NO_CONTEXT
         else:
             forward_context, block.recompute_context = block.context_fn()
         plan = block.plan
@@ -416,6 +559,8 @@ class _ReplayFunction(torch.autograd.Function):
         block.forget_unused_rng()
         flat, block.out_spec = _flatten_outputs(outputs, block)
         block.num_outputs = len(flat)
+        if block.device.type == "cpu":
+            flat = _place_outputs(flat, tensors, block.accumulator._slabs)
         return flat
 
     @staticmethod
@@ -443,6 +588,7 @@ class _ReplayFunction(torch.autograd.Function):
             return (None, None) + (None,) * len(block.requires_grad)
         saved = ctx.saved_tensors
         _check_inputs_unchanged(saved, block)
+        saved = _restore_inputs(saved, block.input_devices)
         plan.check_versions(block.versions, "something between the forward and the backward", block)
         start = accumulator._begin_block(plan.params, plan.absorb)
         try:
@@ -515,8 +661,7 @@ def _apply(model, accumulator, tensors, rebuild, context_fn, what):
     if plan.fsdp_units:
         plan.check_fsdp_sync()
     block = _Block(model, plan, accumulator, rebuild, context_fn, device)
-    pin = device.type == "cuda"
-    with torch.autograd.graph.save_on_cpu(pin_memory=pin):
+    with torch.autograd.graph.saved_tensors_hooks(_same, _same):
         flat = _ReplayFunction.apply(block, _anchor(device), *tensors)
     accumulator._record_block(sum(t.numel() * t.element_size() for t in tensors))
     return _unflatten_outputs(flat, block.out_spec)
@@ -660,7 +805,7 @@ def checkpoint_fsdp_forward(
     tensors = [values[i] for i in positions]
     for i in positions:
         # The block keeps ``rebuild`` until its backward: it must not hold the inputs
-        # themselves (save_on_cpu keeps their host copies), or CUDA inputs would stay
+        # themselves (the block saves their host copies), or CUDA inputs would stay
         # on the device for the whole rollout.
         values[i] = None
 

@@ -281,10 +281,14 @@ class LiveTensorCensus:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack_inner)
 
-    def live_bytes(self, extra: Iterable[torch.Tensor] = ()) -> dict[str, int]:
+    def live_bytes(self, extra: Iterable[torch.Tensor] = (), slab_used: dict[int, int] | None = None
+                   ) -> dict[str, int]:
         """``{device_type: bytes}`` of storages alive now that were not alive before.
 
         ``extra``: tensors only C++ holds (e.g. ``p.grad``) to include as well.
+        ``slab_used``: ``{data_ptr: bytes}`` of rl_replay's slab chunks
+        (``GradientAccumulator._slabs.used_bytes()``): a chunk counts with the bytes
+        handed out, not its reserved size (its untouched tail is not memory in use).
         """
         gc.collect()
         seen: dict = {}
@@ -299,6 +303,9 @@ class LiveTensorCensus:
             k, nbytes = _storage_key(t)
             if k is not None and k not in self._before:
                 seen[k] = nbytes
+        for key in seen:
+            if slab_used and key[2] in slab_used:
+                seen[key] = slab_used[key[2]]
         out: dict[str, int] = {}
         for (device_type, _, _), nbytes in seen.items():
             out[device_type] = out.get(device_type, 0) + nbytes

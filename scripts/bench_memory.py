@@ -263,13 +263,14 @@ def worker(spec: dict) -> dict:
     census.snapshot_before(params)
     meter.start()
     loss, acc, fwd0 = run_once(policy, cfg, method, T, device, census=census)
-    live = census.live_bytes()
+    live = census.live_bytes(slab_used=acc._slabs.used_bytes() if acc is not None else None)
     result["live_bytes"] = sum(live.values())
     result["live_bytes_by_device"] = live
     result["saved_tensor_calls"] = census.saved_calls
     del census
     if acc is not None:
         result["block_input_bytes"] = acc.saved_bytes
+        result["slab_bytes"] = acc.slab_bytes
     if mode == "memory_only":  # too slow for a backward within the budget
         result["rss_growth"] = meter.peak_rss_growth()
         result["rss_method"] = meter.method

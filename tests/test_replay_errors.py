@@ -217,27 +217,46 @@ def test_reusing_a_finished_accumulator(policy, x):
 
 
 def test_input_modified_in_place_after_the_block(policy):
-    """A reused host observation buffer. Plain autograd raises on backward (Linear saved
-    its input); so must replay: save_on_cpu keeps the host tensor itself, not a copy,
-    so the recompute would silently see the new values."""
-    buf = torch.randn(2, 4)
+    """A slice of the caller's observation buffer is saved as that view, not copied, so
+    a write into the buffer after the block would reach the recompute. Plain autograd
+    raises on backward (Linear saved its input); so must replay."""
+    buf = torch.randn(3, 2, 4)  # a rollout's observation buffer
     acc = GradientAccumulator()
-    y = checkpoint_fsdp_forward(policy, acc, observation=buf)
-    buf.copy_(torch.randn(2, 4))  # the env writes the next observation in place
+    y = checkpoint_fsdp_forward(policy, acc, observation=buf[0])
+    buf[0].copy_(torch.randn(2, 4))  # the env writes into the buffer in place
     with pytest.raises(ReplayError, match=r"input 0 of block 0 \(a \(2, 4\) host tensor\) was modified"):
         y.sum().backward()
     assert all(p.grad is None for p in policy.parameters())
     assert acc.blocks_replayed == 0
     # Same through replay(), and a clone per step is fine.
     acc = GradientAccumulator()
-    y0 = replay(policy, acc, TensorDict(observation=buf))
-    y1 = replay(policy, acc, TensorDict(observation=buf.clone()))
+    y0 = replay(policy, acc, TensorDict(observation=buf[1]))
+    y1 = replay(policy, acc, TensorDict(observation=buf[2].clone()))
     buf.mul_(2)
     with pytest.raises(ReplayError, match=r"input 0 of block 0 .* was modified in place"):
         (y0.sum() + y1.sum()).backward()
     acc = GradientAccumulator()
-    checkpoint_fsdp_forward(policy, acc, observation=buf.clone()).sum().backward()
+    checkpoint_fsdp_forward(policy, acc, observation=buf[0].clone()).sum().backward()
     assert acc.blocks_replayed == 1
+
+
+def test_copied_input_modified_in_place_after_the_block_is_harmless(policy):
+    """Any other host input is copied into the rollout's slabs before the model runs:
+    writing into the caller's tensor afterwards (a reused buffer) does not reach the
+    recompute, and the gradient is the one of the values the block saw."""
+    buf, seen = torch.randn(2, 4), []
+    acc = GradientAccumulator()
+    loss = 0
+    for _ in range(3):
+        seen.append(buf.clone())
+        loss = loss + checkpoint_fsdp_forward(policy, acc, observation=buf).square().sum()
+        buf.copy_(torch.randn(2, 4))  # the env writes the next observation in place
+    loss.backward()
+    got = grads_of(policy)
+    policy.zero_grad(set_to_none=True)
+    sum(policy(observation=o).square().sum() for o in seen).backward()
+    assert all(torch.equal(a, b) for a, b in zip(got, grads_of(policy)))
+    assert acc.slab_bytes > 0 and acc.blocks_replayed == 3
 
 
 # ------------------------------------------------------- mutating the module

@@ -1,0 +1,178 @@
+"""Peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
+
+The policy: observation (64) -> 3 x (Linear 1024 + ReLU) -> GRUCell 256 -> actor (8) and
+critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, a per-step
+loss on both heads (``0.5 * value.square().mean() + logits.mean()``; ``--a2c-loss``: the
+A2C terms, whose own graph keeps ~10 KiB per step), one ``backward``. The observations are views of one preallocated
+``(T, B, 64)`` tensor (allocated before the measurement starts), so the only new bytes a
+block saves are its recurrent state: 32 x 256 x 4 B = 32 KiB per step.
+
+Each (allocator setting, T) runs in a fresh ``python`` process: after a warm-up rollout
+(lazy initialisation, gradient buffers) the peak-RSS counter ``VmHWM`` is reset through
+``/proc/self/clear_refs`` and the T-step rollout + backward runs; its peak RSS growth is
+``VmHWM`` minus ``VmRSS`` at the start. The growth per step is the slope between the
+smallest and the largest T, compared with the copied (non-view) input bytes per step.
+
+Allocator settings: ``MALLOC_MMAP_THRESHOLD_=65536`` (fixed mmap threshold) or glibc's
+defaults, each with and without ``rl_replay.allocator.keep_freed_memory()`` (the
+trainer's default).
+
+Usage::
+
+    python scripts/bench_rss.py                       # T = 64 and 1024, all four settings
+    python scripts/bench_rss.py --T 16 128 --json r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PREFIX = "RSS_RESULT "
+SETTINGS = {
+    # name: (environment additions, keep_freed_memory)
+    "mmap64k": ({"MALLOC_MMAP_THRESHOLD_": "65536"}, False),
+    "mmap64k+keep": ({"MALLOC_MMAP_THRESHOLD_": "65536"}, True),
+    "default": ({}, False),
+    "default+keep": ({}, True),
+}
+OBS, WIDTH, LAYERS, HIDDEN, ACTIONS, BATCH = 64, 1024, 3, 256, 8, 32
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as fh:
+        return int(re.search(rf"^{field}:\s+(\d+)\s+kB", fh.read(), re.M).group(1)) * 1024
+
+
+def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
+    """One measurement in this (fresh) process."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    import rl_replay
+    from rl_replay.allocator import keep_freed_memory
+
+    torch.set_num_threads(1)
+    kept = keep_freed_memory() if keep else False
+
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            layers, d = [], OBS
+            for _ in range(LAYERS):
+                layers += [nn.Linear(d, WIDTH), nn.ReLU()]
+                d = WIDTH
+            self.encoder = nn.Sequential(*layers)
+            self.cell = nn.GRUCell(WIDTH, HIDDEN)
+            self.actor = nn.Linear(HIDDEN, ACTIONS)
+            self.critic = nn.Linear(HIDDEN, 1)
+
+        def forward(self, obs, h):
+            h = self.cell(self.encoder(obs), h)
+            return self.actor(h), self.critic(h).squeeze(-1), h
+
+    torch.manual_seed(0)
+    policy = Policy()
+    g = torch.Generator().manual_seed(1)
+    obs = torch.randn(T, BATCH, OBS, generator=g)
+    actions = torch.randint(ACTIONS, (T, BATCH, 1), generator=g)
+    advantages = torch.randn(T, BATCH, generator=g)
+
+    def rollout(steps: int):
+        acc = rl_replay.GradientAccumulator()
+        h = torch.zeros(BATCH, HIDDEN)
+        terms = []
+        for t in range(steps):
+            logits, value, h = rl_replay.checkpoint_fsdp_forward(policy, acc, obs=obs[t], h=h)
+            if heavy_loss:
+                logp = F.log_softmax(logits, -1).gather(1, actions[t]).squeeze(1)
+                terms.append(-(logp * advantages[t]).mean() + 0.5 * value.square().mean())
+            else:
+                terms.append(0.5 * value.square().mean() + logits.mean())
+        return torch.stack(terms).sum(), acc
+
+    loss, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
+    loss.backward()
+    del loss
+    gc.collect()
+    base = _status_bytes("VmRSS")
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # VmHWM := VmRSS
+    loss, acc = rollout(T)
+    after_forward = _status_bytes("VmRSS") - base
+    loss.backward()
+    peak = _status_bytes("VmHWM") - base
+    after_backward = _status_bytes("VmRSS") - base
+    copied = getattr(acc, "slab_bytes", None)
+    return dict(T=T, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
+                after_forward=after_forward, after_backward=after_backward,
+                saved_bytes=acc.saved_bytes, slab_bytes=copied,
+                state_bytes_per_step=BATCH * HIDDEN * 4)
+
+
+def measure(setting: str, T: int, heavy: bool = False, timeout: float = 600) -> dict:
+    env_add, keep = SETTINGS[setting]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), str(int(heavy))]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(PREFIX):
+            return dict(json.loads(line[len(PREFIX):]), setting=setting)
+    raise RuntimeError(f"worker {setting} T={T} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def slope(results: list[dict], setting: str) -> dict:
+    rs = sorted((r for r in results if r["setting"] == setting), key=lambda r: r["T"])
+    lo, hi = rs[0], rs[-1]
+    dT = hi["T"] - lo["T"]
+    per_step = (hi["peak_growth"] - lo["peak_growth"]) / dT
+    fwd_per_step = (hi["after_forward"] - lo["after_forward"]) / dT
+    inputs = hi["state_bytes_per_step"]
+    return dict(setting=setting, T=(lo["T"], hi["T"]), peak_per_step=per_step,
+                forward_per_step=fwd_per_step, inputs_per_step=inputs,
+                ratio=per_step / inputs, forward_ratio=fwd_per_step / inputs)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--json", help="write the raw results and slopes here")
+    ap.add_argument("--a2c-loss", action="store_true", help="per-step A2C loss terms instead")
+    ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        T, keep, heavy = (int(a) for a in args.worker)
+        print(PREFIX + json.dumps(worker(T, bool(keep), bool(heavy))), flush=True)
+        return 0
+    results = [measure(s, T, args.a2c_loss) for s in args.settings for T in args.T]
+    slopes = [slope(results, s) for s in args.settings]
+    print("| allocator | keep_freed_memory | T | peak RSS growth | RSS after forward | saved input bytes |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['setting'].split('+')[0]} | {'yes' if r['keep_freed_memory'] else 'no'} | {r['T']} | "
+              f"{r['peak_growth'] / 2**20:.2f} MiB | {r['after_forward'] / 2**20:.2f} MiB | "
+              f"{r['saved_bytes'] / 2**20:.2f} MiB |")
+    print()
+    for s in slopes:
+        print(f"{s['setting']:>13}: peak RSS grows {s['peak_per_step'] / 1024:.1f} KiB/step = "
+              f"{s['ratio']:.3f}x the new saved inputs ({s['inputs_per_step'] / 1024:.0f} KiB/step), "
+              f"T {s['T'][0]}->{s['T'][1]}; after the forward {s['forward_per_step'] / 1024:.1f} KiB/step "
+              f"({s['forward_ratio']:.3f}x)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"results": results, "slopes": slopes}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
