@@ -15,34 +15,55 @@ class GRUAgent(Agent):
 
     The state is zeroed inside forward where ``is_first`` is set, so a rollout that
     crosses an episode boundary carries no gradient from one episode into the next.
+    With ``separate_critic`` the value comes from a second encoder and GRU whose state
+    ``state["h_critic"]`` flows alongside.
     """
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
-                 update_gate_bias: float = 0.0):
+                 update_gate_bias: float = 0.0, separate_critic: bool = False):
         super().__init__(observation_space, action_space)
         encoder_sizes = list(encoder_sizes)
         self.hidden_size = hidden_size
-        self.encoder = mlp(self.obs_dim, encoder_sizes)
-        self.cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, hidden_size)
+        self.separate_critic = separate_critic
+        self.encoder, self.cell = self._trunk(encoder_sizes, update_gate_bias)
+        if separate_critic:
+            # The critic's own encoder and GRU (sb3-contrib's enable_critic_lstm): the value
+            # loss, large while returns are unnormalised, then cannot drown the policy's
+            # gradient in a shared trunk.
+            self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, update_gate_bias)
+        self.head = ActionHead(action_space, hidden_size)
+        self.value = value_head(hidden_size)
+
+    def _trunk(self, encoder_sizes, update_gate_bias: float) -> tuple[nn.Module, nn.GRUCell]:
+        encoder = mlp(self.obs_dim, encoder_sizes)
+        cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, self.hidden_size)
         if update_gate_bias:
             # GRUCell gates are ordered (reset, update, new); a positive update-gate bias makes
             # the cell keep its state by default, so gradient survives long delays (the GRU
             # analogue of an LSTM forget-gate bias of 1).
             with torch.no_grad():
-                self.cell.bias_hh[hidden_size : 2 * hidden_size].fill_(update_gate_bias)
-        self.head = ActionHead(action_space, hidden_size)
-        self.value = value_head(hidden_size)
+                cell.bias_hh[self.hidden_size : 2 * self.hidden_size].fill_(update_gate_bias)
+        return encoder, cell
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
         h = torch.zeros(batch_size, self.hidden_size, device=device)
+        if self.separate_critic:
+            return TensorDict(h=h, h_critic=h.clone(), batch_size=[batch_size])
         return TensorDict(h=h, batch_size=[batch_size])
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        x = observation.flatten(1)
         h = self.reset_state(state["h"], is_first)  # (N, H)
-        h = self.cell(self.encoder(observation.flatten(1)), h)
+        h = self.cell(self.encoder(x), h)
+        next_state = {"h": h}
+        if self.separate_critic:
+            hc = self.reset_state(state["h_critic"], is_first)  # (N, H)
+            hc = next_state["h_critic"] = self.critic_cell(self.critic_encoder(x), hc)
+        else:
+            hc = h
         return TensorDict(
             dist=self.head(h),
-            value=self.value(h).squeeze(-1),
-            state=TensorDict(h=h, batch_size=h.shape[:1]),
+            value=self.value(hc).squeeze(-1),
+            state=TensorDict(next_state, batch_size=h.shape[:1]),
             batch_size=h.shape[:1],
         )
