@@ -23,41 +23,64 @@ class GRUAgent(Agent):
         chrono_t_max: instead, chrono initialisation (see :mod:`agents.chrono`): the update
             gate's bias per unit is ``log(U[1, chrono_t_max - 1])``, so the units' memory
             times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
+        separate_critic: the value comes from a second encoder and GRU (sb3-contrib's
+            ``enable_critic_lstm``) whose state ``state["h_critic"]`` flows alongside.
     """
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
-                 update_gate_bias: float = 0.0, chrono_t_max: float | None = None):
+                 update_gate_bias: float = 0.0, chrono_t_max: float | None = None,
+                 separate_critic: bool = False):
         super().__init__(observation_space, action_space)
-        encoder_sizes = list(encoder_sizes)
+        if chrono_t_max is not None and update_gate_bias:
+            raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
         self.hidden_size = hidden_size
-        self.encoder = mlp(self.obs_dim, encoder_sizes)
-        self.cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, hidden_size)
+        self.separate_critic = separate_critic
+        encoder_sizes = list(encoder_sizes)
+        self.encoder, self.cell = self._trunk(encoder_sizes, update_gate_bias, chrono_t_max)
+        if separate_critic:
+            # The critic's own encoder and GRU: the value loss, large while returns are
+            # unnormalised, then cannot drown the policy's gradient in a shared trunk.
+            self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, update_gate_bias, chrono_t_max)
+        self.head = ActionHead(action_space, hidden_size)
+        self.value = value_head(hidden_size)
+
+    def _trunk(self, encoder_sizes, update_gate_bias: float,
+               chrono_t_max: float | None) -> tuple[nn.Module, nn.GRUCell]:
+        H = self.hidden_size
+        encoder = mlp(self.obs_dim, encoder_sizes)
+        cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, H)
         if chrono_t_max is not None:
-            if update_gate_bias:
-                raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
             t_max = check_t_max(chrono_t_max, "GRUAgent")
             with torch.no_grad():  # z = sigmoid(b_iz + b_hz + ...) is the keep gate in torch
-                self.cell.bias_ih[hidden_size : 2 * hidden_size].copy_(chrono_bias(hidden_size, t_max))
-                self.cell.bias_hh[hidden_size : 2 * hidden_size].zero_()
+                cell.bias_ih[H : 2 * H].copy_(chrono_bias(H, t_max))
+                cell.bias_hh[H : 2 * H].zero_()
         elif update_gate_bias:
             # GRUCell gates are ordered (reset, update, new); a positive update-gate bias makes
             # the cell keep its state by default, so gradient survives long delays (the GRU
             # analogue of an LSTM forget-gate bias of 1).
             with torch.no_grad():
-                self.cell.bias_hh[hidden_size : 2 * hidden_size].fill_(update_gate_bias)
-        self.head = ActionHead(action_space, hidden_size)
-        self.value = value_head(hidden_size)
+                cell.bias_hh[H : 2 * H].fill_(update_gate_bias)
+        return encoder, cell
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
         h = torch.zeros(batch_size, self.hidden_size, device=device)
+        if self.separate_critic:
+            return TensorDict(h=h, h_critic=h.clone(), batch_size=[batch_size])
         return TensorDict(h=h, batch_size=[batch_size])
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        x = self.flatten_observation(observation)
         h = self.reset_state(state["h"], is_first)  # (N, H)
-        h = self.cell(self.encoder(self.flatten_observation(observation)), h)
+        h = self.cell(self.encoder(x), h)
+        next_state = {"h": h}
+        if self.separate_critic:
+            hc = self.reset_state(state["h_critic"], is_first)  # (N, H)
+            hc = next_state["h_critic"] = self.critic_cell(self.critic_encoder(x), hc)
+        else:
+            hc = h
         return TensorDict(
             dist=self.head(h),
-            value=self.value(h).squeeze(-1),
-            state=TensorDict(h=h, batch_size=h.shape[:1]),
+            value=self.value(hc).squeeze(-1),
+            state=TensorDict(next_state, batch_size=h.shape[:1]),
             batch_size=h.shape[:1],
         )

@@ -24,7 +24,7 @@ from rl_replay.accumulator import GradientAccumulator
 from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
 from rl_replay.guards import check_env_step
-from rl_replay.environment import make_vector_env
+from rl_replay.environment import env_episode_return, make_vector_env
 from rl_replay.replay import replay
 from rl_replay.spaces import obs_converter
 
@@ -175,7 +175,7 @@ class Collector:
             self._ep_return += np.where(valid_np, reward, 0.0)
             self._ep_length += valid_np
             for i in np.flatnonzero(done):
-                returns.append(float(self._ep_return[i]))
+                returns.append(env_episode_return(info, i, self._ep_return[i]))
                 lengths.append(int(self._ep_length[i]))
                 # Vector envs mark which sub-envs reported a key with "_<key>".
                 if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:

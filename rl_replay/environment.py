@@ -16,10 +16,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gymnasium as gym
+import numpy as np
 
 from rl_replay.errors import SetupError
 
-__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "make_env", "make_vector_env"]
+__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "make_env", "make_vector_env",
+           "env_episode_return"]
+
+# info key of the episode statistics recorded beneath the configured wrappers (see make_vector_env).
+RAW_EPISODE_KEY = "env_episode"
 
 _REGISTER_HINT = (
     "A custom env must be registered (gymnasium.register(id=..., entry_point='pkg.mod:MyEnv')) "
@@ -97,6 +102,11 @@ def _make_kwargs(kwargs: Mapping[str, Any] | None, max_episode_steps: int | None
     return out
 
 
+def _record_env_episodes(env: gym.Env) -> gym.Env:
+    # Beneath the configured wrappers: the env's own rewards, whatever they rescale.
+    return gym.wrappers.RecordEpisodeStatistics(env, stats_key=RAW_EPISODE_KEY)
+
+
 def _apply(env: gym.Env, wrappers: Sequence[Callable], specs: Sequence[Mapping[str, Any]]) -> gym.Env:
     for i, wrapper in enumerate(wrappers):
         try:
@@ -115,7 +125,8 @@ def make_env(
     max_episode_steps: int | None = None,
     render_mode: str | None = None,
 ) -> gym.Env:
-    """One wrapped env (evaluation videos); the same ids, imports and wrappers as training."""
+    """One wrapped env (evaluation videos); the same ids, imports and wrappers as training
+    (with the same episode statistics beneath them as :func:`make_vector_env`)."""
     env_id = resolve_env_id(env_id, imports)
     loaded = load_wrappers(wrappers)
     make_kwargs = _make_kwargs(kwargs, max_episode_steps)
@@ -125,7 +136,7 @@ def make_env(
         env = gym.make(env_id, **make_kwargs)
     except TypeError as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
-    return _apply(env, loaded, wrappers)
+    return _apply(_record_env_episodes(env) if loaded else env, loaded, wrappers)
 
 
 def make_vector_env(
@@ -140,6 +151,10 @@ def make_vector_env(
 ) -> gym.vector.VectorEnv:
     """Build ``num_envs`` copies of ``env_id``, each wrapped by ``wrappers`` in order.
 
+    With wrappers, each sub-env first gets a ``RecordEpisodeStatistics`` beneath them, so the
+    env's own episode return is still known when a wrapper rescales rewards (``NormalizeReward``);
+    read it with :func:`env_episode_return`.
+
     The project's own environments (``rl_replay/...``) are registered on import of ``envs``.
     """
     env_id = resolve_env_id(env_id, imports)
@@ -153,7 +168,21 @@ def make_vector_env(
             raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
         _apply(probe, loaded, wrappers).close()
     try:
+        if loaded:
+            loaded = [_record_env_episodes, *loaded]
         return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization,
                             wrappers=loaded, **_make_kwargs(kwargs, max_episode_steps))
     except TypeError as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+
+
+def env_episode_return(info: Mapping[str, Any], i: int, summed: float) -> float:
+    """Sub-env ``i``'s finished episode return as the env itself paid it.
+
+    ``summed`` is the sum of the rewards the vector env returned; a configured reward wrapper
+    (``NormalizeReward``) changes those, so the statistics recorded beneath the wrappers win.
+    """
+    stats = info.get(RAW_EPISODE_KEY)
+    if stats is not None and info.get("_" + RAW_EPISODE_KEY, np.ones(i + 1, bool))[i]:
+        return float(stats["r"][i])
+    return float(summed)

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from rl_replay.agent import Agent
-from rl_replay.environment import make_env, make_vector_env
+from rl_replay.environment import env_episode_return, make_env, make_vector_env
 from rl_replay.spaces import obs_converter
 
 __all__ = ["evaluate", "log_evaluation"]
@@ -70,7 +70,7 @@ def evaluate(
         done = (terminated | truncated) & valid
         for i in np.flatnonzero(done):
             if len(returns) < episodes:
-                returns.append(ep_return[i])
+                returns.append(env_episode_return(info, i, ep_return[i]))
                 lengths.append(ep_length[i])
                 # Vector envs mark which sub-envs reported a key with "_<key>".
                 if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:

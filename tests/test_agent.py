@@ -170,3 +170,17 @@ def test_agent_is_exported_from_the_package():
     assert Exported is Agent is rl_replay.Agent
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         rl_replay.Nope  # noqa: B018
+
+
+def test_gru_separate_critic_keeps_value_and_policy_gradients_apart():
+    torch.manual_seed(0)
+    agent = GRUAgent(OBS, gym.spaces.Discrete(3), hidden_size=8, encoder_sizes=[8], separate_critic=True)
+    state = agent.initial_state(4)
+    assert set(state.keys()) == {"h", "h_critic"}
+    obs = torch.randn(4, *OBS.shape)
+    out = agent(observation=obs, state=state, is_first=torch.zeros(4, dtype=torch.bool))
+    out = agent(observation=obs, state=out["state"], is_first=torch.tensor([True, False, False, False]))
+    out["value"].sum().backward()
+    grads = {n: p.grad for n, p in agent.named_parameters()}
+    assert all(grads[n] is None for n in grads if n.startswith(("encoder.", "cell.", "head.")))
+    assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in grads if n.startswith("critic_"))

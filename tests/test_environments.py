@@ -259,3 +259,22 @@ def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
                                "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"])
     trainer = train_two_updates(cfg)
     assert trainer.collector.envs.single_observation_space == gym.spaces.Discrete(4)
+
+
+def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
+    """NormalizeReward rescales the rewards the agent learns from; rollout and evaluation
+    returns stay the env's own (CartPole pays 1 per step, so a return is the episode length)."""
+    from rl_replay.evaluate import evaluate
+
+    wrappers = ["gymnasium.wrappers:NormalizeObservation", "gymnasium.wrappers:NormalizeReward"]
+    envs = make_vector_env("CartPole-v1", 3, wrappers=[{"target": t} for t in wrappers])
+    agent = MLPAgent(envs.single_observation_space, envs.single_action_space, hidden_sizes=[8])
+    collector = Collector(envs, agent, num_steps=40, seed=0)
+    rollout = collector.collect(graph=False)
+    assert rollout.episode_returns, "40 random steps end some CartPole episode"
+    assert rollout.episode_returns == [float(n) for n in rollout.episode_lengths]
+    # The rewards the loss sees are rescaled: without the raw statistics the returns would differ.
+    assert not torch.allclose(rollout.data["reward"][rollout.data["valid"]], torch.tensor(1.0))
+    result = evaluate(agent, "CartPole-v1", episodes=4, num_envs=2, deterministic=False,
+                      env_wrappers=[{"target": t} for t in wrappers])
+    assert result["return_mean"] == result["episode_length"]

@@ -321,3 +321,33 @@ def test_two_rank_fsdp_ppo_matches_single_process_gradient(tmp_path):
     assert r["boundaries"], "rank 0's rollout has no termination or no truncation"
     assert_grads_match(r["fsdp"], r["mean"], "ppo-fsdp", rtol=1e-5, atol=1e-6)
     assert r["epochs"] == {"null": [3.0, 3.0], "1.0e-9": [1.0, 1.0]}
+
+
+# ------------------------------------------------------------------ loss
+def test_ppo_loss_matches_cleanrl_formulas_and_ignores_invalid_rows():
+    g = torch.Generator().manual_seed(0)
+    T, n = 6, 5
+    new_lp, old_lp = torch.randn(T, n, generator=g) * 0.3, torch.randn(T, n, generator=g) * 0.3
+    value, old_value = torch.randn(T, n, generator=g), torch.randn(T, n, generator=g)
+    adv, ret, ent = torch.randn(T, n, generator=g), torch.randn(T, n, generator=g), torch.rand(T, n, generator=g)
+    valid = torch.ones(T, n, dtype=torch.bool)
+    valid[2, 1] = valid[4, 3] = False
+    garbage = lambda x: torch.where(valid, x, torch.nan)  # noqa: E731
+    batch = TensorDict(log_prob=garbage(new_lp), entropy=garbage(ent), value=garbage(value),
+                       old_log_prob=old_lp, old_value=old_value, advantage=adv, valid=valid,
+                       **{"return": ret}, batch_size=[T, n])
+    terms = ppo_loss(batch, clip_coef=0.2, clip_vloss=True, value_coef=0.5, entropy_coef=0.01)
+    # CleanRL ppo.py on the valid rows (b_ = flattened batch).
+    lr, ratio = (new_lp - old_lp)[valid], (new_lp - old_lp)[valid].exp()
+    a = adv[valid]
+    a = (a - a.mean()) / (a.std() + 1e-8)
+    pg = torch.max(-a * ratio, -a * ratio.clamp(0.8, 1.2)).mean()
+    v, r, ov = value[valid], ret[valid], old_value[valid]
+    v_clipped = ov + (v - ov).clamp(-0.2, 0.2)
+    v_loss = 0.5 * torch.max((v - r) ** 2, (v_clipped - r) ** 2).mean()
+    torch.testing.assert_close(terms["loss_policy"], pg)
+    torch.testing.assert_close(terms["loss_value"], 0.5 * v_loss)
+    torch.testing.assert_close(terms["loss_entropy"], -0.01 * ent[valid].mean())
+    torch.testing.assert_close(terms["approx_kl"], ((ratio - 1) - lr).mean())
+    torch.testing.assert_close(terms["clipfrac"], ((ratio - 1).abs() > 0.2).float().mean())
+    assert all(torch.isfinite(terms[k]) for k in terms.keys())
