@@ -254,7 +254,7 @@ def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
     from pathlib import Path
 
     config = Path(__file__).resolve().parents[1] / "configs" / "popgym_repeat_previous_easy.yaml"
-    cfg = load_config(config, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=32",
+    cfg = load_config(config, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=32", "ppo.num_minibatches=2",
                                "log.wandb_mode=disabled", "log.progress=false", f"run_dir={tmp_path / 'run'}",
                                "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"])
     trainer = train_two_updates(cfg)

@@ -1,0 +1,70 @@
+"""The shipped learning configs (configs/memory_*.yaml, configs/popgym_*.yaml) build their
+env and agent and train: tiny sizes, a couple of updates each. The learning itself is
+measured in docs/learning.md, not here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+
+from rl_replay.config import load_config
+from rl_replay.trainer import build
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+MEMORY = sorted(CONFIGS.glob("memory_*.yaml"))
+POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
+TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
+
+
+def tiny_agent(target: str) -> str:
+    if target == "agents.lru:LRUAgent":
+        return "agent.kwargs={hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"
+    return "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"
+
+
+def train(cfg, updates: int):
+    trainer = build(cfg)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    metrics = trainer.train()
+    assert trainer.update == updates
+    assert np.isfinite(metrics["train/loss_policy"]) and np.isfinite(metrics["train/loss_value"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+    return trainer, metrics
+
+
+def test_the_config_globs_find_the_shipped_configs():
+    names = {p.name for p in MEMORY + POPGYM}
+    assert {"memory_256.yaml", "memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
+            "popgym_repeat_first_medium.yaml", "popgym_count_recall_easy.yaml",
+            "popgym_repeat_previous_hard.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", MEMORY, ids=lambda p: p.stem)
+def test_memory_config_keeps_step_cap_in_sync_and_runs_an_update(path, tmp_path):
+    shipped = load_config(path)
+    # Whole episodes: the step cap must cover the cue, the delay and the query.
+    assert shipped.collector.mode == "episode"
+    assert shipped.collector.num_steps == shipped.env.kwargs["delay"] + 2
+    cfg = load_config(path, [*TINY, "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8",
+                             "total_env_steps=16", f"run_dir={tmp_path / 'run'}",
+                             tiny_agent(shipped.agent.target)])
+    _, metrics = train(cfg, updates=1)
+    assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
+
+
+@pytest.mark.parametrize("path", POPGYM, ids=lambda p: p.stem)
+def test_popgym_config_builds_and_runs_two_updates(path, tmp_path):
+    pytest.importorskip("popgym")
+    shipped = load_config(path)
+    assert shipped.env.imports == ["popgym"] and shipped.env.id.startswith("popgym-")
+    cfg = load_config(path, [*TINY, "env.num_envs=4", "collector.num_steps=8", "total_env_steps=64",
+                             "ppo.num_minibatches=2", f"run_dir={tmp_path / 'run'}",
+                             tiny_agent(shipped.agent.target)])
+    trainer, _ = train(cfg, updates=2)
+    space = trainer.collector.envs.single_observation_space
+    assert isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete))
+    assert trainer.model.obs_dim == int(np.sum(space.nvec) if hasattr(space, "nvec") else space.n)  # one-hot
