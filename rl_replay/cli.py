@@ -211,6 +211,11 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     run_dir = Path(args.run_dir)
     try:
         cfg = load_config(run_dir / "config.yaml")
+        if cfg.torch_threads is not None:
+            # As in training: a small policy on an oversubscribed thread pool is many times slower.
+            import torch
+
+            torch.set_num_threads(cfg.torch_threads)
         state = load_checkpoint(run_dir)
         bad = non_finite_tensors(state["agent"])
         if bad:
