@@ -5,13 +5,18 @@ For each run directory (or metrics file) prints: env steps at which the mean of
 windowed mean at the end, the median env steps/s and the peak RSS.
 
     python scripts/summarize_curve.py runs/probe_lru128 runs/peer_memory128
-    python scripts/summarize_curve.py RUN --key rollout/return_recent --threshold 475 --window 1
+    python scripts/summarize_curve.py RUN1 RUN2 RUN3 --key rollout/return_recent --threshold 475 --window 1
+
+``rollout/return_recent`` is already the trainer's mean of the last 100 episodes, hence
+``--window 1`` for returns. With several runs it also prints the median of the env steps to
+the threshold (a run that never reaches it counts as infinity).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -33,7 +38,7 @@ def summarize(records: list[dict], key: str = "rollout/success_rate", threshold:
     ``steps_per_sec`` (median) and ``peak_rss_mib``."""
     values, reached, final = [], None, None
     for r in records:
-        if key not in r:
+        if r.get(key) is None:  # absent, or null (no episode ended in that update)
             continue
         values.append(r[key])
         if len(values) >= window:
@@ -63,12 +68,16 @@ def main(argv=None) -> int:
     print(f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
           "env steps run | env steps/s | peak RSS MiB |")
     print("|---|---|---|---|---|---|")
+    reached = []
     for run in args.runs:
         s = summarize(load(run), args.key, args.threshold, args.window)
+        reached.append(s["steps_to_threshold"] or math.inf)
         fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
         print(f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
               f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
               f"{fmt(s['peak_rss_mib'], '.0f')} |")
+    if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
+        print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
     return 0
 
 

@@ -91,3 +91,21 @@ def test_summarize_curve_steps_to_threshold(tmp_path):
     assert s["steps_to_threshold"] == 400 and s["final"] == 1.0 and s["env_steps"] == 700
     assert s["peak_rss_mib"] == 7 and s["steps_per_sec"] == 40.0
     assert summarize(load(tmp_path), window=2, threshold=1.1)["steps_to_threshold"] is None
+
+
+def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from summarize_curve import main
+
+    runs = []
+    for name, values in (("a", [None, 200.0, 480.0]), ("b", [100.0, None, 490.0]), ("c", [50.0, 60.0, 70.0])):
+        run = tmp_path / name
+        run.mkdir()
+        lines = [json.dumps({"update": i + 1, "env_steps": 1000 * (i + 1), "rollout/return_recent": v})
+                 for i, v in enumerate(values)]
+        (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+        runs.append(str(run))
+    assert main([*runs, "--key", "rollout/return_recent", "--threshold", "475", "--window", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3,000 |" in out and "not reached" in out
+    assert "median env steps to threshold over 3 runs: 3,000" in out
