@@ -6,6 +6,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
 from agents.chrono import check_t_max, chrono_bias
 from agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
@@ -25,29 +27,46 @@ class GRUAgent(Agent):
             times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
         separate_critic: the value comes from a second encoder and GRU (sb3-contrib's
             ``enable_critic_lstm``) whose state ``state["h_critic"]`` flows alongside.
+        head_sizes: hidden layers between the GRU and each of the actor and critic outputs
+            (sb3's ``net_arch`` after the LSTM); empty: the outputs read the GRU state directly.
+        activation: ``"tanh"`` or ``"relu"``, for the encoder and the head layers.
+        skip: the actor and critic read the encoded observation next to the GRU state. The
+            GRU's state is a leaky average of past inputs (its update gate starts near 0.5),
+            so without the skip a reactive task sees the present only through that lag;
+            with it the state only has to carry what the present observation lacks.
     """
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
                  update_gate_bias: float = 0.0, chrono_t_max: float | None = None,
-                 separate_critic: bool = False):
+                 separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
+                 skip: bool = False):
         super().__init__(observation_space, action_space)
+        if activation not in ACTIVATIONS:
+            raise SetupError(f"GRUAgent: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}.")
+        self.activation = ACTIVATIONS[activation]
         if chrono_t_max is not None and update_gate_bias:
             raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
         self.hidden_size = hidden_size
         self.separate_critic = separate_critic
+        self.skip = skip
         encoder_sizes = list(encoder_sizes)
+        features = (encoder_sizes[-1] if encoder_sizes else self.obs_dim) if skip else 0
         self.encoder, self.cell = self._trunk(encoder_sizes, update_gate_bias, chrono_t_max)
         if separate_critic:
             # The critic's own encoder and GRU: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
             self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, update_gate_bias, chrono_t_max)
-        self.head = ActionHead(action_space, hidden_size)
-        self.value = value_head(hidden_size)
+        head_sizes = list(head_sizes)
+        last = head_sizes[-1] if head_sizes else hidden_size + features
+        self.actor_mlp = mlp(hidden_size + features, head_sizes, self.activation)
+        self.critic_mlp = mlp(hidden_size + features, head_sizes, self.activation)
+        self.head = ActionHead(action_space, last)
+        self.value = value_head(last)
 
     def _trunk(self, encoder_sizes, update_gate_bias: float,
                chrono_t_max: float | None) -> tuple[nn.Module, nn.GRUCell]:
         H = self.hidden_size
-        encoder = mlp(self.obs_dim, encoder_sizes)
+        encoder = mlp(self.obs_dim, encoder_sizes, self.activation)
         cell = nn.GRUCell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, H)
         if chrono_t_max is not None:
             t_max = check_t_max(chrono_t_max, "GRUAgent")
@@ -71,16 +90,20 @@ class GRUAgent(Agent):
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         x = self.flatten_observation(observation)
         h = self.reset_state(state["h"], is_first)  # (N, H)
-        h = self.cell(self.encoder(x), h)
+        e = self.encoder(x)
+        h = self.cell(e, h)
         next_state = {"h": h}
+        actor_in = torch.cat([h, e], dim=-1) if self.skip else h
         if self.separate_critic:
             hc = self.reset_state(state["h_critic"], is_first)  # (N, H)
-            hc = next_state["h_critic"] = self.critic_cell(self.critic_encoder(x), hc)
+            ec = self.critic_encoder(x)
+            hc = next_state["h_critic"] = self.critic_cell(ec, hc)
+            critic_in = torch.cat([hc, ec], dim=-1) if self.skip else hc
         else:
-            hc = h
+            critic_in = actor_in
         return TensorDict(
-            dist=self.head(h),
-            value=self.value(hc).squeeze(-1),
+            dist=self.head(self.actor_mlp(actor_in)),
+            value=self.value(self.critic_mlp(critic_in)).squeeze(-1),
             state=TensorDict(next_state, batch_size=h.shape[:1]),
             batch_size=h.shape[:1],
         )

@@ -184,3 +184,24 @@ def test_gru_separate_critic_keeps_value_and_policy_gradients_apart():
     grads = {n: p.grad for n, p in agent.named_parameters()}
     assert all(grads[n] is None for n in grads if n.startswith(("encoder.", "cell.", "head.")))
     assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in grads if n.startswith("critic_"))
+
+
+def test_gru_activation_must_be_known():
+    with pytest.raises(SetupError, match="activation must be one of"):
+        GRUAgent(OBS, gym.spaces.Discrete(3), activation="gelu")
+
+
+def test_gru_skip_heads_read_the_present_observation():
+    """With skip=True the action head sees the encoded observation next to the state."""
+    torch.manual_seed(0)
+    agent = GRUAgent(OBS, gym.spaces.Discrete(3), hidden_size=8, encoder_sizes=[6], skip=True, head_sizes=[5])
+    assert agent.actor_mlp[0].in_features == 8 + 6 and agent.head.linear.in_features == 5
+    obs = torch.randn(4, *OBS.shape)
+    state = agent.initial_state(4)
+    first = torch.ones(4, dtype=torch.bool)
+    out = agent(obs, state, first)
+    # Zeroing the GRU's output weights leaves the skip path: the logits still depend on obs.
+    with torch.no_grad():
+        agent.actor_mlp[0].weight[:, :8].zero_()
+    out2 = agent(obs + 1.0, state, first)
+    assert not torch.allclose(out["dist", "logits"], out2["dist", "logits"])
