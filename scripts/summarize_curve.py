@@ -9,7 +9,8 @@ windowed mean at the end, the median env steps/s and the peak RSS.
 
 ``rollout/return_recent`` is already the trainer's mean of the last 100 episodes, hence
 ``--window 1`` for returns. With several runs it also prints the median of the env steps to
-the threshold (a run that never reaches it counts as infinity).
+the threshold (a run that never reaches it counts as infinity). ``--plot OUT.png`` draws the
+windowed curves of all runs on one axis, with the threshold (needs ``pip install -e ".[bench]"``).
 """
 
 from __future__ import annotations
@@ -56,12 +57,53 @@ def summarize(records: list[dict], key: str = "rollout/success_rate", threshold:
     }
 
 
+def windowed_curve(records: list[dict], key: str, window: int) -> tuple[list[int], list[float]]:
+    """(env_steps, mean of ``key`` over the last ``window`` non-null records) per record."""
+    xs, ys, values = [], [], []
+    for r in records:
+        if r.get(key) is None:
+            continue
+        values.append(r[key])
+        if len(values) >= window:
+            xs.append(r["env_steps"])
+            ys.append(sum(values[-window:]) / window)
+    return xs, ys
+
+
+def plot(runs: list[str], out: str, key: str, threshold: float, window: int, title: str | None) -> None:
+    """One PNG: each run's windowed ``key`` against env steps, and the threshold line."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit('summarize_curve: --plot needs matplotlib: pip install -e ".[bench]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        xs, ys = windowed_curve(load(run), key, window)
+        ax.plot(xs, ys, label=Path(run).name, linewidth=1.2)
+    ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold {threshold:g}")
+    ax.set_xlabel("env steps")
+    ax.set_ylabel(key if window == 1 else f"{key} (mean of {window})")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
     parser.add_argument("--key", default="rollout/success_rate")
     parser.add_argument("--threshold", type=float, default=0.95)
     parser.add_argument("--window", type=int, default=10, help="records averaged (default 10)")
+    parser.add_argument("--plot", metavar="OUT.png", help="also draw the curves into this PNG")
+    parser.add_argument("--title", help="title of the --plot figure")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
@@ -78,6 +120,8 @@ def main(argv=None) -> int:
               f"{fmt(s['peak_rss_mib'], '.0f')} |")
     if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
         print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
+    if args.plot:
+        plot(args.runs, args.plot, args.key, args.threshold, args.window, args.title)
     return 0
 
 

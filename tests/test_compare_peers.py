@@ -109,3 +109,18 @@ def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsy
     out = capsys.readouterr().out
     assert "| 3,000 |" in out and "not reached" in out
     assert "median env steps to threshold over 3 runs: 3,000" in out
+
+
+def test_summarize_curve_windowed_curve_and_plot(tmp_path):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from summarize_curve import main, windowed_curve
+
+    records = [{"env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([0.0, None, 1.0, 0.5])]
+    assert windowed_curve(records, "k", 2) == ([30, 40], [0.5, 0.75])
+    pytest.importorskip("matplotlib")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    out = tmp_path / "curve.png"
+    assert main([str(run), "--key", "k", "--window", "1", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
