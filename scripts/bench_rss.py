@@ -44,6 +44,7 @@ SETTINGS = {
     "default+keep": ({}, True),
 }
 OBS, WIDTH, LAYERS, HIDDEN, ACTIONS, BATCH = 64, 1024, 3, 256, 8, 32
+LOSSES = ("stacked", "a2c", "per-step", "a2c-per-step")
 
 
 def _status_bytes(field: str) -> int:
@@ -51,7 +52,7 @@ def _status_bytes(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+)\s+kB", fh.read(), re.M).group(1)) * 1024
 
 
-def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
+def worker(T: int, keep: bool, loss: str = "stacked") -> dict:
     """One measurement in this (fresh) process."""
     import torch
     import torch.nn.functional as F
@@ -89,40 +90,54 @@ def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
     def rollout(steps: int):
         acc = rl_replay.GradientAccumulator()
         h = torch.zeros(BATCH, HIDDEN)
-        terms = []
+        logits_t, values_t, terms = [], [], []
         for t in range(steps):
             logits, value, h = rl_replay.checkpoint_fsdp_forward(policy, acc, obs=obs[t], h=h)
-            if heavy_loss:
+            if loss == "per-step":
+                terms.append(0.5 * value.square().mean() + logits.mean())
+            elif loss == "a2c-per-step":
                 logp = F.log_softmax(logits, -1).gather(1, actions[t]).squeeze(1)
                 terms.append(-(logp * advantages[t]).mean() + 0.5 * value.square().mean())
             else:
-                terms.append(0.5 * value.square().mean() + logits.mean())
-        return torch.stack(terms).sum(), acc
+                logits_t.append(logits)
+                values_t.append(value)
+        if terms:
+            return torch.stack(terms).sum(), acc
+        # The same sums over steps, on the stacked (T, B) outputs: O(1) graph nodes.
+        L, V = torch.stack(logits_t), torch.stack(values_t)
+        if loss == "a2c":
+            logp = F.log_softmax(L, -1).gather(2, actions[:steps]).squeeze(2)
+            per_step = -(logp * advantages[:steps]).mean(1) + 0.5 * V.square().mean(1)
+        else:
+            # mean() as sum() / n: the same values, but the gradient reaching the
+            # logits stays a broadcast (mean's backward materialises it, 1 KiB a step).
+            per_step = 0.5 * V.square().sum(1) / BATCH + L.sum((1, 2)) / (BATCH * ACTIONS)
+        return per_step.sum(), acc
 
-    loss, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
-    loss.backward()
-    del loss
+    total, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
+    total.backward()
+    del total
     gc.collect()
     base = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # VmHWM := VmRSS
-    loss, acc = rollout(T)
+    total, acc = rollout(T)
     after_forward = _status_bytes("VmRSS") - base
-    loss.backward()
+    total.backward()
     peak = _status_bytes("VmHWM") - base
     after_backward = _status_bytes("VmRSS") - base
     copied = getattr(acc, "slab_bytes", None)
-    return dict(T=T, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
+    return dict(T=T, loss=loss, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
                 after_forward=after_forward, after_backward=after_backward,
                 saved_bytes=acc.saved_bytes, slab_bytes=copied,
                 state_bytes_per_step=BATCH * HIDDEN * 4)
 
 
-def measure(setting: str, T: int, heavy: bool = False, timeout: float = 600) -> dict:
+def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -> dict:
     env_add, keep = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), str(int(heavy))]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), loss]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
@@ -147,14 +162,17 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--json", help="write the raw results and slopes here")
-    ap.add_argument("--a2c-loss", action="store_true", help="per-step A2C loss terms instead")
+    ap.add_argument("--loss", choices=LOSSES, default="stacked",
+                    help="stacked (default): the probe loss on the stacked (T, B) outputs; "
+                         "a2c: A2C terms on the stacked outputs; per-step, a2c-per-step: the "
+                         "same sums built from one small graph per step")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        T, keep, heavy = (int(a) for a in args.worker)
-        print(PREFIX + json.dumps(worker(T, bool(keep), bool(heavy))), flush=True)
+        T, keep, loss = int(args.worker[0]), bool(int(args.worker[1])), args.worker[2]
+        print(PREFIX + json.dumps(worker(T, keep, loss)), flush=True)
         return 0
-    results = [measure(s, T, args.a2c_loss) for s in args.settings for T in args.T]
+    results = [measure(s, T, args.loss) for s in args.settings for T in args.T]
     slopes = [slope(results, s) for s in args.settings]
     print("| allocator | keep_freed_memory | T | peak RSS growth | RSS after forward | saved input bytes |")
     print("|---|---|---:|---:|---:|---:|")
