@@ -49,7 +49,7 @@ class _Chunk:
     touched, so it costs address space, not memory).
     """
 
-    __slots__ = ("size", "used", "last", "storage_ref", "_first")
+    __slots__ = ("size", "used", "last", "storage_ref", "data_ptr", "_first")
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         if pinned:
@@ -62,6 +62,7 @@ class _Chunk:
         self.used = 0
         self.last: weakref.ref | None = None
         self.storage_ref = StorageWeakRef(buffer.untyped_storage())
+        self.data_ptr = buffer.data_ptr()
         self._first = buffer
 
     def take(self, like: torch.Tensor) -> torch.Tensor | None:
@@ -122,7 +123,7 @@ class SlabStore:
             self._next_size[series] = min(2 * next_size, _MAX_CHUNK)
             chunk = self._open[series] = _Chunk(size, pinned)
             self._forget_freed()
-            self._chunks[chunk.storage_ref.cdata] = chunk
+            self._chunks[chunk.data_ptr] = chunk
             self.reserved_bytes += size
             out = chunk.take(t)
         # Blocking, as save_on_cpu's: the copy is done before the caller can touch t.
@@ -137,7 +138,7 @@ class SlabStore:
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of this store's chunks."""
-        chunk = self._chunks.get(t.untyped_storage()._cdata)
+        chunk = self._chunks.get(t.untyped_storage().data_ptr())
         return chunk is not None and not chunk.storage_ref.expired()
 
     def _forget_freed(self) -> None:
@@ -145,7 +146,7 @@ class SlabStore:
             del self._chunks[key]
 
     def used_bytes(self) -> dict[int, int]:
-        """``{chunk id: bytes handed out}`` for the chunks of this rollout still in use."""
+        """``{chunk data_ptr: bytes handed out}`` for the chunks of this rollout still in use."""
         return {k: c.used for k, c in self._chunks.items() if not c.storage_ref.expired()}
 
     def release(self) -> None:
