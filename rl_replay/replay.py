@@ -65,6 +65,7 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, Sequence
@@ -127,7 +128,7 @@ class _ModelPlan:
                 named += [(f"parameter '{n}'", p) for n, p in module.named_parameters()]
         self.watched_names = tuple(n for n, _ in named)
         self.watched = tuple(t for _, t in named)
-        self.site: _Site | None = None  # the last block's (see _site_for)
+        self.site: weakref.ref | None = None  # the last block's site, weakly (see _Site)
 
     def versions(self) -> list[int]:
         """The watched tensors' versions; the previous block's list when unchanged, so
@@ -356,11 +357,13 @@ class _Site:
 
     One object for all of them, not one per block: every object a block keeps lives
     until the backward, so per-block bookkeeping is memory that grows with T. The
-    plan keeps the last site and a block reuses it when nothing differs.
+    plan keeps the last site, weakly (the blocks' nodes hold it; a strong reference
+    would make a cycle through the accumulator, freed only by the cycle collector),
+    and a block reuses it when nothing differs.
     """
 
     __slots__ = ("model", "plan", "accumulator", "layout", "context_fn", "device",
-                 "out_spec", "last", "interned")
+                 "out_spec", "last", "interned", "__weakref__")
 
     def __init__(self, model, plan, accumulator, layout, context_fn, device) -> None:
         self.model = model
@@ -802,9 +805,10 @@ def _input_device(tensors: Sequence[torch.Tensor], what: Callable[[int], str]) -
 
 
 def _site_for(plan: _ModelPlan, model, accumulator, layout, context_fn, device) -> _Site:
-    site = plan.site
+    site = plan.site() if plan.site is not None else None
     if site is None or not site.matches(model, accumulator, layout, context_fn, device):
-        site = plan.site = _Site(model, plan, accumulator, layout, context_fn, device)
+        site = _Site(model, plan, accumulator, layout, context_fn, device)
+        plan.site = weakref.ref(site)
     return site
 
 

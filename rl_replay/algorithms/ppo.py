@@ -50,20 +50,28 @@ def replay_minibatch(model, policy, data: TensorDict, start_state: TensorDict,
     """
     T, n = data.batch_size
     state = start_state
-    log_prob, entropy, value = [], [], []
+    # Each step's outputs except the state, key by key: the distribution, its log-prob and
+    # entropy are computed once on the stacked (T, n) outputs, so the loss's graph has a
+    # few nodes in all instead of a few per step (each kept until the backward).
+    columns: dict = {}
     for t in range(T):
         inputs = TensorDict(observation=data["observation"][t], state=state,
                             is_first=data["is_first"][t], batch_size=[n], device=None)
         out = replay(model, accumulator, inputs)
-        dist = policy.distribution(out)
-        log_prob.append(dist.log_prob(data["action"][t]))
-        entropy.append(dist.entropy())
-        value.append(out["value"])
+        for key, value in out.items(include_nested=True, leaves_only=True):
+            if key != "state" and not (isinstance(key, tuple) and key[0] == "state"):
+                columns.setdefault(key, []).append(value)
         state = out["state"]
         if bptt_truncate and (t + 1) % bptt_truncate == 0:
             state = state.detach()
-    return TensorDict(log_prob=torch.stack(log_prob), entropy=torch.stack(entropy),
-                      value=torch.stack(value), batch_size=[T, n])
+        del out
+    heads = TensorDict({}, batch_size=[T, n])
+    for key, values in columns.items():
+        heads.set(key, torch.stack(values))
+    del columns
+    dist = policy.distribution(heads)
+    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                      value=heads["value"], batch_size=[T, n])
 
 
 class PPO:
