@@ -14,20 +14,28 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         contiguous host chunks of its GradientAccumulator, copied in before the model
 #         runs: pageable mmapped chunks for host inputs, pinned ones for CUDA inputs
 #         (copied back with non_blocking copies in backward). A CPU block's outputs are
-#         written into the slab too, so the recurrent state a block returns is already
-#         there when the next block saves it (kept, not copied again). Why: what
+#         written into the slab too (one chunk series per output position, so outputs
+#         that die together, like per-step logits once a loss has stacked them, free
+#         their chunks together), and the recurrent state a block returns is already
+#         there when the next block saves it (saved as a detached alias: same storage
+#         and version counter, no autograd metadata; not copied again). Why: what
 #         survives a block (its saved inputs and its outputs) is the only memory that
 #         grows with T. Left where the model allocated it, among the block's freed
 #         activations, it splits the heap's free space, which then can neither be
 #         reused compactly nor returned: peak RSS grew 2-5x faster than the saved
 #         bytes. In slabs, the heap's growth per step equals the bytes in use, and a
-#         chunk goes back to the OS (or the pinned cache) in one piece as soon as the
-#         backward has replayed its blocks (the store holds chunks weakly; a tensor
-#         the caller keeps holds its chunk). Host inputs that are slices of a larger
-#         buffer (``obs[t]`` of a preallocated rollout tensor) and leaves that require
-#         grad are kept as they are: their memory is held anyway, a copy would only add
-#         bytes. Those, unlike copies, see later in-place writes, so their versions are
-#         checked before the recompute; a copy is immune to them.
+#         chunk goes back to the OS (or the pinned cache) in one piece as soon as no
+#         tensor uses it, e.g. once the backward has replayed its blocks (the store
+#         holds chunks weakly; a tensor the caller keeps holds its chunk). Host inputs
+#         that are slices of a larger buffer (``obs[t]`` of a preallocated rollout
+#         tensor) are saved as that buffer plus the slice's offset, sizes and strides,
+#         and leaves that require grad as they are: their memory is held anyway, a
+#         copy would only add bytes. Those, unlike copies, see later in-place writes,
+#         so their versions are checked before the recompute; a copy is immune to them.
+#         Per-block bookkeeping is memory that grows with T too, so a block keeps
+#         little besides its saved tensors: its state lives in the node's slots
+#         (``_ReplayCtx``), what its neighbours share (model, plan, argument layout,
+#         accumulator) in one ``_Site``; measured in tests/test_replay_memory.py.
 # Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
 #         recompute detaches the saved inputs into fresh leaves, so the nested
 #         backward stops at the block's edge; the input gradients are returned to
