@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from rl_replay import distributed as dist_utils
 from rl_replay.accumulator import GradientAccumulator
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Collector, Rollout
+from rl_replay.collector import Collector, Rollout, append_heads, stack_heads
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
 from rl_replay.losses import gae_targets, ppo_loss
@@ -58,16 +58,12 @@ def replay_minibatch(model, policy, data: TensorDict, start_state: TensorDict,
         inputs = TensorDict(observation=data["observation"][t], state=state,
                             is_first=data["is_first"][t], batch_size=[n], device=None)
         out = replay(model, accumulator, inputs)
-        for key, value in out.items(include_nested=True, leaves_only=True):
-            if key != "state" and not (isinstance(key, tuple) and key[0] == "state"):
-                columns.setdefault(key, []).append(value)
+        append_heads(columns, out)
         state = out["state"]
         if bptt_truncate and (t + 1) % bptt_truncate == 0:
             state = state.detach()
         del out
-    heads = TensorDict({}, batch_size=[T, n])
-    for key, values in columns.items():
-        heads.set(key, torch.stack(values))
+    heads = stack_heads(columns, T, n)
     del columns
     dist = policy.distribution(heads)
     return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
