@@ -53,6 +53,22 @@ class Rollout:
     start_state: TensorDict | None = None
 
 
+def append_heads(columns: dict, out: TensorDict) -> None:
+    """Append one step's agent outputs except ``state`` to ``columns`` (key -> list)."""
+    for key, value in out.items(include_nested=True, leaves_only=True):
+        if key != "state" and not (isinstance(key, tuple) and key[0] == "state"):
+            columns.setdefault(key, []).append(value)
+
+
+def stack_heads(columns: dict, T: int, N: int) -> TensorDict:
+    """The (T, N) TensorDict of the steps' outputs collected by :func:`append_heads`,
+    for :meth:`~rl_replay.Agent.distribution` and the values."""
+    heads = TensorDict({}, batch_size=[T, N])
+    for key, values in columns.items():
+        heads.set(key, torch.stack(values))
+    return heads
+
+
 class Collector:
     """Runs ``agent`` in ``envs`` for one rollout at a time; never sees losses or optimizers.
 
@@ -155,8 +171,8 @@ class Collector:
         start_state = None if acc is not None else self._state.clone()
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
-        cols: dict[str, list] = {k: [] for k in (
-            "observation", "is_first", "action", "log_prob", "entropy", "value")}
+        cols: dict[str, list] = {k: [] for k in ("observation", "is_first", "action")}
+        heads: dict = {}  # the agent's outputs but the state, key by key
         flags: dict[str, list[np.ndarray]] = {k: [] for k in ("reward", "terminated", "truncated", "valid")}
         finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
         returns, lengths, successes = [], [], []
@@ -164,9 +180,9 @@ class Collector:
         for t in range(self.num_steps):
             inputs = self._block_inputs()
             out = replay(self.agent, acc, inputs) if acc is not None else self.agent(**inputs)
-            dist = self.policy.distribution(out)
-            with torch.no_grad():
-                action = dist.sample()
+            with torch.no_grad():  # only to sample: log-probs and entropy come at the end
+                action = self.policy.distribution(out).sample()
+            append_heads(heads, out)
             valid_np = ~self._autoreset & ~finished
             obs, reward, terminated, truncated, info = self.envs.step(self._env_action(action))
             check_env_step(self._env_id, obs, reward)
@@ -183,8 +199,7 @@ class Collector:
                 self._ep_return[i] = 0.0
                 self._ep_length[i] = 0
             for key, value in (("observation", inputs["observation"]), ("is_first", inputs["is_first"]),
-                               ("action", action), ("log_prob", dist.log_prob(action)),
-                               ("entropy", dist.entropy()), ("value", out["value"])):
+                               ("action", action)):
                 cols[key].append(value)
             flags["reward"].append(reward)
             flags["terminated"].append(terminated & valid_np)
@@ -207,11 +222,18 @@ class Collector:
             bootstrap = self.agent(**self._block_inputs())["value"]
         self._state = self._state.detach()
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
+        T = data["action"].shape[0]
+        # One distribution over the stacked (T, N) outputs: the loss's graph gets a few
+        # nodes in all instead of a few per step (each kept until the backward).
+        stacked = stack_heads(heads, T, N)
+        del heads
+        dist = self.policy.distribution(stacked)
+        data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                    value=stacked["value"])
         for key, column in flags.items():
             dtype = torch.float32 if key == "reward" else torch.bool
             data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
         data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
-        T = data["value"].shape[0]
         return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes,
                        start_state)
 

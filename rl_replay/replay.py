@@ -14,20 +14,28 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 #         contiguous host chunks of its GradientAccumulator, copied in before the model
 #         runs: pageable mmapped chunks for host inputs, pinned ones for CUDA inputs
 #         (copied back with non_blocking copies in backward). A CPU block's outputs are
-#         written into the slab too, so the recurrent state a block returns is already
-#         there when the next block saves it (kept, not copied again). Why: what
+#         written into the slab too (one chunk series per output position, so outputs
+#         that die together, like per-step logits once a loss has stacked them, free
+#         their chunks together), and the recurrent state a block returns is already
+#         there when the next block saves it (saved as a detached alias: same storage
+#         and version counter, no autograd metadata; not copied again). Why: what
 #         survives a block (its saved inputs and its outputs) is the only memory that
 #         grows with T. Left where the model allocated it, among the block's freed
 #         activations, it splits the heap's free space, which then can neither be
 #         reused compactly nor returned: peak RSS grew 2-5x faster than the saved
 #         bytes. In slabs, the heap's growth per step equals the bytes in use, and a
-#         chunk goes back to the OS (or the pinned cache) in one piece as soon as the
-#         backward has replayed its blocks (the store holds chunks weakly; a tensor
-#         the caller keeps holds its chunk). Host inputs that are slices of a larger
-#         buffer (``obs[t]`` of a preallocated rollout tensor) and leaves that require
-#         grad are kept as they are: their memory is held anyway, a copy would only add
-#         bytes. Those, unlike copies, see later in-place writes, so their versions are
-#         checked before the recompute; a copy is immune to them.
+#         chunk goes back to the OS (or the pinned cache) in one piece as soon as no
+#         tensor uses it, e.g. once the backward has replayed its blocks (the store
+#         holds chunks weakly; a tensor the caller keeps holds its chunk). Host inputs
+#         that are slices of a larger buffer (``obs[t]`` of a preallocated rollout
+#         tensor) are saved as that buffer plus the slice's offset, sizes and strides,
+#         and leaves that require grad as they are: their memory is held anyway, a
+#         copy would only add bytes. Those, unlike copies, see later in-place writes,
+#         so their versions are checked before the recompute; a copy is immune to them.
+#         Per-block bookkeeping is memory that grows with T too, so a block keeps
+#         little besides its saved tensors: its state lives in the node's slots
+#         (``_ReplayCtx``), what its neighbours share (model, plan, argument layout,
+#         accumulator) in one ``_Site``; measured in tests/test_replay_memory.py.
 # Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
 #         recompute detaches the saved inputs into fresh leaves, so the nested
 #         backward stops at the block's edge; the input gradients are returned to
@@ -65,6 +73,7 @@ r"""Replay blocks: run a policy forward without a graph, recompute it in backwar
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
 from typing import Any, Callable, Sequence
@@ -86,6 +95,7 @@ ContextFn = Callable[[], "tuple[Any, Any]"]
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 _SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
+_CPU = torch.device("cpu")
 
 # Per-block state kept until backward is shared where it is the same for every block.
 _NO_CONTEXT = nullcontext()  # reusable and reentrant
@@ -104,7 +114,8 @@ def _anchor(device: torch.device) -> torch.Tensor:
 class _ModelPlan:
     """Facts about one model computed once per rollout (cached on the accumulator)."""
 
-    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units", "last")
+    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units", "last",
+                 "site")
 
     def __init__(self, model: Callable) -> None:
         module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
@@ -125,6 +136,7 @@ class _ModelPlan:
                 named += [(f"parameter '{n}'", p) for n, p in module.named_parameters()]
         self.watched_names = tuple(n for n, _ in named)
         self.watched = tuple(t for _, t in named)
+        self.site: weakref.ref | None = None  # the last block's site, weakly (see _Site)
 
     def versions(self) -> list[int]:
         """The watched tensors' versions; the previous block's list when unchanged, so
@@ -136,7 +148,7 @@ class _ModelPlan:
         self.last = now
         return now
 
-    def check_versions(self, before: list[int], when: str, block: "_Block") -> list[int]:
+    def check_versions(self, before: list[int], when: str, block: "_ReplayCtx") -> list[int]:
         after = self.versions()
         if after == before:
             return before  # blocks keep it until backward: one list, not one per block
@@ -292,30 +304,432 @@ def _module_of(model: Callable) -> torch.nn.Module | None:
 
 
 # ------------------------------------------------------------------------------ blocks
-class _Block:
-    """Everything one block needs besides its tensors; lives as long as its graph node."""
+class _KwargsLayout:
+    """How ``checkpoint_fsdp_forward`` turns a block's tensors back into the model's
+    keyword arguments: the keys, where the tensors go, and the metadata values."""
 
-    __slots__ = (
-        "model", "plan", "accumulator", "index", "rebuild", "context_fn", "device",
-        "cpu_rng", "cuda_device", "cuda_rng", "autocast", "recompute_context", "out_spec",
-        "num_outputs", "versions", "requires_grad", "input_versions", "input_devices",
-    )
+    __slots__ = ("keys", "positions", "values")
 
-    def __init__(self, model, plan, accumulator, rebuild, context_fn, device):
+    def __init__(self, keys: tuple, positions: tuple, values: tuple) -> None:
+        self.keys = keys
+        self.positions = positions
+        self.values = values  # None where a tensor goes: the layout must not hold inputs
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
+        args = list(self.values)
+        for i, t in zip(self.positions, tensors):
+            args[i] = t
+        return dict(zip(self.keys, args))
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, _KwargsLayout) and self.keys == other.keys
+                and self.positions == other.positions
+                and all(_same_value(a, b) for a, b in zip(self.values, other.values)))
+
+    __hash__ = None  # mutable-free but compared structurally; never a dict key
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether metadata ``b`` can stand in for ``a`` in a recompute: the same object, or an
+    equal value of the same plain type (``1``, ``1.0`` and ``True`` compare equal but are
+    not interchangeable; neither are ``0.0`` and ``-0.0``)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or type(a) not in (int, str, bytes, float):
+        return False
+    return a == b and (type(a) is not float or repr(a) == repr(b))
+
+
+class _TreeLayout:
+    """How ``replay`` turns a block's tensors back into the model's keyword arguments:
+    the input TensorDict's pytree spec (top-level keys become keywords)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
+        td = pytree.tree_unflatten(list(tensors), self.spec)
+        return {key: td.get(key) for key in td.keys()}
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _TreeLayout) and self.spec == other.spec
+
+    __hash__ = None
+
+
+class _Site:
+    """What consecutive blocks of one rollout share: the model and its plan, the
+    accumulator, the argument layout, ``context_fn`` and the device.
+
+    One object for all of them, not one per block: every object a block keeps lives
+    until the backward, so per-block bookkeeping is memory that grows with T. The
+    plan keeps the last site, weakly (the blocks' nodes hold it; a strong reference
+    would make a cycle through the accumulator, freed only by the cycle collector),
+    and a block reuses it when nothing differs.
+    """
+
+    __slots__ = ("model", "plan", "accumulator", "layout", "context_fn", "device",
+                 "out_spec", "last", "interned", "__weakref__")
+
+    def __init__(self, model, plan, accumulator, layout, context_fn, device) -> None:
         self.model = model
         self.plan = plan
         self.accumulator = accumulator
-        self.index = accumulator.num_blocks
-        self.rebuild = rebuild
+        self.layout = layout
         self.context_fn = context_fn
         self.device = device
+        self.out_spec = None  # the last block's, read by _apply right after the forward
+        self.last: tuple = ()  # the last block's input versions, shared when equal
+        self.interned: dict = {}
 
     def call(self, tensors: Sequence[torch.Tensor]):
-        return self.model(**self.rebuild(tensors))
+        return self.model(**self.layout.rebuild(tensors))
+
+    def matches(self, model, accumulator, layout, context_fn, device) -> bool:
+        return (self.model is model and self.accumulator is accumulator
+                and self.context_fn is context_fn and self.device == device
+                and self.layout == layout)
+
+    def intern_last(self, versions: tuple) -> tuple:
+        """``versions``, or the equal tuple the previous block keeps."""
+        if versions == self.last:
+            return self.last
+        self.last = versions
+        return versions
+
+    def intern(self, value: tuple) -> tuple:
+        """One shared object per distinct (hashable) ``value`` among this site's blocks."""
+        shared = self.interned.get(value)
+        if shared is None:
+            if len(self.interned) >= 256:  # shapes that change every block: do not grow
+                self.interned.clear()
+            shared = self.interned[value] = value
+        return shared
+
+
+class _RestoredState:
+    """Enters exactly what differs from now: forked RNG (only if the forward drew random
+    numbers) and autocast (only if it was on at the forward or is on now)."""
+
+    __slots__ = ("block", "stack")
+
+    def __init__(self, block: "_ReplayCtx") -> None:
+        self.block = block
+        self.stack = None
+
+    def __enter__(self):
+        block = self.block
+        rng = block.cpu_rng is not None or block.cuda_rng is not None
+        autocast = [a for a in block.autocast if a[1] or torch.is_autocast_enabled(a[0])]
+        if not rng and not autocast:
+            return self
+        stack = self.stack = ExitStack()
+        if rng:
+            devices = [block.cuda_device.index or 0] if block.cuda_rng is not None else []
+            stack.enter_context(torch.random.fork_rng(devices=devices))
+            if block.cpu_rng is not None:
+                torch.set_rng_state(block.cpu_rng)
+            if block.cuda_rng is not None:
+                torch.cuda.set_rng_state(block.cuda_rng, block.cuda_device)
+        for device_type, enabled, dtype in autocast:
+            stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
+        return self
+
+    def __exit__(self, *exc):
+        return None if self.stack is None else self.stack.__exit__(*exc)
+
+
+def _same(t):
+    return t
+
+
+def _save_inputs(tensors: Sequence[torch.Tensor], site: "_Site"):
+    """What a block saves of its inputs (Rule 1): ``(saved, devices, versions, slices)``.
+
+    ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
+    host); ``versions[i]`` the version of an input kept as it is (None: copied);
+    ``slices[i]`` is ``(storage_offset, (dtype, shape, stride))`` when input i is a
+    slice of a caller's buffer and ``saved[i]`` that buffer (None otherwise).
+    """
+    slabs = site.accumulator._slabs
+    # devices, versions, slices: tuples, shared when not all None
+    saved, devices, versions, slices = [], [], [], []
+    for t in tensors:
+        slice_of = None
+        if t.is_cuda:
+            # Device memory is what replay saves; contiguous unless dense (as save_on_cpu).
+            src = t if _dense(t) else t.contiguous()
+            saved.append(slabs.copy(src, pinned=True))
+            devices.append(t.device)
+            versions.append(None)
+        else:
+            how = _how_to_save(t, slabs)
+            if how is _COPY:
+                saved.append(slabs.copy(t, pinned=False))
+                versions.append(None)
+            elif how is _ALIAS:
+                # Sharing its storage and version counter, without its autograd metadata
+                # (grad_fn, output number): ~0.5 KiB less per block until backward.
+                saved.append(t.detach())
+                versions.append(t._version)
+            elif how is _SLICE:
+                # The buffer, one tensor for all blocks, and where the slice lies in it:
+                # a view per block would keep a tensor (~0.7 KiB) per block until backward.
+                base = t._base
+                saved.append(base)
+                versions.append(base._version)  # a view shares its base's version counter
+                slice_of = (t.storage_offset(), site.intern((t.dtype, tuple(t.shape), t.stride())))
+            else:
+                saved.append(t)
+                versions.append(t._version)
+            devices.append(None)
+        slices.append(slice_of)
+    return saved, _compact(devices), _compact(versions), _compact(slices)
+
+
+def _compact(values: list) -> tuple:
+    """``values`` as a tuple, one shared tuple when all are None (the usual case)."""
+    if all(v is None for v in values):
+        nones = _NONES.get(len(values))
+        if nones is None:
+            nones = _NONES[len(values)] = (None,) * len(values)
+        return nones
+    return tuple(values)
+
+
+_COPY, _KEEP, _ALIAS, _SLICE = "copy", "keep", "alias", "slice"
+
+
+def _how_to_save(t: torch.Tensor, slabs) -> str:
+    """How a host input is saved: copied into a slab, kept as itself, kept as a detached
+    alias, or kept as its place in the buffer it is a slice of.
+
+    Kept: a previous block's output (already in the rollout's slab; as an alias, which
+    shares its storage and version counter but not its autograd metadata); a leaf that
+    requires grad (the graph holds it anyway); and anything the slab cannot hold
+    faithfully (sparse, subclasses, overlapping or gappy strides, empty, conjugate or
+    negative views). A slice of a larger buffer (``obs[t]`` of a preallocated rollout
+    tensor) is kept as the buffer (the caller's, alive anyway, so a copy would only add
+    bytes) and the slice's offset, sizes and strides. Everything else, e.g. a fresh
+    observation, is copied, so the tensor itself can be freed.
+    """
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
+        return _KEEP
+    if t.requires_grad and t.is_leaf:
+        return _KEEP
+    if not _dense(t):
+        return _KEEP
+    if slabs.owns(t):
+        # A previous block's output, already in this rollout's slab.
+        return _ALIAS if t.grad_fn is not None else _KEEP
+    base = t._base
+    if base is None or t.untyped_storage().nbytes() <= t.numel() * t.element_size():
+        return _COPY
+    if t.is_conj() or t.is_neg() or type(base) is not torch.Tensor:
+        return _KEEP
+    return _SLICE
+
+
+def _unslice(saved: Sequence[torch.Tensor], slices: Sequence[tuple | None]):
+    """The saved inputs with each buffer replaced by the block's slice of it."""
+    if all(s is None for s in slices):
+        return saved
+    out = []
+    for t, where in zip(saved, slices):
+        if where is not None:
+            offset, (dtype, shape, stride) = where
+            t = torch.empty(0, dtype=dtype).set_(t.untyped_storage(), offset, shape, stride)
+        out.append(t)
+    return out
+
+
+def _place_outputs(flat: tuple, inputs: Sequence[torch.Tensor], slabs) -> tuple:
+    """A CPU block's outputs, moved into the rollout's slab (Rule 1).
+
+    The outputs are what survives a block's forward (the next block's state, the
+    loss's inputs); left where the model allocated them, among the block's freed
+    activations, they fragment the heap exactly as saved inputs would. An output that
+    shares storage with an input (a pass-through) is returned as it is.
+    """
+    inputs_storage = {t.untyped_storage().data_ptr() for t in inputs}
+    placed: dict[int, torch.Tensor] = {}
+    out = []
+    for position, o in enumerate(flat):
+        if (type(o) is not torch.Tensor or o.is_cuda or o.layout != torch.strided
+                or o.numel() == 0 or not _dense(o)
+                or o.untyped_storage().data_ptr() in inputs_storage):
+            out.append(o)
+            continue
+        p = placed.get(id(o))
+        if p is None:
+            p = placed[id(o)] = slabs.place(o, position)
+        out.append(p)
+    return tuple(out)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Non-overlapping and dense: its strides lay out exactly numel elements."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _restore_inputs(saved: Sequence[torch.Tensor], devices: Sequence[torch.device | None]):
+    """The saved inputs where the block got them: CUDA ones are copied back from pinned
+    memory asynchronously (ordered on the current stream before the recompute)."""
+    if all(d is None for d in devices):
+        return saved
+    return [t if d is None else t.to(d, non_blocking=True) for t, d in zip(saved, devices)]
+
+
+def _check_inputs_unchanged(saved: Sequence[torch.Tensor], block: _ReplayCtx) -> None:
+    for i, (t, version, where) in enumerate(zip(saved, block.input_versions, block.input_slices)):
+        if version is not None and t._version != version:
+            shape = tuple(t.shape) if where is None else where[1][1]
+            raise ReplayError(
+                _PREFIX + f"input {i} of block {block.index} (a {shape} host tensor) was "
+                "modified in place after the block ran; the recompute would see the new values. "
+                "Pass a fresh tensor to each block (e.g. .clone() a reused observation buffer)."
+            )
+
+
+def _flatten_outputs(outputs: Any, site: _Site) -> tuple[tuple[torch.Tensor, ...], Any]:
+    if isinstance(outputs, torch.Tensor):
+        return (outputs,), None
+    if isinstance(outputs, tuple) and all(isinstance(o, torch.Tensor) for o in outputs):
+        return outputs, len(outputs)
+    if isinstance(outputs, Mapping) and not isinstance(outputs, TensorDictBase):
+        bad = [k for k, v in outputs.items() if not isinstance(v, (torch.Tensor, Mapping))]
+        if not bad:
+            outputs = TensorDict(dict(outputs), batch_size=[])
+    if isinstance(outputs, TensorDictBase):
+        leaves, spec = pytree.tree_flatten(outputs)
+        if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
+            return tuple(leaves), spec
+    name = type(site.model).__name__
+    raise TypeError(
+        _PREFIX + f"{name} returned {_describe(outputs)}; a replay block must return a tensor, "
+        "a tuple of tensors, a TensorDict or a mapping of tensors. Wrap other values "
+        "(numbers, lists) into tensors, or return them from outside the block."
+    )
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        inner = ", ".join(type(v).__name__ for v in value[:4])
+        return f"a {type(value).__name__} of ({inner}{', ...' if len(value) > 4 else ''})"
+    return f"a {type(value).__name__}"
+
+
+def _unflatten_outputs(flat: Sequence[torch.Tensor], spec: Any):
+    if spec is None:
+        return flat[0]
+    if isinstance(spec, int):
+        return tuple(flat)
+    return pytree.tree_unflatten(list(flat), spec)
+
+
+class _ReplayFunction(torch.autograd.Function):
+    """The autograd node of one block. See NOTE [ Replay blocks ].
+
+    Its ``ctx`` is a :class:`_ReplayCtx`: the block's own state lives in the node's
+    slots, everything its blocks share in one :class:`_Site`.
+    """
+
+    @staticmethod
+    def forward(ctx, site: _Site, anchor: torch.Tensor | None, *tensors: torch.Tensor):
+        ctx.site = site
+        ctx.index = site.accumulator.num_blocks
+        ctx.set_materialize_grads(False)
+        # Rule 1: copied into the rollout's slabs before the model runs (so an in-place
+        # change by the forward cannot reach the copy), or kept as they are. Saved
+        # through identity saved-tensor hooks (see _apply), which skip autograd's
+        # in-place check: a kept tensor's version is remembered and checked before the
+        # recompute instead.
+        saved, ctx.input_devices, versions, ctx.input_slices = _save_inputs(tensors, site)
+        ctx.input_versions = site.intern_last(versions)
+        ctx.save_for_backward(*saved)
+        ctx.capture_state()
+        if site.context_fn is None:
+            forward_context = ctx.recompute_context = _NO_CONTEXT
+        else:
+            forward_context, ctx.recompute_context = site.context_fn()
+        plan = site.plan
+        before = plan.versions()
+        with forward_context:
+            outputs = site.call(tensors)
+        ctx.versions = plan.check_versions(before, "the forward", ctx)
+        ctx.forget_unused_rng()
+        flat, site.out_spec = _flatten_outputs(outputs, site)
+        ctx.num_outputs = len(flat)
+        if site.device.type == "cpu":
+            flat = _place_outputs(flat, tensors, site.accumulator._slabs)
+        return flat
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        if torch.is_grad_enabled():
+            raise ReplayError(
+                _PREFIX + "higher-order gradients (backward with create_graph=True) through a "
+                "replay block are not supported: the block's parameter gradients are "
+                "accumulated, not differentiable. Use plain autograd for this computation."
+            )
+        if not torch.autograd._is_checkpoint_valid():
+            raise ReplayError(
+                _PREFIX + "torch.autograd.grad() and backward(inputs=...) through a replay block "
+                "are not supported: the block's nested backward accumulates into every "
+                "parameter's .grad, which those calls must leave untouched. Call "
+                "loss.backward() without inputs, or use plain autograd for this computation."
+            )
+        site = ctx.site
+        plan = site.plan
+        plan.check_fsdp_sync()
+        accumulator = site.accumulator
+        accumulator._enter_backward()
+        requires_grad = ctx.needs_input_grad[2:]  # the block's tensors (after site, anchor)
+        if all(g is None for g in grads):
+            # Rule 7: no output of this block reaches the loss (and nothing is unpacked).
+            return (None, None) + (None,) * len(requires_grad)
+        saved = ctx.saved_tensors
+        _check_inputs_unchanged(saved, ctx)
+        saved = _restore_inputs(_unslice(saved, ctx.input_slices), ctx.input_devices)
+        plan.check_versions(ctx.versions, "something between the forward and the backward", ctx)
+        start = accumulator._begin_block(plan.params, plan.absorb)
+        try:
+            input_grads = _recompute_and_backward(ctx, saved, requires_grad, grads)
+        except BaseException:
+            # The engine drops queued callbacks when a backward fails: put the gradients
+            # already moved out of .grad (FSDP path) back now, so none is lost.
+            accumulator._finalise()
+            raise
+        accumulator._end_block(start)
+        return (None, None) + input_grads
+
+
+class _ReplayCtx(_ReplayFunction._backward_cls):  # type: ignore[misc, name-defined]
+    """The ``ctx`` (and graph node) of one block: its state until backward, in slots.
+
+    Slots instead of attributes: a ``ctx`` attribute creates a per-node ``__dict__``
+    (~340 B), and there used to be a separate per-block object besides. Whatever the
+    blocks of a rollout share lives in ``site``; ``needs_input_grad`` (which autograd
+    keeps anyway) says which inputs get gradients.
+    """
+
+    __slots__ = ("site", "index", "cpu_rng", "cuda_device", "cuda_rng", "autocast",
+                 "recompute_context", "num_outputs", "versions", "input_versions",
+                 "input_devices", "input_slices")
 
     def capture_state(self) -> None:
         self.cpu_rng = torch.get_rng_state()
-        cuda_device = self.device if self.device.type == "cuda" else None
+        device = self.site.device
+        cuda_device = device if device.type == "cuda" else None
         if cuda_device is None and torch.cuda.is_initialized():
             # CPU inputs, but the model may still compute on the GPU (FSDP with CPU
             # offload moves its inputs to the compute device): replay the current
@@ -347,269 +761,20 @@ class _Block:
         return _RestoredState(self)
 
 
-class _RestoredState:
-    """Enters exactly what differs from now: forked RNG (only if the forward drew random
-    numbers) and autocast (only if it was on at the forward or is on now)."""
-
-    __slots__ = ("block", "stack")
-
-    def __init__(self, block: _Block) -> None:
-        self.block = block
-        self.stack = None
-
-    def __enter__(self):
-        block = self.block
-        rng = block.cpu_rng is not None or block.cuda_rng is not None
-        autocast = [a for a in block.autocast if a[1] or torch.is_autocast_enabled(a[0])]
-        if not rng and not autocast:
-            return self
-        stack = self.stack = ExitStack()
-        if rng:
-            devices = [block.cuda_device.index or 0] if block.cuda_rng is not None else []
-            stack.enter_context(torch.random.fork_rng(devices=devices))
-            if block.cpu_rng is not None:
-                torch.set_rng_state(block.cpu_rng)
-            if block.cuda_rng is not None:
-                torch.cuda.set_rng_state(block.cuda_rng, block.cuda_device)
-        for device_type, enabled, dtype in autocast:
-            stack.enter_context(torch.autocast(device_type, enabled=enabled, dtype=dtype))
-        return self
-
-    def __exit__(self, *exc):
-        return None if self.stack is None else self.stack.__exit__(*exc)
+# Autograd creates a Function's ctx from ``_backward_cls`` on every apply.
+_ReplayFunction._backward_cls = _ReplayCtx
 
 
-def _same(t):
-    return t
-
-
-def _save_inputs(tensors: Sequence[torch.Tensor], accumulator: GradientAccumulator):
-    """What a block saves of its inputs (Rule 1): ``(saved, devices, versions)``.
-
-    ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
-    host); ``versions[i]`` the version of an input kept as it is (None: copied).
-    """
-    slabs = accumulator._slabs
-    saved, devices, versions = [], [], []  # devices, versions: tuples when not all None
-    for t in tensors:
-        if t.is_cuda:
-            # Device memory is what replay saves; contiguous unless dense (as save_on_cpu).
-            src = t if _dense(t) else t.contiguous()
-            saved.append(slabs.copy(src, pinned=True))
-            devices.append(t.device)
-            versions.append(None)
-        elif _keep_as_is(t, accumulator):
-            saved.append(t)
-            devices.append(None)
-            versions.append(t._version)
-        else:
-            saved.append(slabs.copy(t, pinned=False))
-            devices.append(None)
-            versions.append(None)
-    return saved, _compact(devices), _compact(versions)
-
-
-def _compact(values: list) -> tuple:
-    """``values`` as a tuple, one shared tuple when all are None (the usual case)."""
-    if all(v is None for v in values):
-        nones = _NONES.get(len(values))
-        if nones is None:
-            nones = _NONES[len(values)] = (None,) * len(values)
-        return nones
-    return tuple(values)
-
-
-def _keep_as_is(t: torch.Tensor, accumulator: GradientAccumulator) -> bool:
-    """Whether a host input is saved as itself rather than copied into a slab.
-
-    Kept: a previous block's output (already in the rollout's slab); a slice of a
-    larger buffer (``obs[t]`` of a preallocated rollout tensor:
-    the buffer is the caller's and stays alive anyway, so a copy would only add
-    bytes); a leaf that requires grad (the graph holds it anyway); and anything the
-    slab cannot hold faithfully (sparse, subclasses, overlapping or gappy strides,
-    empty). Everything else, e.g. a fresh observation, is copied, so the tensor
-    itself can be freed.
-    """
-    if type(t) is not torch.Tensor or t.layout != torch.strided or t.numel() == 0:
-        return True
-    if t.requires_grad and t.is_leaf:
-        return True
-    if not _dense(t):
-        return True
-    if accumulator._slabs.owns(t):
-        return True  # a previous block's output, already in this rollout's slab
-    return t._base is not None and t.untyped_storage().nbytes() > t.numel() * t.element_size()
-
-
-def _place_outputs(flat: tuple, inputs: Sequence[torch.Tensor], slabs) -> tuple:
-    """A CPU block's outputs, moved into the rollout's slab (Rule 1).
-
-    The outputs are what survives a block's forward (the next block's state, the
-    loss's inputs); left where the model allocated them, among the block's freed
-    activations, they fragment the heap exactly as saved inputs would. An output that
-    shares storage with an input (a pass-through) is returned as it is.
-    """
-    inputs_storage = {t.untyped_storage().data_ptr() for t in inputs}
-    placed: dict[int, torch.Tensor] = {}
-    out = []
-    for o in flat:
-        if (type(o) is not torch.Tensor or o.is_cuda or o.layout != torch.strided
-                or o.numel() == 0 or not _dense(o)
-                or o.untyped_storage().data_ptr() in inputs_storage):
-            out.append(o)
-            continue
-        p = placed.get(id(o))
-        if p is None:
-            p = placed[id(o)] = slabs.place(o)
-        out.append(p)
-    return tuple(out)
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Non-overlapping and dense: its strides lay out exactly numel elements."""
-    if t.is_contiguous():
-        return True
-    expected = 1
-    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _restore_inputs(saved: Sequence[torch.Tensor], devices: Sequence[torch.device | None]):
-    """The saved inputs where the block got them: CUDA ones are copied back from pinned
-    memory asynchronously (ordered on the current stream before the recompute)."""
-    if all(d is None for d in devices):
-        return saved
-    return [t if d is None else t.to(d, non_blocking=True) for t, d in zip(saved, devices)]
-
-
-def _check_inputs_unchanged(saved: Sequence[torch.Tensor], block: _Block) -> None:
-    for i, (t, version) in enumerate(zip(saved, block.input_versions)):
-        if version is not None and t._version != version:
-            raise ReplayError(
-                _PREFIX + f"input {i} of block {block.index} (a {tuple(t.shape)} host tensor) was "
-                "modified in place after the block ran; the recompute would see the new values. "
-                "Pass a fresh tensor to each block (e.g. .clone() a reused observation buffer)."
-            )
-
-
-def _flatten_outputs(outputs: Any, block: _Block) -> tuple[tuple[torch.Tensor, ...], Any]:
-    if isinstance(outputs, torch.Tensor):
-        return (outputs,), None
-    if isinstance(outputs, tuple) and all(isinstance(o, torch.Tensor) for o in outputs):
-        return outputs, len(outputs)
-    if isinstance(outputs, Mapping) and not isinstance(outputs, TensorDictBase):
-        bad = [k for k, v in outputs.items() if not isinstance(v, (torch.Tensor, Mapping))]
-        if not bad:
-            outputs = TensorDict(dict(outputs), batch_size=[])
-    if isinstance(outputs, TensorDictBase):
-        leaves, spec = pytree.tree_flatten(outputs)
-        if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
-            return tuple(leaves), spec
-    name = type(block.model).__name__
-    raise TypeError(
-        _PREFIX + f"{name} returned {_describe(outputs)}; a replay block must return a tensor, "
-        "a tuple of tensors, a TensorDict or a mapping of tensors. Wrap other values "
-        "(numbers, lists) into tensors, or return them from outside the block."
-    )
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, (tuple, list)):
-        inner = ", ".join(type(v).__name__ for v in value[:4])
-        return f"a {type(value).__name__} of ({inner}{', ...' if len(value) > 4 else ''})"
-    return f"a {type(value).__name__}"
-
-
-def _unflatten_outputs(flat: Sequence[torch.Tensor], spec: Any):
-    if spec is None:
-        return flat[0]
-    if isinstance(spec, int):
-        return tuple(flat)
-    return pytree.tree_unflatten(list(flat), spec)
-
-
-class _ReplayFunction(torch.autograd.Function):
-    """The autograd node of one block. See NOTE [ Replay blocks ]."""
-
-    @staticmethod
-    def forward(ctx, block: _Block, anchor: torch.Tensor, *tensors: torch.Tensor):
-        ctx.block = block
-        ctx.set_materialize_grads(False)
-        block.requires_grad = [t.requires_grad for t in tensors]
-        # Rule 1: copied into the rollout's slabs before the model runs (so an in-place
-        # change by the forward cannot reach the copy), or kept as they are. Saved
-        # through identity saved-tensor hooks (see _apply), which skip autograd's
-        # in-place check: a kept tensor's version is remembered and checked before the
-        # recompute instead.
-        saved, block.input_devices, block.input_versions = _save_inputs(tensors, block.accumulator)
-        ctx.save_for_backward(*saved)
-        block.capture_state()
-        if block.context_fn is None:
-            forward_context = block.recompute_context = _NO_CONTEXT
-        else:
-            forward_context, block.recompute_context = block.context_fn()
-        plan = block.plan
-        before = plan.versions()
-        with forward_context:
-            outputs = block.call(tensors)
-        block.versions = plan.check_versions(before, "the forward", block)
-        block.forget_unused_rng()
-        flat, block.out_spec = _flatten_outputs(outputs, block)
-        block.num_outputs = len(flat)
-        if block.device.type == "cpu":
-            flat = _place_outputs(flat, tensors, block.accumulator._slabs)
-        return flat
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):
-        block: _Block = ctx.block
-        if torch.is_grad_enabled():
-            raise ReplayError(
-                _PREFIX + "higher-order gradients (backward with create_graph=True) through a "
-                "replay block are not supported: the block's parameter gradients are "
-                "accumulated, not differentiable. Use plain autograd for this computation."
-            )
-        if not torch.autograd._is_checkpoint_valid():
-            raise ReplayError(
-                _PREFIX + "torch.autograd.grad() and backward(inputs=...) through a replay block "
-                "are not supported: the block's nested backward accumulates into every "
-                "parameter's .grad, which those calls must leave untouched. Call "
-                "loss.backward() without inputs, or use plain autograd for this computation."
-            )
-        plan = block.plan
-        plan.check_fsdp_sync()
-        accumulator = block.accumulator
-        accumulator._enter_backward()
-        if all(g is None for g in grads):
-            # Rule 7: no output of this block reaches the loss (and nothing is unpacked).
-            return (None, None) + (None,) * len(block.requires_grad)
-        saved = ctx.saved_tensors
-        _check_inputs_unchanged(saved, block)
-        saved = _restore_inputs(saved, block.input_devices)
-        plan.check_versions(block.versions, "something between the forward and the backward", block)
-        start = accumulator._begin_block(plan.params, plan.absorb)
-        try:
-            input_grads = _recompute_and_backward(block, saved, grads)
-        except BaseException:
-            # The engine drops queued callbacks when a backward fails: put the gradients
-            # already moved out of .grad (FSDP path) back now, so none is lost.
-            accumulator._finalise()
-            raise
-        accumulator._end_block(start)
-        return (None, None) + input_grads
-
-
-def _recompute_and_backward(block: _Block, saved: Sequence[torch.Tensor], grads) -> tuple:
+def _recompute_and_backward(block: _ReplayCtx, saved: Sequence[torch.Tensor],
+                            requires_grad: Sequence[bool], grads) -> tuple:
     """Recompute one block with grad enabled and back-propagate ``grads`` through it;
     returns the gradients of its inputs (None where an input does not require grad)."""
-    inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, block.requires_grad)]
+    inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
+    site = block.site
     with torch.enable_grad(), block.recompute_state(), block.recompute_context:
-        outputs = block.call(inputs)
-    block.plan.check_versions(block.versions, "the recompute", block)
-    flat, _ = _flatten_outputs(outputs, block)
+        outputs = site.call(inputs)
+    site.plan.check_versions(block.versions, "the recompute", block)
+    flat, _ = _flatten_outputs(outputs, site)
     if len(flat) != block.num_outputs:
         raise ReplayError(
             _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
@@ -624,7 +789,7 @@ def _recompute_and_backward(block: _Block, saved: Sequence[torch.Tensor], grads)
     if roots:
         # Outside enable_grad: the nested backward must not build a graph itself.
         torch.autograd.backward(roots, root_grads)
-    return tuple(t.grad if rg else None for t, rg in zip(inputs, block.requires_grad))
+    return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 
 # ----------------------------------------------------------------------- shared driver
@@ -644,10 +809,18 @@ def _input_device(tensors: Sequence[torch.Tensor], what: Callable[[int], str]) -
                     _PREFIX + f"{what(i)} is on {t.device} but other inputs are on {device}; "
                     "all CUDA inputs of a block must be on one device."
                 )
-    return device if device is not None else torch.device("cpu")
+    return device if device is not None else _CPU
 
 
-def _apply(model, accumulator, tensors, rebuild, context_fn, what):
+def _site_for(plan: _ModelPlan, model, accumulator, layout, context_fn, device) -> _Site:
+    site = plan.site() if plan.site is not None else None
+    if site is None or not site.matches(model, accumulator, layout, context_fn, device):
+        site = _Site(model, plan, accumulator, layout, context_fn, device)
+        plan.site = weakref.ref(site)
+    return site
+
+
+def _apply(model, accumulator, tensors, layout, context_fn, what):
     if not callable(model):
         raise TypeError(_PREFIX + f"model must be callable, got {type(model).__name__}.")
     if not isinstance(accumulator, GradientAccumulator):
@@ -660,11 +833,14 @@ def _apply(model, accumulator, tensors, rebuild, context_fn, what):
     plan = _plan_for(accumulator, model)
     if plan.fsdp_units:
         plan.check_fsdp_sync()
-    block = _Block(model, plan, accumulator, rebuild, context_fn, device)
+    site = _site_for(plan, model, accumulator, layout, context_fn, device)
+    # The anchor only when no input attaches the outputs to autograd: an input costs
+    # the node an edge and its metadata until the backward.
+    anchor = None if any(t.requires_grad for t in tensors) else _anchor(device)
     with torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        flat = _ReplayFunction.apply(block, _anchor(device), *tensors)
+        flat = _ReplayFunction.apply(site, anchor, *tensors)
     accumulator._record_block(sum(t.numel() * t.element_size() for t in tensors))
-    return _unflatten_outputs(flat, block.out_spec)
+    return _unflatten_outputs(flat, site.out_spec)
 
 
 # --------------------------------------------------------------------- public entries
@@ -745,11 +921,7 @@ def replay(
             paths = [k for k, _ in inputs.items(include_nested=True, leaves_only=True)]
         return f"input {paths[i]!r}"
 
-    def rebuild(tensors):
-        td = pytree.tree_unflatten(list(tensors), spec)
-        return {key: td.get(key) for key in td.keys()}
-
-    return _apply(model, accumulator, leaves, rebuild, context_fn, what)
+    return _apply(model, accumulator, leaves, _TreeLayout(spec), context_fn, what)
 
 
 def checkpoint_fsdp_forward(
@@ -804,21 +976,16 @@ def checkpoint_fsdp_forward(
         )
     tensors = [values[i] for i in positions]
     for i in positions:
-        # The block keeps ``rebuild`` until its backward: it must not hold the inputs
-        # themselves (the block saves their host copies), or CUDA inputs would stay
-        # on the device for the whole rollout.
+        # The layout lives until the backward: it must not hold the inputs themselves
+        # (the block saves their host copies), or CUDA inputs would stay on the device
+        # for the whole rollout.
         values[i] = None
-
-    def rebuild(new_tensors):
-        args = list(values)
-        for i, t in zip(positions, new_tensors):
-            args[i] = t
-        return dict(zip(keys, args))
+    layout = _KwargsLayout(keys, tuple(positions), tuple(values))
 
     def what(i: int) -> str:
         return f"keyword '{keys[positions[i]]}'"
 
-    return _apply(model, accumulator, tensors, rebuild, context_fn, what)
+    return _apply(model, accumulator, tensors, layout, context_fn, what)
 
 
 def _accumulator_from(accumulated: GradientAccumulator | dict) -> GradientAccumulator:

@@ -12,16 +12,23 @@ tensors carved from large contiguous chunks ("slabs"):
   allocator, so copies back to the device can be asynchronous; the allocator keeps
   freed pinned blocks for reuse and waits for pending copies before reusing one.
 
-Chunks grow geometrically (1 MiB, doubling, up to 4 MiB each; a larger tensor gets a
-chunk of its own size), so a rollout needs few of them and wastes at most the unused
-tail of its last chunk (untouched, hence not resident, for pageable chunks). Every
-tensor starts on a 64-byte boundary, PyTorch's own CPU alignment, so kernels see the
-same alignment they would for a fresh tensor.
+Tensors go into chunk *series*: saved input copies share one series per kind (pageable,
+pinned), and each output position of a block (``out[0]``, ``out[1]``, ...) has a pageable
+series of its own. Outputs in one position play one role from block to block (the
+recurrent state, which the next block saves; the logits, which a loss stacks and drops),
+so they die together, and their chunks go back to the OS as soon as they do, instead of
+being held by a neighbour that lives until the backward. Each series' chunks grow
+geometrically (1 MiB, doubling, up to 4 MiB each; a larger tensor gets a chunk of its own
+size), so a rollout needs few of them and wastes at most the unused tail of each series'
+last chunk (untouched, hence not resident, for pageable chunks). Every tensor starts on a
+64-byte boundary, PyTorch's own CPU alignment, so kernels see the same alignment they
+would for a fresh tensor.
 """
 
 from __future__ import annotations
 
 import mmap
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -34,23 +41,53 @@ _MAX_CHUNK = 4 << 20
 
 
 class _Chunk:
-    __slots__ = ("buffer", "used")
+    """One contiguous host region that tensors are carved from, front to back.
+
+    The chunk does not keep its memory alive: its tensors do (they share its storage).
+    It remembers the last tensor carved, weakly, to carve the next one from the same
+    storage; once that tensor is gone the chunk takes no more (its tail is never
+    touched, so it costs address space, not memory).
+    """
+
+    __slots__ = ("size", "used", "last", "storage_ref", "data_ptr", "_first")
 
     def __init__(self, nbytes: int, pinned: bool) -> None:
         if pinned:
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         else:
-            # The tensor keeps the mmap object alive; the region is unmapped when the
-            # last tensor viewing it is freed.
-            self.buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+            # The storage keeps the mmap object alive; the region is unmapped when the
+            # last tensor using it is freed.
+            buffer = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        self.size = nbytes
         self.used = 0
+        self.last: weakref.ref | None = None
+        self.storage_ref = StorageWeakRef(buffer.untyped_storage())
+        self.data_ptr = buffer.data_ptr()
+        self._first = buffer
 
-    def take(self, nbytes: int) -> torch.Tensor | None:
+    def take(self, like: torch.Tensor) -> torch.Tensor | None:
+        """A tensor with ``like``'s dtype, sizes and strides in the next free bytes (not
+        filled in), or None if the chunk is full or can no longer be reached."""
+        nbytes = like.numel() * like.element_size()
         start = -(-self.used // _ALIGN) * _ALIGN
-        if start + nbytes > self.buffer.numel():
+        if start + nbytes > self.size:
             return None
+        if self.last is None:
+            storage = self._first.untyped_storage()
+        else:
+            last = self.last()
+            if last is None:
+                return None
+            storage = last.untyped_storage()
+        # A tensor of its own over the chunk's storage (no ``_base``, its own version
+        # counter); same strides as the source: dense tensors are a permutation of a
+        # contiguous layout over exactly numel elements, and kernels may depend on it.
+        out = torch.empty(0, dtype=like.dtype).set_(
+            storage, start // like.element_size(), like.shape, like.stride())
         self.used = start + nbytes
-        return self.buffer[start:start + nbytes]
+        self.last = weakref.ref(out)
+        self._first = None
+        return out
 
 
 class SlabStore:
@@ -62,61 +99,58 @@ class SlabStore:
     """
 
     def __init__(self) -> None:
-        self._open: dict[bool, _Chunk] = {}  # pinned? -> chunk being filled
-        # Every chunk of the rollout, weakly: a chunk is freed as soon as no tensor views
+        # series -> chunk being filled; a series is True (pinned inputs), False (pageable
+        # inputs) or ("output", position) (pageable).
+        self._open: dict[object, _Chunk] = {}
+        # Every chunk of the rollout, weakly: a chunk is freed as soon as no tensor uses
         # it (e.g. while the backward goes through its blocks), not kept by the store.
-        self._chunks: dict[int, tuple[StorageWeakRef, _Chunk]] = {}
-        self._next_size = {False: _FIRST_CHUNK, True: _FIRST_CHUNK}
+        self._chunks: dict[int, _Chunk] = {}
+        self._next_size: dict[object, int] = {}
         self.reserved_bytes = 0
         self.copied_bytes = 0
 
-    def copy(self, t: torch.Tensor, *, pinned: bool) -> torch.Tensor:
-        """A host copy of dense ``t`` with its sizes and strides, inside a chunk."""
-        nbytes = t.numel() * t.element_size()
-        chunk = self._open.get(pinned)
-        raw = chunk.take(nbytes) if chunk is not None else None
-        if raw is None:
-            size = max(self._next_size[pinned], -(-nbytes // _ALIGN) * _ALIGN)
-            self._next_size[pinned] = min(2 * self._next_size[pinned], _MAX_CHUNK)
-            if chunk is not None:
-                chunk.buffer = None  # full: its tensors alone keep it now
-            chunk = self._open[pinned] = _Chunk(size, pinned)
+    def copy(self, t: torch.Tensor, *, pinned: bool, series: object = None) -> torch.Tensor:
+        """A host copy of dense ``t`` with its sizes and strides, inside a chunk of
+        ``series`` (default: the inputs' series, ``pinned``), as a tensor of its own."""
+        if series is None:
+            series = pinned
+        chunk = self._open.get(series)
+        out = chunk.take(t) if chunk is not None else None
+        if out is None:
+            nbytes = t.numel() * t.element_size()
+            next_size = self._next_size.get(series, _FIRST_CHUNK)
+            size = max(next_size, -(-nbytes // _ALIGN) * _ALIGN)
+            self._next_size[series] = min(2 * next_size, _MAX_CHUNK)
+            chunk = self._open[series] = _Chunk(size, pinned)
             self._forget_freed()
-            self._chunks[chunk.buffer.data_ptr()] = (StorageWeakRef(chunk.buffer.untyped_storage()), chunk)
+            self._chunks[chunk.data_ptr] = chunk
             self.reserved_bytes += size
-            raw = chunk.take(nbytes)
-        # Same strides as the source: dense tensors are a permutation of a contiguous
-        # layout over exactly numel elements, and kernels may depend on the layout.
-        out = raw.view(t.dtype).as_strided(t.shape, t.stride())
+            out = chunk.take(t)
         # Blocking, as save_on_cpu's: the copy is done before the caller can touch t.
         out.copy_(t)
-        self.copied_bytes += nbytes
+        self.copied_bytes += t.numel() * t.element_size()
         return out
 
-    def place(self, t: torch.Tensor) -> torch.Tensor:
-        """A copy of dense host ``t`` in a pageable chunk that is a tensor of its own (no
-        ``_base``, its own version counter), for a block's outputs."""
-        view = self.copy(t, pinned=False)
-        out = torch.empty(0, dtype=t.dtype)
-        return out.set_(view.untyped_storage(), view.storage_offset(), t.shape, t.stride())
+    def place(self, t: torch.Tensor, position: int) -> torch.Tensor:
+        """A copy of dense host ``t`` in a pageable chunk, for a block's output number
+        ``position`` (each position fills chunks of its own)."""
+        return self.copy(t, pinned=False, series=("output", position))
 
     def owns(self, t: torch.Tensor) -> bool:
         """Whether ``t`` lives in one of this store's chunks."""
-        entry = self._chunks.get(t.untyped_storage().data_ptr())
-        return entry is not None and not entry[0].expired()
+        chunk = self._chunks.get(t.untyped_storage().data_ptr())
+        return chunk is not None and not chunk.storage_ref.expired()
 
     def _forget_freed(self) -> None:
-        for ptr in [p for p, (ref, _) in self._chunks.items() if ref.expired()]:
-            del self._chunks[ptr]
+        for key in [k for k, c in self._chunks.items() if c.storage_ref.expired()]:
+            del self._chunks[key]
 
     def used_bytes(self) -> dict[int, int]:
-        """``{chunk data_ptr: bytes handed out}`` for the chunks of this rollout."""
-        return {ptr: c.used for ptr, (ref, c) in self._chunks.items() if not ref.expired()}
+        """``{chunk data_ptr: bytes handed out}`` for the chunks of this rollout still in use."""
+        return {k: c.used for k, c in self._chunks.items() if not c.storage_ref.expired()}
 
     def release(self) -> None:
-        """Drop the open chunks: from now on every chunk is freed as soon as no tensor
-        views it any more (at once, unless a retained graph still holds its blocks)."""
-        for chunk in self._open.values():
-            chunk.buffer = None
+        """Forget the rollout's chunks: they are freed as soon as no tensor uses them
+        (at once, unless a retained graph still holds its blocks)."""
         self._open.clear()
         self._chunks.clear()

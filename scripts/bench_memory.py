@@ -1,8 +1,10 @@
 """Memory and time of one rollout's gradient: plain autograd vs checkpointing vs rl_replay.
 
 For each policy and rollout length T this runs a T-step rollout (the policy called once
-per timestep, a per-step A2C-style loss, one ``backward``) four ways, each configuration
-in a fresh process:
+per timestep, an A2C-style loss, one ``backward``) four ways, each configuration in a
+fresh process. The loss (``--loss``) is built from one small graph per step by default;
+``--loss stacked`` computes the same terms once on the stacked ``(T, B)`` outputs, as the
+trainer's losses do (O(1) graph nodes instead of ~10 per step):
 
 1. ``plain``           plain autograd, the whole graph kept until backward;
 2. ``checkpoint``      ``torch.utils.checkpoint.checkpoint(policy, ..., use_reentrant=False)``
@@ -126,14 +128,27 @@ def count_params(cfg: dict) -> int:
 
 
 # ============================================================================ rollout
-def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_seed=1234):
+def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_seed=1234,
+                 loss="per-step"):
     """One rollout of T policy calls; returns the scalar loss (attached to autograd).
 
     The per-step data (observation, action, advantage, return) comes from a private
     generator, so every method and process sees the same numbers and the global RNG
-    (which checkpoint and rl_replay snapshot per block) is left alone.
+    (which checkpoint and rl_replay snapshot per block) is left alone. With
+    ``loss="stacked"`` the observations are still drawn (fresh tensors) step by step,
+    the actions, advantages and returns as (T, B) tensors from a second generator.
     """
     g = torch.Generator().manual_seed(data_seed)
+    stacked = loss == "stacked"
+    if stacked:
+        g2 = torch.Generator().manual_seed(data_seed + 1)
+        B = cfg["batch"]
+        actions = torch.randint(cfg["actions"], (T, B, 1), generator=g2).to(device)
+        advs = torch.randn(T, B, generator=g2).to(device)
+        rets = torch.randn(T, B, generator=g2).to(device)
+        logits_t, values_t = [], []
+    elif loss != "per-step":
+        raise ValueError(f"unknown loss {loss!r}")
     B, recurrent = cfg["batch"], cfg["kind"] == "gru"
     h = torch.zeros(B, cfg["hidden"], device=device) if recurrent else None
     offload = None
@@ -149,9 +164,10 @@ def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_
         terms = []
         for _ in range(T):
             obs = torch.randn(B, cfg["obs"], generator=g).to(device)
-            action = torch.randint(cfg["actions"], (B, 1), generator=g).to(device)
-            adv = torch.randn(B, generator=g).to(device)
-            ret = torch.randn(B, generator=g).to(device)
+            if not stacked:
+                action = torch.randint(cfg["actions"], (B, 1), generator=g).to(device)
+                adv = torch.randn(B, generator=g).to(device)
+                ret = torch.randn(B, generator=g).to(device)
             args = (obs, h) if recurrent else (obs,)
             if method == "plain" or method == "nograd":
                 out = policy(*args)
@@ -170,15 +186,26 @@ def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_
             logits, value = out[0], out[1]
             if recurrent:
                 h = out[2]
+            if stacked:
+                logits_t.append(logits)
+                values_t.append(value)
+                continue
             logp = F.log_softmax(logits, dim=-1).gather(1, action).squeeze(1)
             terms.append(-(logp * adv).mean() + 0.5 * (value - ret).square().mean())
-        loss = torch.stack(terms).sum() / T
+        if stacked:
+            L, V = torch.stack(logits_t), torch.stack(values_t)
+            del logits_t, values_t
+            logp = F.log_softmax(L, dim=-1).gather(2, actions).squeeze(2)
+            per_step = -(logp * advs).mean(1) + 0.5 * (V - rets).square().mean(1)
+            total = per_step.sum() / T
+        else:
+            total = torch.stack(terms).sum() / T
     finally:
         if hooks is not None:
             hooks.__exit__(None, None, None)
         if offload is not None:
             offload.__exit__(None, None, None)
-    return loss
+    return total
 
 
 def _sync(device):
@@ -186,16 +213,16 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run_once(policy, cfg, method, T, device, census=None):
+def run_once(policy, cfg, method, T, device, census=None, loss_kind="per-step"):
     """(loss, acc, forward seconds) of one rollout forward."""
     acc = rl_replay.GradientAccumulator() if method.startswith("rl_replay") else None
     _sync(device)
     t0 = time.perf_counter()
     if method == "nograd":
         with torch.no_grad():
-            loss = rollout_loss(policy, cfg, "plain", T, device)
+            loss = rollout_loss(policy, cfg, "plain", T, device, loss=loss_kind)
     else:
-        loss = rollout_loss(policy, cfg, method, T, device, acc=acc, census=census)
+        loss = rollout_loss(policy, cfg, method, T, device, acc=acc, census=census, loss=loss_kind)
     _sync(device)
     return loss, acc, time.perf_counter() - t0
 
@@ -235,9 +262,10 @@ def worker(spec: dict) -> dict:
     set_threads(spec["threads"])
     device = torch.device(spec["device"])
     cfg, T, method = spec["cfg"], spec["T"], spec["method"]
+    loss_kind = spec.get("loss", "per-step")
     policy = build_policy(cfg, seed=spec.get("seed", 0)).to(device)
     params = list(policy.parameters())
-    result: dict = dict(policy=spec["policy"], T=T, method=method, device=device.type,
+    result: dict = dict(policy=spec["policy"], T=T, method=method, device=device.type, loss=loss_kind,
                         threads=torch.get_num_threads(),
                         params=sum(p.numel() for p in params),
                         param_bytes=sum(p.numel() * p.element_size() for p in params))
@@ -245,7 +273,7 @@ def worker(spec: dict) -> dict:
     # Warm-up (lazy kernel/allocator initialisation must not count as this method's
     # memory); the second, timed one tells how long this configuration would take.
     for warm_T in (2, min(T, 6)):
-        loss, _, f = run_once(policy, cfg, method, warm_T, device)
+        loss, _, f = run_once(policy, cfg, method, warm_T, device, loss_kind=loss_kind)
         b = backward_s(loss, device)
         policy.zero_grad(set_to_none=True)
         del loss
@@ -262,7 +290,7 @@ def worker(spec: dict) -> dict:
     census = LiveTensorCensus()
     census.snapshot_before(params)
     meter.start()
-    loss, acc, fwd0 = run_once(policy, cfg, method, T, device, census=census)
+    loss, acc, fwd0 = run_once(policy, cfg, method, T, device, census=census, loss_kind=loss_kind)
     live = census.live_bytes(slab_used=acc._slabs.used_bytes() if acc is not None else None)
     result["live_bytes"] = sum(live.values())
     result["live_bytes_by_device"] = live
@@ -300,7 +328,7 @@ def worker(spec: dict) -> dict:
     fwds, bwds = [fwd0], [bwd0]
     replay_s = [result["replay_seconds_rep0"]] if "replay_seconds_rep0" in result else []
     for _ in range(reps):
-        loss, acc, f = run_once(policy, cfg, method, T, device)
+        loss, acc, f = run_once(policy, cfg, method, T, device, loss_kind=loss_kind)
         b = backward_s(loss, device)
         fwds.append(f)
         bwds.append(b)
@@ -315,7 +343,8 @@ def worker(spec: dict) -> dict:
         result["replay_seconds"] = median(replay_s)
     if method.startswith("rl_replay"):
         # One extra forward: what the recompute costs at the least.
-        ng = [run_once(policy, cfg, "nograd", T, device)[2] for _ in range(max(1, reps))]
+        ng = [run_once(policy, cfg, "nograd", T, device, loss_kind=loss_kind)[2]
+              for _ in range(max(1, reps))]
         result["nograd_fwd_s"] = median(ng)
     return result
 
@@ -370,7 +399,7 @@ def run_policy(policy: str, args, tmpdir: str, log, deadline: float) -> list[dic
             budget = min(args.max_config_seconds, remaining)
             spec = dict(policy=policy, cfg=cfg, T=T, method=method, reps=args.reps,
                         threads=args.threads, device=args.device, seed=0, budget_s=budget,
-                        memory_only_ok=not args.smoke)
+                        memory_only_ok=not args.smoke, loss=args.loss)
             if ref_file is None:
                 spec["grad_out"] = os.path.join(tmpdir, f"{policy}_{T}_{method}.pt")
             else:
@@ -638,6 +667,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=2,
                     help="rollouts after the census rollout; times are the median of all 1 + reps")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
+    ap.add_argument("--loss", choices=["per-step", "stacked"], default="per-step",
+                    help="per-step: A2C terms from one small graph per step (the tables' loss); "
+                         "stacked: the same terms on the stacked (T, B) outputs")
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto")
     ap.add_argument("--mem-budget-gib", type=float, default=6.0,
                     help="skip a configuration whose estimated peak exceeds this")

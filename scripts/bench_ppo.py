@@ -158,20 +158,64 @@ def run_update(method: str, cfg, agent, optimizer, rollout) -> dict:
 
 
 # ============================================================================ worker
+def _heap_in_use() -> int | None:
+    """glibc's bytes in use in the main heap (``mallinfo2``), None elsewhere."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        return int(libc.mallinfo2().uordblks)
+    except (OSError, AttributeError):
+        return None
+
+
+def _record_minibatch_forwards(records: list) -> None:
+    """Wrap PPO's replay_minibatch: per minibatch, what its forward left in use (the slab's
+    bytes handed out, glibc heap in use, RSS) once its T blocks have run."""
+    from rl_replay.algorithms import ppo as ppo_module
+    from _bench_common import current_rss
+
+    real = ppo_module.replay_minibatch
+
+    def recording(model, policy, data, start_state, accumulator, bptt_truncate=None):
+        heap0, rss0 = _heap_in_use(), current_rss()
+        out = real(model, policy, data, start_state, accumulator, bptt_truncate)
+        heap1 = _heap_in_use()
+        records.append(dict(slab=sum(accumulator._slabs.used_bytes().values()),
+                            heap=None if heap0 is None else heap1 - heap0,
+                            rss=current_rss() - rss0, saved=accumulator.saved_bytes))
+        return out
+
+    ppo_module.replay_minibatch = recording
+
+
 def worker(spec: dict) -> dict:
     set_threads(spec.get("threads", 1))
     torch.manual_seed(0)
     cfg, agent, optimizer, rollout = build(spec, spec["T"])
     _, _, _, warm = build(spec, 2)
     run_update(spec["method"], cfg, agent, optimizer, warm)  # Adam state, allocator warm-up
+    records: list = []
+    if spec["method"] == "rl_replay":
+        _record_minibatch_forwards(records)
     meter = MemoryMeter(torch.device("cpu"))
     torch.manual_seed(1)  # the same minibatch order for both methods
     meter.start()
     t0 = time.perf_counter()
     metrics = run_update(spec["method"], cfg, agent, optimizer, rollout)
     seconds = time.perf_counter() - t0
-    return {"peak_rss_growth": meter.peak_rss_growth(), "seconds": seconds,
-            "block_input_bytes": metrics.get("memory/replay_saved_bytes")}
+    out = {"peak_rss_growth": meter.peak_rss_growth(), "seconds": seconds,
+           "block_input_bytes": metrics.get("memory/replay_saved_bytes")}
+    if records:
+        out["minibatch_forward"] = {k: max((r[k] for r in records if r[k] is not None), default=None)
+                                    for k in ("slab", "heap", "rss", "saved")}
+    return out
 
 
 class GradRecorder(torch.optim.Optimizer):
@@ -241,6 +285,10 @@ def main(argv=None) -> int:
                     f"update {fmt_s(r['seconds']):>9s}")
             if r["block_input_bytes"]:
                 line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
+            mf = r.get("minibatch_forward")
+            if mf:
+                line += (f"  largest minibatch forward: slab {fmt_bytes(mf['slab'])}, heap +"
+                         f"{fmt_bytes(mf['heap'] or 0)}, RSS +{fmt_bytes(mf['rss'])}")
             print(line, flush=True)
     ok = [T for T in Ts if all("error" not in results[(T, m)] for m in args.methods)]
     for T in ok:
@@ -256,6 +304,13 @@ def main(argv=None) -> int:
         per_step = b["block_input_bytes"] / t1
         print(f"summary memory slope rl_replay: {fmt_bytes(slope)} per step between T={t0} and T={t1}; "
               f"block inputs {fmt_bytes(per_step)} per step; ratio {slope / per_step:.2f}")
+        if a.get("minibatch_forward") and b.get("minibatch_forward"):
+            fa, fb = a["minibatch_forward"], b["minibatch_forward"]
+            for key in ("slab", "heap", "rss"):
+                if fa[key] is not None and fb[key] is not None:
+                    d = (fb[key] - fa[key]) / (t1 - t0)
+                    print(f"summary minibatch forward {key}: {fmt_bytes(d)} per step "
+                          f"({d / per_step:.2f}x the block inputs)")
     print(GLIBC_NOTE)
     if args.write_docs and rows:
         body = ["| T | plain peak RSS growth | rl_replay peak RSS growth | rl_replay block inputs "

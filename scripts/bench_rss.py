@@ -1,11 +1,17 @@
 """Peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
 
 The policy: observation (64) -> 3 x (Linear 1024 + ReLU) -> GRUCell 256 -> actor (8) and
-critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, a per-step
-loss on both heads (``0.5 * value.square().mean() + logits.mean()``; ``--a2c-loss``: the
-A2C terms, whose own graph keeps ~10 KiB per step), one ``backward``. The observations are views of one preallocated
-``(T, B, 64)`` tensor (allocated before the measurement starts), so the only new bytes a
-block saves are its recurrent state: 32 x 256 x 4 B = 32 KiB per step.
+critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, one
+``backward``. The loss (``--loss``), as the trainer's losses do, is computed once on the
+stacked ``(T, B)`` outputs: ``sum_t 0.5 * mean(value_t ** 2) + mean(logits_t)``, with the
+means written as ``sum() / n`` (same values; the gradient reaching the logits stays a
+broadcast instead of a materialised ``(T, B, 8)`` tensor). ``a2c``: the A2C terms
+(log-softmax, gather, advantage), also stacked; ``per-step`` and ``a2c-per-step``: the
+same sums built from one small graph per step (what the probe did before; those graphs
+keep 4-10 KiB per step, which is the loss's, not the engine's). The observations are
+views of one preallocated ``(T, B, 64)`` tensor (allocated before the measurement
+starts), so the only new bytes a block saves are its recurrent state: 32 x 256 x 4 B =
+32 KiB per step.
 
 Each (allocator setting, T) runs in a fresh ``python`` process: after a warm-up rollout
 (lazy initialisation, gradient buffers) the peak-RSS counter ``VmHWM`` is reset through
@@ -21,6 +27,7 @@ Usage::
 
     python scripts/bench_rss.py                       # T = 64 and 1024, all four settings
     python scripts/bench_rss.py --T 16 128 --json r.json
+    python scripts/bench_rss.py --repeats 3 --loss a2c
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ SETTINGS = {
     "default+keep": ({}, True),
 }
 OBS, WIDTH, LAYERS, HIDDEN, ACTIONS, BATCH = 64, 1024, 3, 256, 8, 32
+LOSSES = ("stacked", "a2c", "per-step", "a2c-per-step")
 
 
 def _status_bytes(field: str) -> int:
@@ -51,7 +59,7 @@ def _status_bytes(field: str) -> int:
         return int(re.search(rf"^{field}:\s+(\d+)\s+kB", fh.read(), re.M).group(1)) * 1024
 
 
-def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
+def worker(T: int, keep: bool, loss: str = "stacked") -> dict:
     """One measurement in this (fresh) process."""
     import torch
     import torch.nn.functional as F
@@ -89,40 +97,54 @@ def worker(T: int, keep: bool, heavy_loss: bool = False) -> dict:
     def rollout(steps: int):
         acc = rl_replay.GradientAccumulator()
         h = torch.zeros(BATCH, HIDDEN)
-        terms = []
+        logits_t, values_t, terms = [], [], []
         for t in range(steps):
             logits, value, h = rl_replay.checkpoint_fsdp_forward(policy, acc, obs=obs[t], h=h)
-            if heavy_loss:
+            if loss == "per-step":
+                terms.append(0.5 * value.square().mean() + logits.mean())
+            elif loss == "a2c-per-step":
                 logp = F.log_softmax(logits, -1).gather(1, actions[t]).squeeze(1)
                 terms.append(-(logp * advantages[t]).mean() + 0.5 * value.square().mean())
             else:
-                terms.append(0.5 * value.square().mean() + logits.mean())
-        return torch.stack(terms).sum(), acc
+                logits_t.append(logits)
+                values_t.append(value)
+        if terms:
+            return torch.stack(terms).sum(), acc
+        # The same sums over steps, on the stacked (T, B) outputs: O(1) graph nodes.
+        L, V = torch.stack(logits_t), torch.stack(values_t)
+        if loss == "a2c":
+            logp = F.log_softmax(L, -1).gather(2, actions[:steps]).squeeze(2)
+            per_step = -(logp * advantages[:steps]).mean(1) + 0.5 * V.square().mean(1)
+        else:
+            # mean() as sum() / n: the same values, but the gradient reaching the
+            # logits stays a broadcast (mean's backward materialises it, 1 KiB a step).
+            per_step = 0.5 * V.square().sum(1) / BATCH + L.sum((1, 2)) / (BATCH * ACTIONS)
+        return per_step.sum(), acc
 
-    loss, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
-    loss.backward()
-    del loss
+    total, _ = rollout(min(T, 8))  # warm-up: lazy initialisation and the .grad buffers
+    total.backward()
+    del total
     gc.collect()
     base = _status_bytes("VmRSS")
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # VmHWM := VmRSS
-    loss, acc = rollout(T)
+    total, acc = rollout(T)
     after_forward = _status_bytes("VmRSS") - base
-    loss.backward()
+    total.backward()
     peak = _status_bytes("VmHWM") - base
     after_backward = _status_bytes("VmRSS") - base
     copied = getattr(acc, "slab_bytes", None)
-    return dict(T=T, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
+    return dict(T=T, loss=loss, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
                 after_forward=after_forward, after_backward=after_backward,
                 saved_bytes=acc.saved_bytes, slab_bytes=copied,
                 state_bytes_per_step=BATCH * HIDDEN * 4)
 
 
-def measure(setting: str, T: int, heavy: bool = False, timeout: float = 600) -> dict:
+def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -> dict:
     env_add, keep = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), str(int(heavy))]
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), loss]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
@@ -130,47 +152,71 @@ def measure(setting: str, T: int, heavy: bool = False, timeout: float = 600) -> 
     raise RuntimeError(f"worker {setting} T={T} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
-def slope(results: list[dict], setting: str) -> dict:
-    rs = sorted((r for r in results if r["setting"] == setting), key=lambda r: r["T"])
+def slope(results: list[dict], setting: str, rep: int = 0) -> dict:
+    rs = sorted((r for r in results if r["setting"] == setting and r.get("rep", 0) == rep),
+                key=lambda r: r["T"])
     lo, hi = rs[0], rs[-1]
     dT = hi["T"] - lo["T"]
     per_step = (hi["peak_growth"] - lo["peak_growth"]) / dT
     fwd_per_step = (hi["after_forward"] - lo["after_forward"]) / dT
     inputs = hi["state_bytes_per_step"]
-    return dict(setting=setting, T=(lo["T"], hi["T"]), peak_per_step=per_step,
+    return dict(setting=setting, rep=rep, T=(lo["T"], hi["T"]), peak_per_step=per_step,
                 forward_per_step=fwd_per_step, inputs_per_step=inputs,
                 ratio=per_step / inputs, forward_ratio=fwd_per_step / inputs)
+
+
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="fresh-process measurements per (setting, T); slopes pair the runs of "
+                         "one repeat and are summarised by their median")
     ap.add_argument("--json", help="write the raw results and slopes here")
-    ap.add_argument("--a2c-loss", action="store_true", help="per-step A2C loss terms instead")
+    ap.add_argument("--loss", choices=LOSSES, default="stacked",
+                    help="stacked (default): the probe loss on the stacked (T, B) outputs; "
+                         "a2c: A2C terms on the stacked outputs; per-step, a2c-per-step: the "
+                         "same sums built from one small graph per step")
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
-        T, keep, heavy = (int(a) for a in args.worker)
-        print(PREFIX + json.dumps(worker(T, bool(keep), bool(heavy))), flush=True)
+        T, keep, loss = int(args.worker[0]), bool(int(args.worker[1])), args.worker[2]
+        print(PREFIX + json.dumps(worker(T, keep, loss)), flush=True)
         return 0
-    results = [measure(s, T, args.a2c_loss) for s in args.settings for T in args.T]
-    slopes = [slope(results, s) for s in args.settings]
-    print("| allocator | keep_freed_memory | T | peak RSS growth | RSS after forward | saved input bytes |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in results:
+    results = [dict(measure(s, T, args.loss), rep=rep)
+               for rep in range(args.repeats) for s in args.settings for T in args.T]
+    slopes = [slope(results, s, rep) for s in args.settings for rep in range(args.repeats)]
+    print("| allocator | keep_freed_memory | T | repeat | peak RSS growth | RSS after forward | saved input bytes |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in sorted(results, key=lambda r: (args.settings.index(r["setting"]), r["T"], r["rep"])):
         print(f"| {r['setting'].split('+')[0]} | {'yes' if r['keep_freed_memory'] else 'no'} | {r['T']} | "
-              f"{r['peak_growth'] / 2**20:.2f} MiB | {r['after_forward'] / 2**20:.2f} MiB | "
+              f"{r['rep']} | {r['peak_growth'] / 2**20:.2f} MiB | {r['after_forward'] / 2**20:.2f} MiB | "
               f"{r['saved_bytes'] / 2**20:.2f} MiB |")
     print()
-    for s in slopes:
-        print(f"{s['setting']:>13}: peak RSS grows {s['peak_per_step'] / 1024:.1f} KiB/step = "
-              f"{s['ratio']:.3f}x the new saved inputs ({s['inputs_per_step'] / 1024:.0f} KiB/step), "
-              f"T {s['T'][0]}->{s['T'][1]}; after the forward {s['forward_per_step'] / 1024:.1f} KiB/step "
-              f"({s['forward_ratio']:.3f}x)")
+    summary = []
+    for setting in args.settings:
+        mine = [s for s in slopes if s["setting"] == setting]
+        peak = median([s["peak_per_step"] for s in mine])
+        fwd = median([s["forward_per_step"] for s in mine])
+        inputs = mine[0]["inputs_per_step"]
+        each = ", ".join(f"{s['ratio']:.3f}x" for s in mine)
+        summary.append(dict(setting=setting, peak_per_step=peak, forward_per_step=fwd,
+                            ratio=peak / inputs, forward_ratio=fwd / inputs,
+                            ratios=[s["ratio"] for s in mine]))
+        print(f"{setting:>13}: peak RSS grows {peak / 1024:.1f} KiB/step = {peak / inputs:.3f}x the new "
+              f"saved inputs ({inputs / 1024:.0f} KiB/step), T {args.T[0]}->{args.T[1]}"
+              f"{f' (median of {len(mine)}: {each})' if len(mine) > 1 else ''}; "
+              f"after the forward {fwd / 1024:.1f} KiB/step ({fwd / inputs:.3f}x)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"results": results, "slopes": slopes}, fh, indent=1)
+            json.dump({"loss": args.loss, "results": results, "slopes": slopes, "summary": summary},
+                      fh, indent=1)
     return 0
 
 

@@ -374,3 +374,38 @@ def test_box_and_multidiscrete_actions(kind):
     total_loss(a2c_loss(d)).backward()
     grads = [p.grad for p in agent.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("space", [gym.spaces.Discrete(5), gym.spaces.MultiDiscrete([3, 4]),
+                                   gym.spaces.Box(-1, 1, (2,))], ids=["discrete", "multidiscrete", "box"])
+def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
+    """The collector and PPO build one distribution over the stacked (T, N) outputs; its
+    log-probs, entropies and their gradients equal those of one distribution per step,
+    bit for bit."""
+    from rl_replay.agent import ActionHead
+    from rl_replay.collector import append_heads, stack_heads
+
+    torch.manual_seed(0)
+    T, N = 6, 3
+    head = ActionHead(space, 5, init_std=1.0)
+    feats = [torch.randn(N, 5, requires_grad=True) for _ in range(T)]
+    outs = [TensorDict(dist=head(f), value=f.sum(-1), state=TensorDict(h=f * 2, batch_size=[N]),
+                       batch_size=[N]) for f in feats]
+    with torch.no_grad():
+        actions = torch.stack([head.distribution(o["dist"]).sample() for o in outs])
+    per_step = [head.distribution(o["dist"]) for o in outs]
+    logp_ref = torch.stack([d.log_prob(a) for d, a in zip(per_step, actions)])
+    ent_ref = torch.stack([d.entropy() for d in per_step])
+    columns: dict = {}
+    for o in outs:
+        append_heads(columns, o)
+    assert not any(k == "state" or (isinstance(k, tuple) and k[0] == "state") for k in columns)
+    heads = stack_heads(columns, T, N)
+    dist = head.distribution(heads["dist"])
+    logp, ent = dist.log_prob(actions), dist.entropy()
+    assert torch.equal(logp, logp_ref) and torch.equal(ent, ent_ref)
+    assert torch.equal(heads["value"], torch.stack([o["value"] for o in outs]))
+    w = torch.randn(T, N)
+    ref = torch.autograd.grad((w * (logp_ref + 0.1 * ent_ref)).sum(), feats, retain_graph=True)
+    got = torch.autograd.grad((w * (logp + 0.1 * ent)).sum(), feats)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -24,7 +24,7 @@ from tensordict import TensorDict
 from rl_replay import distributed as dist_utils
 from rl_replay.accumulator import GradientAccumulator
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Collector, Rollout
+from rl_replay.collector import Collector, Rollout, append_heads, stack_heads
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
 from rl_replay.losses import gae_targets, ppo_loss
@@ -50,20 +50,24 @@ def replay_minibatch(model, policy, data: TensorDict, start_state: TensorDict,
     """
     T, n = data.batch_size
     state = start_state
-    log_prob, entropy, value = [], [], []
+    # Each step's outputs except the state, key by key: the distribution, its log-prob and
+    # entropy are computed once on the stacked (T, n) outputs, so the loss's graph has a
+    # few nodes in all instead of a few per step (each kept until the backward).
+    columns: dict = {}
     for t in range(T):
         inputs = TensorDict(observation=data["observation"][t], state=state,
                             is_first=data["is_first"][t], batch_size=[n], device=None)
         out = replay(model, accumulator, inputs)
-        dist = policy.distribution(out)
-        log_prob.append(dist.log_prob(data["action"][t]))
-        entropy.append(dist.entropy())
-        value.append(out["value"])
+        append_heads(columns, out)
         state = out["state"]
         if bptt_truncate and (t + 1) % bptt_truncate == 0:
             state = state.detach()
-    return TensorDict(log_prob=torch.stack(log_prob), entropy=torch.stack(entropy),
-                      value=torch.stack(value), batch_size=[T, n])
+        del out
+    heads = stack_heads(columns, T, n)
+    del columns
+    dist = policy.distribution(heads)
+    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                      value=heads["value"], batch_size=[T, n])
 
 
 class PPO:
