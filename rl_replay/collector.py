@@ -22,7 +22,6 @@ from tensordict import TensorDict
 
 from rl_replay.accumulator import GradientAccumulator
 from rl_replay.agent import Agent
-from rl_replay.errors import SetupError
 from rl_replay.guards import check_env_step
 from rl_replay.environment import env_episode_return, make_vector_env
 from rl_replay.replay import replay

@@ -59,7 +59,6 @@ SMOKE = dict(obs=8, encoder=[32, 32], hidden=16, actions=4, envs=8, epochs=2, mi
 def build(spec: dict, T: int):
     """(cfg, agent, optimizer, rollout) for one configuration, all seeded."""
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Rollout
     from rl_replay.config import load_config
 
     p = spec["policy"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
