@@ -21,7 +21,7 @@ import sys
 
 import torch
 
-__all__ = ["begin_update", "update_memory"]
+__all__ = ["begin_update", "heap_in_use", "update_memory"]
 
 _STATUS = "/proc/self/status"
 _CLEAR_REFS = "/proc/self/clear_refs"
@@ -84,3 +84,21 @@ def update_memory(device: torch.device | str) -> dict[str, float]:
         out["memory/peak_device_bytes"] = float(torch.cuda.max_memory_allocated(device))
         out["memory/device_bytes"] = float(torch.cuda.memory_allocated(device))
     return out
+
+
+def heap_in_use() -> int | None:
+    """glibc's bytes in use in the main heap (``mallinfo2().uordblks``); None without
+    glibc >= 2.33. It sees neither mmapped chunks (the slabs) nor Python's small objects."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = MallInfo2
+        return int(libc.mallinfo2().uordblks)
+    except (OSError, AttributeError):
+        return None

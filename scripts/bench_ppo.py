@@ -157,35 +157,19 @@ def run_update(method: str, cfg, agent, optimizer, rollout) -> dict:
 
 
 # ============================================================================ worker
-def _heap_in_use() -> int | None:
-    """glibc's bytes in use in the main heap (``mallinfo2``), None elsewhere."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-        return int(libc.mallinfo2().uordblks)
-    except (OSError, AttributeError):
-        return None
-
-
 def _record_minibatch_forwards(records: list) -> None:
     """Wrap PPO's replay_minibatch: per minibatch, what its forward left in use (the slab's
     bytes handed out, glibc heap in use, RSS) once its T blocks have run."""
     from rl_replay.algorithms import ppo as ppo_module
     from _bench_common import current_rss
+    from rl_replay.memory_stats import heap_in_use
 
     real = ppo_module.replay_minibatch
 
     def recording(model, policy, data, start_state, accumulator, bptt_truncate=None):
-        heap0, rss0 = _heap_in_use(), current_rss()
+        heap0, rss0 = heap_in_use(), current_rss()
         out = real(model, policy, data, start_state, accumulator, bptt_truncate)
-        heap1 = _heap_in_use()
+        heap1 = heap_in_use()
         records.append(dict(slab=sum(accumulator._slabs.used_bytes().values()),
                             heap=None if heap0 is None else heap1 - heap0,
                             rss=current_rss() - rss0, saved=accumulator.saved_bytes))

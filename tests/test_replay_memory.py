@@ -237,17 +237,9 @@ def test_per_block_c_heap_is_one_node():
     outputs' metadata and two saved inputs, ~2.1 KiB. A slice of the observation buffer
     is saved as the buffer, not as a view tensor per block, and the previous block's
     state as a detached alias, without its autograd metadata (before: ~2.9 KiB)."""
-    import ctypes
+    from rl_replay.memory_stats import heap_in_use
 
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallinfo2.restype = MallInfo2
-    except (OSError, AttributeError):
+    if heap_in_use() is None:
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
 
     torch.manual_seed(0)
@@ -257,11 +249,11 @@ def test_per_block_c_heap_is_one_node():
     warm = _rollout(policy, GradientAccumulator(), buf[:8], torch.zeros(B, d))
     del warm
     gc.collect()
-    before = libc.mallinfo2().uordblks
+    before = heap_in_use()
     acc = GradientAccumulator()
     L, V, h = _rollout(policy, acc, buf, torch.zeros(B, d))
     gc.collect()
-    per_block = (libc.mallinfo2().uordblks - before) / T
+    per_block = (heap_in_use() - before) / T
     # The stacked L and V (T x B x 5 floats) are in this count too, ~80 B per block.
     assert per_block < 2400, per_block
 
