@@ -172,11 +172,13 @@ def test_agent_is_exported_from_the_package():
         rl_replay.Nope  # noqa: B018
 
 
-def test_gru_separate_critic_keeps_value_and_policy_gradients_apart():
+@pytest.mark.parametrize("cls, keys", [(GRUAgent, {"h", "h_critic"}),
+                                       (LSTMAgent, {"h", "c", "h_critic", "c_critic"})])
+def test_separate_critic_keeps_value_and_policy_gradients_apart(cls, keys):
     torch.manual_seed(0)
-    agent = GRUAgent(OBS, gym.spaces.Discrete(3), hidden_size=8, encoder_sizes=[8], separate_critic=True)
+    agent = cls(OBS, gym.spaces.Discrete(3), hidden_size=8, encoder_sizes=[8], separate_critic=True)
     state = agent.initial_state(4)
-    assert set(state.keys()) == {"h", "h_critic"}
+    assert set(state.keys()) == keys
     obs = torch.randn(4, *OBS.shape)
     out = agent(observation=obs, state=state, is_first=torch.zeros(4, dtype=torch.bool))
     out = agent(observation=obs, state=out["state"], is_first=torch.tensor([True, False, False, False]))
@@ -186,9 +188,10 @@ def test_gru_separate_critic_keeps_value_and_policy_gradients_apart():
     assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in grads if n.startswith("critic_"))
 
 
-def test_gru_activation_must_be_known():
+@pytest.mark.parametrize("cls", [GRUAgent, LSTMAgent])
+def test_recurrent_activation_must_be_known(cls):
     with pytest.raises(SetupError, match="activation must be one of"):
-        GRUAgent(OBS, gym.spaces.Discrete(3), activation="gelu")
+        cls(OBS, gym.spaces.Discrete(3), activation="gelu")
 
 
 def test_gru_skip_heads_read_the_present_observation():

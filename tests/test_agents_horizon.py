@@ -32,6 +32,8 @@ AGENTS = {
     "gru-chrono": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
     "gru-skip-heads": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), separate_critic=True,
                                        skip=True, head_sizes=(16,), activation="relu"),
+    "lstm-skip-heads": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), separate_critic=True,
+                                         skip=True, head_sizes=(16,), activation="relu"),
     "lstm-chrono": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
     "mingru": lambda: MinGRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
     "lru-complex": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
