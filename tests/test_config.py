@@ -443,3 +443,32 @@ def test_derived_sizes():
     assert derived(cfg)["num_updates"] == 11  # rounds up
     mem = load_config(CONFIG_DIR / "memory_gru.yaml")
     assert derived(mem) == {"batch_size": 32 * 66, "num_updates": -(-2_000_000 // (32 * 66))}
+
+
+def test_pocartpole_yaml_wrappers_rescale_observations_and_keep_raw_returns():
+    """The shipped masked-CartPole config's wrappers: observations in [-2, 2], rewards
+    normalised for the learner, raw CartPole returns in the episode statistics."""
+    import envs  # noqa: F401  (registers rl_replay/POCartPole-v0)
+    from rl_replay.environment import make_vector_env
+
+    po = load_config(CONFIG_DIR / "ppo_pocartpole_gru.yaml")
+    assert [w["target"] for w in po.env.wrappers] == [
+        "gymnasium.wrappers:RescaleObservation", "gymnasium.wrappers:NormalizeReward"]
+    assert po.env.wrappers[1]["kwargs"]["gamma"] == po.loss.gamma
+    vec = make_vector_env(po.env.id, 2, wrappers=po.env.wrappers)
+    try:
+        assert list(vec.single_observation_space.low) == [-2.0, -2.0]
+        obs, _ = vec.reset(seed=0)
+        rewards, raw = [], []
+        for _ in range(200):
+            obs, reward, term, trunc, info = vec.step(vec.action_space.sample())
+            assert abs(obs).max() <= 2.0
+            rewards.extend(reward.tolist())
+            for key, value in info.items():
+                if isinstance(value, dict) and "r" in value:
+                    mask = value.get("_r", [True] * len(value["r"]))
+                    raw.extend(float(r) for r, m in zip(value["r"], mask) if m)
+        assert any(r != 1.0 for r in rewards)  # the learner sees normalised rewards
+        assert raw and all(r == int(r) and r >= 8 for r in raw)  # episodes' own returns
+    finally:
+        vec.close()
