@@ -1,4 +1,4 @@
-"""The shipped learning configs (configs/memory_*.yaml, configs/popgym_*.yaml) build their
+"""The shipped learning configs (configs/memory_*.yaml, configs/ppo_memory_*.yaml, configs/popgym_*.yaml) build their
 env and agent and train: tiny sizes, a couple of updates each. The learning itself is
 measured in docs/learning.md, not here."""
 
@@ -15,7 +15,7 @@ from rl_replay.config import load_config
 from rl_replay.trainer import build
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-MEMORY = sorted(CONFIGS.glob("memory_*.yaml"))
+MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
 POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
 TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
 
@@ -38,7 +38,7 @@ def train(cfg, updates: int):
 
 def test_the_config_globs_find_the_shipped_configs():
     names = {p.name for p in MEMORY + POPGYM}
-    assert {"memory_256.yaml", "memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
+    assert {"memory_256.yaml", "memory_gru.yaml", "ppo_memory_256.yaml", "ppo_memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
             "popgym_repeat_first_medium.yaml", "popgym_count_recall_easy.yaml",
             "popgym_repeat_previous_hard.yaml"} <= names
 
