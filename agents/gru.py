@@ -6,12 +6,30 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
-
 from agents.chrono import check_t_max, chrono_bias
 from agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
+
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+def activation_class(name: str, agent_name: str) -> type[nn.Module]:
+    """The module class for ``name`` ("tanh" or "relu"); SetupError otherwise."""
+    if name not in ACTIVATIONS:
+        raise SetupError(f"{agent_name}: activation must be one of {sorted(ACTIVATIONS)}, got {name!r}.")
+    return ACTIVATIONS[name]
+
+
+def add_heads(agent: Agent, action_space, in_features: int, head_sizes, activation) -> None:
+    """Give a recurrent agent its ``actor_mlp`` / ``critic_mlp`` (``head_sizes`` wide) and
+    the ``head`` / ``value`` outputs on top, all reading ``in_features``."""
+    head_sizes = list(head_sizes)
+    last = head_sizes[-1] if head_sizes else in_features
+    agent.actor_mlp = mlp(in_features, head_sizes, activation)
+    agent.critic_mlp = mlp(in_features, head_sizes, activation)
+    agent.head = ActionHead(action_space, last)
+    agent.value = value_head(last)
 
 
 class GRUAgent(Agent):
@@ -41,9 +59,7 @@ class GRUAgent(Agent):
                  separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
                  skip: bool = False):
         super().__init__(observation_space, action_space)
-        if activation not in ACTIVATIONS:
-            raise SetupError(f"GRUAgent: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}.")
-        self.activation = ACTIVATIONS[activation]
+        self.activation = activation_class(activation, "GRUAgent")
         if chrono_t_max is not None and update_gate_bias:
             raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
         self.hidden_size = hidden_size
@@ -56,12 +72,7 @@ class GRUAgent(Agent):
             # The critic's own encoder and GRU: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
             self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, update_gate_bias, chrono_t_max)
-        head_sizes = list(head_sizes)
-        last = head_sizes[-1] if head_sizes else hidden_size + features
-        self.actor_mlp = mlp(hidden_size + features, head_sizes, self.activation)
-        self.critic_mlp = mlp(hidden_size + features, head_sizes, self.activation)
-        self.head = ActionHead(action_space, last)
-        self.value = value_head(last)
+        add_heads(self, action_space, hidden_size + features, head_sizes, self.activation)
 
     def _trunk(self, encoder_sizes, update_gate_bias: float,
                chrono_t_max: float | None) -> tuple[nn.Module, nn.GRUCell]:

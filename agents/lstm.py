@@ -7,10 +7,9 @@ from tensordict import TensorDict
 from torch import nn
 
 from agents.chrono import check_t_max, chrono_bias
-from agents.gru import ACTIVATIONS
+from agents.gru import activation_class, add_heads
 from agents.mlp import mlp
-from rl_replay.agent import ActionHead, Agent, value_head
-from rl_replay.errors import SetupError
+from rl_replay.agent import Agent
 
 
 class LSTMAgent(Agent):
@@ -41,9 +40,7 @@ class LSTMAgent(Agent):
                  separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
                  skip: bool = False):
         super().__init__(observation_space, action_space)
-        if activation not in ACTIVATIONS:
-            raise SetupError(f"LSTMAgent: activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}.")
-        self.activation = ACTIVATIONS[activation]
+        self.activation = activation_class(activation, "LSTMAgent")
         self.hidden_size = hidden_size
         self.separate_critic = separate_critic
         self.skip = skip
@@ -52,12 +49,7 @@ class LSTMAgent(Agent):
         self.encoder, self.cell = self._trunk(encoder_sizes, forget_bias, chrono_t_max)
         if separate_critic:
             self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, forget_bias, chrono_t_max)
-        head_sizes = list(head_sizes)
-        last = head_sizes[-1] if head_sizes else hidden_size + features
-        self.actor_mlp = mlp(hidden_size + features, head_sizes, self.activation)
-        self.critic_mlp = mlp(hidden_size + features, head_sizes, self.activation)
-        self.head = ActionHead(action_space, last)
-        self.value = value_head(last)
+        add_heads(self, action_space, hidden_size + features, head_sizes, self.activation)
 
     def _trunk(self, encoder_sizes, forget_bias: float,
                chrono_t_max: float | None) -> tuple[nn.Module, nn.LSTMCell]:
