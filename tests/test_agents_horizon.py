@@ -39,6 +39,9 @@ AGENTS = {
     "lru-complex": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
     "lru-real": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,),
                                  max_phase=0.0, normalize=False),
+    # configs/memory_1024.yaml's layout: no encoder, the recurrence reads the observation.
+    "lru-no-encoder": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,),
+                                       r_min=0.99, r_max=0.9999, max_phase=0.0),
 }
 
 
@@ -151,6 +154,32 @@ def test_lru_ring_init_and_bad_arguments():
                           ({"hidden_size": 0}, "hidden_size must be a positive integer")):
         with pytest.raises(SetupError, match=match):
             LRUAgent(OBS, ACT, **kwargs)
+
+
+@pytest.mark.parametrize("max_phase", [0.0, 0.3])
+def test_lru_without_encoder_a_blank_observation_writes_nothing(max_phase):
+    # encoder_sizes=() feeds the observation to B (no bias): a zero observation only decays
+    # the state, x_t = lambda * x_{t-1}, so slow units cannot integrate a constant over a long
+    # delay (docs/learning.md, fifth study). With a tanh encoder the blank input is
+    # tanh(bias), which is 0 only until the biases are trained.
+    torch.manual_seed(0)
+    agent = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), r_min=0.9, r_max=0.999, max_phase=max_phase)
+    first = torch.zeros(2, dtype=torch.bool)
+    state = agent(observation=torch.randn(2, 5), state=agent.initial_state(2), is_first=first)["state"]
+    lam = agent.eigenvalues().detach()
+    with torch.no_grad():
+        x = torch.complex(state["x"], state["x_im"]) if max_phase else state["x"]
+        after = agent(observation=torch.zeros(2, 5), state=state, is_first=first)["state"]
+        got = torch.complex(after["x"], after["x_im"]) if max_phase else after["x"]
+    assert x.abs().min() > 0
+    torch.testing.assert_close(got, x * (lam if max_phase else lam.real), rtol=1e-6, atol=1e-7)
+    # The same agent with a trained (nonzero) encoder bias would not: the contrast case.
+    biased = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(4,), r_min=0.9, r_max=0.999, max_phase=0.0)
+    torch.nn.init.constant_(biased.encoder[0].bias, 0.5)
+    with torch.no_grad():
+        s0 = biased.initial_state(2)
+        out = biased(observation=torch.zeros(2, 5), state=s0, is_first=first)["state"]
+    assert out["x"].abs().max() > 0
 
 
 def test_lru_gradient_to_a_past_input_is_lambda_to_the_power_of_the_delay():
