@@ -174,7 +174,9 @@ class CheckpointConfig:
 @dataclass
 class EvalConfig:
     episodes: int = 10
-    """number of evaluation episodes"""
+    """number of evaluation episodes (scripts/evaluate.py, and eval.every during training)"""
+    every: int = 0
+    """during training: evaluate every N updates and at the end, on fresh envs (eval/* metrics; 0 = never; one process only)"""
     deterministic: bool = True
     """act greedily (mode of the action distribution) during evaluation"""
 
@@ -268,6 +270,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "log.log_every": (1, True, None, False),
     "checkpoint.every": (0, True, None, False),
     "eval.episodes": (1, True, None, False),
+    "eval.every": (0, True, None, False),
     "distributed.min_num_params": (1, True, None, False),
 }
 

@@ -34,6 +34,7 @@ def evaluate(
     ``video_dir`` records the first env's episodes with gymnasium's RecordVideo
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
     ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``.
+    The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
     if video_dir is not None:
@@ -51,7 +52,16 @@ def evaluate(
                                      imports=env_imports, wrappers=env_wrappers)
     device = torch.device(device)
     to_tensor = obs_converter(vector_env.single_observation_space, device)
+    was_training = agent.training
     agent.eval()
+    try:
+        return _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device)
+    finally:
+        vector_env.close()
+        agent.train(was_training)
+
+
+def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device) -> dict[str, float]:
     obs, _ = vector_env.reset(seed=seed)
     state = agent.initial_state(num_envs, device)
     is_first = torch.ones(num_envs, dtype=torch.bool, device=device)
@@ -79,7 +89,6 @@ def evaluate(
         state = out["state"]
         is_first = torch.as_tensor(autoreset, device=device)
         autoreset = terminated | truncated
-    vector_env.close()
     result = {
         "return_mean": float(np.mean(returns)),
         "return_std": float(np.std(returns)),

@@ -12,6 +12,7 @@ import collections
 import math
 import random
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,37 @@ class Trainer:
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/skipped_updates"] = float(self.guard.budget.skipped)
         metrics["time/steps_per_sec"] = steps / update_sec
+        every = cfg.eval.every
+        if every and (self.update % every == 0 or self.update == self.num_updates):
+            metrics.update(self.evaluate())
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """``eval.episodes`` episodes with the current weights on fresh envs: ``eval/*`` metrics.
+
+        The same episodes every time (fixed env seed), so the curve shows the policy, not
+        the draw. The training RNG streams are left as they were (a resumed run continues
+        exactly), and so is the agent's training mode. One process only (refused under
+        torchrun by :func:`build`): FSDP's forward is collective and episode lengths differ.
+        """
+        from rl_replay.evaluate import evaluate
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        np_state, py_state = np.random.get_state(), random.getstate()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            result = evaluate(
+                self.collector.policy, cfg.env.id, episodes=cfg.eval.episodes,
+                num_envs=min(cfg.eval.episodes, cfg.env.num_envs), deterministic=cfg.eval.deterministic,
+                env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, device=self.device,
+                env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
+            )
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+        metrics = {f"eval/{key}": value for key, value in result.items() if key != "episodes"}
+        metrics.setdefault("eval/success_rate", float("nan"))
+        metrics["time/eval_sec"] = time.perf_counter() - t0
         return metrics
 
     def _any_rank(self, flag: bool) -> bool:
@@ -333,6 +365,11 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
                                          mixed_precision=d.mixed_precision)
         elif cfg.distributed.cpu_offload:
             raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
+        if info.distributed and cfg.eval.every:
+            raise SetupError(
+                "eval.every is not supported under torchrun (FSDP's forward is collective and "
+                "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
+                "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR")
         optimizer = make_optimizer(model.parameters(), cfg.optim)
         collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
                               bptt_truncate=cfg.collector.bptt_truncate, device=device,

@@ -235,6 +235,11 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     with pytest.raises(SetupError, match="cpu_offload=true needs CUDA"):
         build(offload)
     assert not Path(run_dir + "-offload").exists()
+    # So does evaluation during training (FSDP's forward is collective).
+    evaluating = replace(cfg, run_dir=run_dir + "-eval", eval=replace(cfg.eval, every=1))
+    with pytest.raises(SetupError, match="eval.every is not supported under torchrun.*scripts/evaluate.py"):
+        build(evaluating)
+    assert not Path(run_dir + "-eval").exists()
 
     trainer = build(cfg)
     model = trainer.model

@@ -265,3 +265,44 @@ def test_keep_freed_memory_applies_with_glibc():
 
     glibc = platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is glibc
+
+
+# ------------------------------------------------------------------ evaluation during training
+def test_eval_every_logs_eval_metrics_and_leaves_training_untouched(tmp_path):
+    # Sampled (not greedy) evaluation draws from torch's RNG: the training that follows must
+    # still be bit-identical to a run without evaluation (RNG streams and train mode restored).
+    extra = ("checkpoint.every=0", "eval.episodes=3", "eval.deterministic=false")
+    plain = build(tiny_cfg(tmp_path / "plain", 5, *extra))
+    plain.train()
+    evald = build(tiny_cfg(tmp_path / "eval", 5, *extra, "eval.every=2"))
+    evald.train()
+    assert evald.model.training
+    assert_same_training_state(load_checkpoint(tmp_path / "plain"), load_checkpoint(tmp_path / "eval"))
+    rows = read_metrics(tmp_path / "eval")
+    evaluated = [r["update"] for r in rows if r.get("eval/return_mean") is not None]
+    assert evaluated == [2, 4, 5]  # every 2 updates and at the end
+    for r in rows:
+        if r["update"] in evaluated:
+            # CartPole returns: one per step survived, at least 1 and at most 500.
+            assert 1 <= r["eval/return_mean"] <= 500 and r["eval/episode_length"] >= 1
+            assert r["eval/success_rate"] is None  # CartPole reports no success
+            assert r["time/eval_sec"] > 0
+        else:
+            assert "eval/return_mean" not in r or r["eval/return_mean"] is None
+    assert all("eval/return_mean" not in r for r in read_metrics(tmp_path / "plain"))
+
+
+def test_eval_every_on_memory_cue_reports_success(tmp_path):
+    cfg = load_config(None, ["env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 3}", "env.num_envs=4",
+                             "collector.num_steps=5", "collector.mode=episode", "agent.target=agents.gru:GRUAgent",
+                             "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}", "log.progress=false",
+                             "log.wandb_mode=disabled", "total_env_steps=40", "eval.every=1", "eval.episodes=6",
+                             f"run_dir={tmp_path / 'run'}"])
+    build(cfg).train()
+    rows = read_metrics(tmp_path / "run")
+    assert len(rows) == 2
+    for r in rows:
+        # 6 greedy episodes: a success rate in sixths, episodes of delay + 2 steps.
+        assert r["eval/episode_length"] == 5
+        assert round(r["eval/success_rate"] * 6, 6) == int(round(r["eval/success_rate"] * 6))
+        assert r["eval/return_mean"] == pytest.approx(2 * r["eval/success_rate"] - 1)
