@@ -19,6 +19,11 @@ Usage::
     python scripts/grad_horizon.py                                  # the built-in candidates
     python scripts/grad_horizon.py --agent 'agents.gru:GRUAgent {update_gate_bias: 5}' \\
         --agent 'agents.lru:LRUAgent {r_max: 0.9999}' --delays 64 256 1024 4096 --json out.json
+    python scripts/grad_horizon.py --run runs/mem1024_s1 --delays 256 1024 4096   # trained weights
+
+``--run RUN_DIR`` (repeatable) measures a MemoryCue run's agent with its checkpoint's weights
+instead of an initialisation: how far back the trained agent's gradient reaches, and whether
+it still carries the cue at delays it was not trained on.
 
 An agent spec is ``module:Class`` optionally followed by its kwargs in YAML flow style.
 """
@@ -99,12 +104,28 @@ def episode_observations(delay: int, batch: int, seed: int, noise_dims: int = 0)
     return observations, torch.as_tensor(np.array(got)), env.observation_space, env.action_space
 
 
+def load_run(run_dir: str) -> tuple[str, dict, dict, int]:
+    """``(target, kwargs, weights, noise_dims)`` of a MemoryCue run's agent and checkpoint."""
+    from rl_replay.checkpoint import load_checkpoint
+    from rl_replay.config import load_config
+
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    if cfg.env.id != "rl_replay/MemoryCue-v0":
+        raise SystemExit(f"grad_horizon: --run {run_dir} trained on {cfg.env.id!r}; the diagnostic "
+                         "replays MemoryCue episodes, so it needs a rl_replay/MemoryCue-v0 run.")
+    state = load_checkpoint(run_dir)
+    return cfg.agent.target, dict(cfg.agent.kwargs), state["agent"], int(cfg.env.kwargs.get("noise_dims", 0))
+
+
 def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 0,
-            noise_dims: int = 0) -> dict:
-    """Gradient reaching the cue and cue signal at the query, for one agent and delay."""
+            noise_dims: int = 0, weights: dict | None = None) -> dict:
+    """Gradient reaching the cue and cue signal at the query, for one agent and delay
+    (at its seeded initialisation, or with ``weights``, a checkpoint's agent state dict)."""
     observations, cues, obs_space, act_space = episode_observations(delay, batch, seed, noise_dims)
     torch.manual_seed(seed)
     agent = build_agent(target, kwargs, obs_space, act_space)
+    if weights is not None:
+        agent.load_state_dict(weights)
     start = time.perf_counter()
     cue_obs = observations[0].clone().requires_grad_(True)  # (B, obs_dim)
     acc = GradientAccumulator()
@@ -145,6 +166,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--agent", action="append", metavar="SPEC",
                         help="'module:Class {kwargs}' (repeatable); default: the built-in candidates")
+    parser.add_argument("--run", action="append", metavar="RUN_DIR", default=[],
+                        help="a MemoryCue run directory (repeatable): its agent with the checkpoint's weights")
     parser.add_argument("--delays", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -159,17 +182,23 @@ def main(argv=None) -> int:
     if args.json and os.path.exists(args.json):
         parser.error(f"--json {args.json} exists; pass a new path (results are never overwritten)")
     torch.set_num_threads(args.threads)
-    specs = [parse_spec(s) for s in (args.agent or DEFAULT_SPECS)]
+    # (label, target, kwargs, weights, noise_dims)
+    specs = [(spec_label(t, k), t, k, None, args.noise_dims)
+             for t, k in (parse_spec(s) for s in (args.agent or ([] if args.run else DEFAULT_SPECS)))]
+    for run_dir in args.run:
+        target, kwargs, weights, noise_dims = load_run(run_dir)
+        specs.append((f"{spec_label(target, kwargs)} trained: {run_dir}", target, kwargs, weights, noise_dims))
 
     rows = []
     header = "| agent | " + " | ".join(f"grad @{d}" for d in args.delays) + " | " + \
         " | ".join(f"signal @{d}" for d in args.delays) + " |"
     print(header)
     print("|" + "---|" * (1 + 2 * len(args.delays)))
-    for target, kwargs in specs:
-        cells = [measure(target, kwargs, d, args.batch, args.seed, args.noise_dims) for d in args.delays]
+    for label, target, kwargs, weights, noise_dims in specs:
+        cells = [dict(measure(target, kwargs, d, args.batch, args.seed, noise_dims, weights),
+                      trained=weights is not None, label=label) for d in args.delays]
         rows += cells
-        print(f"| {spec_label(target, kwargs)} | " + " | ".join(fmt(c["grad"]) for c in cells) + " | "
+        print(f"| {label} | " + " | ".join(fmt(c["grad"]) for c in cells) + " | "
               + " | ".join(fmt(c["signal"]) for c in cells) + " |", flush=True)
     if args.json:
         with open(args.json, "x") as f:

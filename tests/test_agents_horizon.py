@@ -259,3 +259,44 @@ def test_memory_256_config_runs_an_update(tmp_path):
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
     assert "nu_log" in changed and "B" in changed  # the recurrence itself learns
+
+
+def test_grad_horizon_on_a_trained_run(tmp_path):
+    # --run loads a MemoryCue run's agent with its checkpoint's weights (not an initialisation).
+    from rl_replay.config import load_config
+    from rl_replay.trainer import build
+
+    run = tmp_path / "run"
+    cfg = load_config(ROOT / "configs" / "memory_1024.yaml", [
+        "env.num_envs=2", "env.kwargs.delay=3", "collector.num_steps=5", "total_env_steps=10",
+        "ppo.num_minibatches=1", "eval.every=0", "log.wandb_mode=disabled", "log.progress=false",
+        "agent.kwargs={hidden_size: 8, readout_sizes: [8], encoder_sizes: [], max_phase: 0.0}",
+        f"run_dir={run}"])
+    trainer = build(cfg)
+    trainer.train()
+    weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    out = tmp_path / "horizon.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "grad_horizon.py"), "--run", str(run),
+           "--delays", "3", "7", "--batch", "4", "--json", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert f"trained: {run} |" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert [(r["delay"], r["trained"]) for r in rows] == [(3, True), (7, True)]
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import grad_horizon
+    finally:
+        sys.path.pop(0)
+    # The script's numbers are those of the checkpoint's weights, not of a fresh agent.
+    trained = grad_horizon.measure(cfg.agent.target, cfg.agent.kwargs, 7, batch=4, weights=weights)
+    fresh = grad_horizon.measure(cfg.agent.target, cfg.agent.kwargs, 7, batch=4)
+    assert rows[1]["grad"] == trained["grad"] and rows[1]["signal"] == trained["signal"]
+    assert (fresh["grad"], fresh["signal"]) != (trained["grad"], trained["signal"])
+    # A run on another env is refused with a line naming it.
+    other = tmp_path / "cartpole"
+    build(load_config(None, ["total_env_steps=16", "env.num_envs=2", "collector.num_steps=8",
+                             "log.wandb_mode=disabled", "log.progress=false", f"run_dir={other}"])).train()
+    proc = subprocess.run([*cmd[:3], str(other), "--delays", "3"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode != 0 and "needs a rl_replay/MemoryCue-v0 run" in proc.stderr
