@@ -26,6 +26,12 @@ Usage::
     python scripts/bench_ppo.py                     # T = 128, 512, 2048
     python scripts/bench_ppo.py --T 128 512 --write-docs
     python scripts/bench_ppo.py --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
+    python scripts/bench_ppo.py --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
+
+``--config CONFIG`` takes the agent, ``env.num_envs``, the PPO and loss settings and T
+(``collector.num_steps``, unless ``--T`` is given) from a shipped config, and the observation
+and action spaces from its env (one env is made to read them; a flat ``Box`` observation and a
+``Discrete`` action space are needed); the rollout is synthetic as above.
 """
 
 from __future__ import annotations
@@ -61,6 +67,8 @@ def build(spec: dict, T: int):
     from rl_replay.agent import build_agent
     from rl_replay.config import load_config
 
+    if spec.get("config"):
+        return build_from_config(spec, T)
     p = spec["policy"]
     cfg = load_config(None, [
         "loss.algorithm=ppo", f"env.num_envs={p['envs']}", f"collector.num_steps={T}",
@@ -74,6 +82,33 @@ def build(spec: dict, T: int):
                         obs_space, gym.spaces.Discrete(p["actions"]))
     optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)
     return cfg, agent, optimizer, synthetic_rollout(agent, T, p["envs"], p["obs"])
+
+
+def build_from_config(spec: dict, T: int):
+    """(cfg, agent, optimizer, rollout) with a shipped config's agent, envs and PPO settings."""
+    from rl_replay.agent import build_agent
+    from rl_replay.collector import make_vector_env
+    from rl_replay.config import load_config
+    from rl_replay.trainer import make_optimizer
+
+    overrides = [f"collector.num_steps={T}", "log.wandb_mode=disabled"]
+    if spec.get("epochs"):
+        overrides.append(f"ppo.epochs={spec['epochs']}")
+    cfg = load_config(spec["config"], overrides)
+    if cfg.loss.algorithm != "ppo":
+        raise SystemExit(f"bench_ppo: {spec['config']} trains with {cfg.loss.algorithm!r}, not ppo")
+    probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, imports=cfg.env.imports,
+                            wrappers=cfg.env.wrappers)
+    obs_space, act_space = probe.single_observation_space, probe.single_action_space
+    probe.close()
+    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
+            and isinstance(act_space, gym.spaces.Discrete)):
+        raise SystemExit(f"bench_ppo: --config needs a flat Box observation and a Discrete action space; "
+                         f"{cfg.env.id} has {obs_space} and {act_space}")
+    torch.manual_seed(spec.get("seed", 0))
+    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, obs_space, act_space)
+    optimizer = make_optimizer(agent.parameters(), cfg.optim)
+    return cfg, agent, optimizer, synthetic_rollout(agent, T, cfg.env.num_envs, obs_space.shape[0])
 
 
 def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
@@ -236,7 +271,8 @@ def grad_check(spec: dict, T: int) -> tuple[float, float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny policy, T = 8 and 16 (for tests)")
-    parser.add_argument("--T", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--T", type=int, nargs="+", help="default: 128 512 2048 (with --config: its num_steps)")
+    parser.add_argument("--config", help="a shipped PPO config: its agent, envs and PPO settings (see above)")
     parser.add_argument("--methods", nargs="+", default=["plain", "rl_replay"])
     parser.add_argument("--epochs", type=int, help="override the 4 epochs (peak memory is one minibatch's)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
@@ -245,9 +281,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)
+    if args.write_docs and args.config:
+        parser.error("--write-docs updates the GRU table of docs/benchmarks.md; it does not take --config")
     policy = SMOKE if args.smoke else FULL
-    Ts = [8, 16] if args.smoke else args.T
-    spec = {"policy": policy, "threads": 1}
+    if args.smoke:
+        Ts = [8, 16]
+    elif args.T:
+        Ts = args.T
+    elif args.config:
+        from rl_replay.config import load_config
+
+        Ts = [load_config(args.config).collector.num_steps]
+    else:
+        Ts = [128, 512, 2048]
+    spec = {"policy": policy, "threads": 1, "config": args.config}
     if args.epochs:
         spec["epochs"] = args.epochs
     set_threads(1)

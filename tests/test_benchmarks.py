@@ -90,3 +90,14 @@ def test_bench_ppo_smoke():
             assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
     assert "ERROR" not in out
     assert "summary T=16: time rl_replay/plain" in out and "summary memory slope rl_replay" in out
+
+
+@pytest.mark.slow
+def test_bench_ppo_with_a_shipped_config():
+    # The delay-1024 config's LRU agent, 32 envs, 2 minibatches; T short for speed.
+    out = run_script("bench_ppo.py", "--config", "configs/memory_1024.yaml", "--T", "8", "16", "--epochs", "1")
+    assert_grad_line(out)
+    for T in (8, 16):
+        for method in ("plain", "rl_replay"):
+            assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
+    assert "ERROR" not in out and "summary T=16: time rl_replay/plain" in out
