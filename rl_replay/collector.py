@@ -13,7 +13,7 @@ from __future__ import annotations
 import pickle
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import gymnasium as gym
 import numpy as np
@@ -81,6 +81,9 @@ class Collector:
         bptt_truncate: if set, detach the recurrent state every K steps.
         device: where observations and the policy live.
         seed: seeds the envs' first reset.
+        all_ranks: under FSDP, ``all_ranks(flag)`` is True when ``flag`` is True on every
+            rank (a collective). Episode mode stops only once every rank's envs have
+            finished, so all ranks run the same number of (collective) forwards.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class Collector:
         bptt_truncate: int | None = None,
         device: torch.device | str = "cpu",
         seed: int | None = None,
+        all_ranks: Callable[[bool], bool] | None = None,
     ) -> None:
         if mode not in ("fixed", "episode"):
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
@@ -105,6 +109,7 @@ class Collector:
         self.bptt_truncate = bptt_truncate
         self.device = torch.device(device)
         self.seed = seed
+        self.all_ranks = all_ranks
         self._box = isinstance(envs.single_action_space, gym.spaces.Box)
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
@@ -214,7 +219,10 @@ class Collector:
             self._obs, self._state = self._to_tensor(obs), state
             if self.mode == "episode":
                 finished |= done
-                if finished.all():
+                # Under FSDP a rank that stopped alone would leave the others waiting in
+                # their next forward's all-gather: stop together.
+                everyone = finished.all() if self.all_ranks is None else self.all_ranks(bool(finished.all()))
+                if everyone:
                     break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():

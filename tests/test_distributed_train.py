@@ -308,6 +308,42 @@ def test_cpu_offload_on_cpu_is_a_setup_error(tmp_path):
     assert not run_dir.exists()
 
 
+# ------------------------------------------------------- episode mode: ranks stop together
+def _episode_worker(rank: int, world_size: int, run_dir: str) -> None:
+    from rl_replay.config import load_config
+    from rl_replay.trainer import build
+
+    # One CartPole env per rank, seeded per rank: the ranks' episodes end at different
+    # steps. A rank that stopped collecting alone would leave the other waiting inside
+    # FSDP's all-gather (the test's timeout would fire).
+    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
+                                       "env.num_envs=1", "collector.mode=episode", "collector.num_steps=500",
+                                       "checkpoint.every=0", "loss.algorithm=ppo", "ppo.num_minibatches=1",
+                                       "ppo.epochs=1"])
+    trainer = build(cfg)
+    try:
+        seen = []
+        for _ in range(3):
+            rollout = trainer.algorithm.update().rollout
+            T, lengths = rollout.data.batch_size[0], rollout.episode_lengths
+            gathered = [None] * world_size
+            torch.distributed.all_gather_object(gathered, (T, lengths))
+            # Same number of steps everywhere: the longest episode over all ranks.
+            assert len({t for t, _ in gathered}) == 1, gathered
+            assert T == max(length for _, ls in gathered for length in ls), gathered
+            # Rows after a rank's own episode ended are padding, not transitions.
+            assert int(rollout.data["valid"].sum()) == sum(lengths)
+            seen.append([ls[0] for _, ls in gathered])
+        assert any(a != b for a, b in seen), f"vacuous: the ranks' episodes had equal lengths {seen}"
+    finally:
+        trainer.close()
+        trainer.collector.envs.close()
+
+
+def test_episode_mode_ranks_collect_the_same_number_of_steps(tmp_path):
+    run_ranks(_episode_worker, str(tmp_path / "run"))
+
+
 # --------------------------------------------------------------------- torchrun end to end
 def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
