@@ -38,6 +38,14 @@ class LRUAgent(Agent):
         normalize: scale the input by ``gamma = sqrt(1 - |lambda|**2)`` (learned, initialised
             so), which keeps ``E|x|^2`` at the input's for white-noise input. Without it a
             unit with ``|lambda|`` near 1 integrates its inputs into a large state.
+        input_scale: multiplies the initial ``B``. At 1 a random ``B`` writes every input
+            into the state from the start (a reservoir the readout can learn to read without
+            any gradient reaching the write); at 0 nothing is written until ``B`` is learned,
+            so remembering an early observation needs gradient that reaches it.
+
+    ``encoder_sizes=()`` feeds the observation itself to ``B`` (no bias before the
+    recurrence): a zero observation writes nothing, so units with ``|lambda|`` near 1 do not
+    integrate a learned constant over a long delay (docs/learning.md, fifth study).
 
     ``lambda = exp(-exp(nu_log) + i exp(theta_log))``: the exponential parameterisation
     keeps ``|lambda| < 1`` whatever the optimizer does, so the recurrence stays stable.
@@ -45,7 +53,7 @@ class LRUAgent(Agent):
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(64,),
                  readout_sizes=(128,), r_min: float = 0.9, r_max: float = 0.999,
-                 max_phase: float = math.pi / 10, normalize: bool = True):
+                 max_phase: float = math.pi / 10, normalize: bool = True, input_scale: float = 1.0):
         super().__init__(observation_space, action_space)
         if not (isinstance(hidden_size, int) and hidden_size > 0):
             raise SetupError(f"LRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
@@ -53,6 +61,8 @@ class LRUAgent(Agent):
             raise SetupError(f"LRUAgent: need 0 <= r_min <= r_max < 1, got r_min={r_min!r}, r_max={r_max!r}.")
         if not (0.0 <= max_phase <= 2 * math.pi):
             raise SetupError(f"LRUAgent: max_phase must be in [0, 2*pi], got {max_phase!r}.")
+        if not (isinstance(input_scale, (int, float)) and math.isfinite(input_scale) and input_scale >= 0):
+            raise SetupError(f"LRUAgent: input_scale must be a finite number >= 0, got {input_scale!r}.")
         encoder_sizes, readout_sizes = list(encoder_sizes), list(readout_sizes)
         self.hidden_size = hidden_size
         self.complex = max_phase > 0
@@ -70,7 +80,8 @@ class LRUAgent(Agent):
             self.gamma_log = nn.Parameter(0.5 * torch.log(1 - modulus_sq).float())
         # Glorot-like scales from the paper: B ~ N(0, 1/(2 width)), C ~ N(0, 1/hidden).
         parts = 2 if self.complex else 1
-        self.B = nn.Parameter(torch.randn(parts, hidden_size, width) / math.sqrt(parts * width))
+        B = torch.randn(parts, hidden_size, width) / math.sqrt(parts * width)
+        self.B = nn.Parameter(B if input_scale == 1 else B * input_scale)  # 1: bit-identical to before
         self.C = nn.Parameter(torch.randn(parts, width, hidden_size) / math.sqrt(parts * hidden_size))
         self.D = nn.Parameter(torch.randn(width))
         self.readout = mlp(width, readout_sizes)

@@ -151,7 +151,9 @@ def test_lru_ring_init_and_bad_arguments():
     for kwargs, match in (({"r_min": 0.5, "r_max": 1.0}, "r_min <= r_max < 1"),
                           ({"r_min": 0.9, "r_max": 0.8}, "r_min <= r_max < 1"),
                           ({"max_phase": 7.0}, "max_phase must be in"),
-                          ({"hidden_size": 0}, "hidden_size must be a positive integer")):
+                          ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+                          ({"input_scale": -1.0}, "input_scale must be a finite number >= 0"),
+                          ({"input_scale": float("nan")}, "input_scale must be a finite number >= 0")):
         with pytest.raises(SetupError, match=match):
             LRUAgent(OBS, ACT, **kwargs)
 
@@ -180,6 +182,22 @@ def test_lru_without_encoder_a_blank_observation_writes_nothing(max_phase):
         s0 = biased.initial_state(2)
         out = biased(observation=torch.zeros(2, 5), state=s0, is_first=first)["state"]
     assert out["x"].abs().max() > 0
+
+
+def test_lru_input_scale_scales_the_initial_write():
+    torch.manual_seed(0)
+    full = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=())
+    torch.manual_seed(0)
+    small = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), input_scale=0.25)
+    torch.testing.assert_close(small.B, 0.25 * full.B)
+    zero = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), input_scale=0)
+    assert not zero.B.any()
+    # B = 0 writes nothing at first, but B still receives gradient (the write can be learned).
+    first = torch.zeros(2, dtype=torch.bool)
+    out = zero(observation=torch.randn(2, 5), state=zero.initial_state(2), is_first=first)
+    assert not out["state"]["x"].any()
+    out["value"].sum().backward()
+    assert zero.B.grad is not None and zero.B.grad.abs().sum() > 0
 
 
 def test_lru_gradient_to_a_past_input_is_lambda_to_the_power_of_the_delay():
