@@ -292,4 +292,9 @@ def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting):
         return (hi[key] - lo[key]) / (512 - 64) / hi["state_bytes_per_step"]
 
     assert ratio("after_forward") <= 1.2, (setting, ratio("after_forward"), lo, hi)
-    assert ratio("peak_growth") <= 2.1, (setting, ratio("peak_growth"), lo, hi)
+    # With the fixed mmap threshold the backward's gradient buffers are mmapped, never left in
+    # the heap: its peak is steady (1.12-1.15x over 3 repeats, T 64 -> 512, baseline heap
+    # trimmed); with glibc's dynamic threshold one repeat in three still shows the extra set
+    # (1.0-1.27x with keep_freed_memory, 1.07-1.65x without).
+    bound = 1.35 if setting == "mmap64k" else 2.1
+    assert ratio("peak_growth") <= bound, (setting, ratio("peak_growth"), lo, hi)
