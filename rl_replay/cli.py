@@ -176,6 +176,7 @@ EVALUATE_USAGE = """Evaluate a checkpoint: run N episodes and print the mean and
     {prog} runs/CartPole-v1-20261130-101500 --episodes 100
     {prog} RUN_DIR --video videos/   # needs: pip install -e ".[video]"
     {prog} RUN_DIR --wandb           # also log the result to the run's wandb project
+    {prog} RUN_DIR env.kwargs.delay=4096   # a changed environment (env.kwargs.*, env.max_episode_steps)
 
 Works for checkpoints written by one process or by several (FSDP) processes.
 """
@@ -192,6 +193,9 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=None, help="default: eval.episodes of the run's config")
     parser.add_argument("--stochastic", action="store_true", help="sample actions instead of the mode")
     parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("env_overrides", nargs="*", metavar="env.kwargs.KEY=VALUE",
+                        help="evaluate on a changed environment: env.kwargs.* or env.max_episode_steps "
+                             "(the agent's architecture comes from the run and cannot change)")
     parser.add_argument("--video", default=None, metavar="DIR", help="record videos into DIR")
     parser.add_argument("--wandb", action="store_true",
                         help="log the result (and video) to the training run's wandb project, as an eval run "
@@ -200,6 +204,12 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     if args.episodes is not None and args.episodes < 1:
         print(f"error: --episodes must be a positive number of episodes, got {args.episodes}.", file=sys.stderr)
         return 2
+    for ov in args.env_overrides:
+        key = _override_key(ov)
+        if not (key.startswith("env.kwargs.") or key in ("env.kwargs", "env.max_episode_steps")):
+            print(f"error: evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
+                  "the agent and everything else come from the run's config.yaml.", file=sys.stderr)
+            return 2
 
     from rl_replay.agent import build_agent
     from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
@@ -210,7 +220,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
     run_dir = Path(args.run_dir)
     try:
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_config(run_dir / "config.yaml", args.env_overrides)
         if cfg.torch_threads is not None:
             # As in training: a small policy on an oversubscribed thread pool is many times slower.
             import torch

@@ -279,7 +279,7 @@ def test_memory_256_config_runs_an_update(tmp_path):
     assert "nu_log" in changed and "B" in changed  # the recurrence itself learns
 
 
-def test_grad_horizon_on_a_trained_run(tmp_path):
+def test_grad_horizon_on_a_trained_run(tmp_path, capsys):
     # --run loads a MemoryCue run's agent with its checkpoint's weights (not an initialisation).
     from rl_replay.config import load_config
     from rl_replay.trainer import build
@@ -311,6 +311,17 @@ def test_grad_horizon_on_a_trained_run(tmp_path):
     fresh = grad_horizon.measure(cfg.agent.target, cfg.agent.kwargs, 7, batch=4)
     assert rows[1]["grad"] == trained["grad"] and rows[1]["signal"] == trained["signal"]
     assert (fresh["grad"], fresh["signal"]) != (trained["grad"], trained["signal"])
+    # evaluate.py plays the same checkpoint at another delay (how a 1024 agent is tried at 4096).
+    from rl_replay.cli import evaluate_main
+
+    lengths = {}
+    for extra in ([], ["env.kwargs.delay=7"]):
+        assert evaluate_main([str(run), "--episodes", "2", *extra]) == 0
+        lengths[tuple(extra)] = json.loads(capsys.readouterr().out.splitlines()[-1])["episode_length"]
+    assert lengths == {(): 3 + 2, ("env.kwargs.delay=7",): 7 + 2}
+    assert evaluate_main([str(run), "agent.kwargs.hidden_size=4"]) == 2
+    out_, err = capsys.readouterr()
+    assert out_ == "" and "only env.kwargs.* and env.max_episode_steps" in err
     # A run on another env is refused with a line naming it.
     other = tmp_path / "cartpole"
     build(load_config(None, ["total_env_steps=16", "env.num_envs=2", "collector.num_steps=8",
