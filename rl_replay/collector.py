@@ -118,6 +118,7 @@ class Collector:
         self._state: TensorDict | None = None
         self._is_first: torch.Tensor | None = None
         self._autoreset = np.zeros(self.num_envs, dtype=bool)
+        self._warned_unsaved_envs = False
         self._ep_return = np.zeros(self.num_envs)
         self._ep_length = np.zeros(self.num_envs, dtype=np.int64)
 
@@ -259,6 +260,13 @@ class Collector:
                 state["envs"] = pickle.dumps((self.envs.envs, self.envs._autoreset_envs))
             except Exception as exc:  # pragma: no cover - depends on the env
                 warnings.warn(f"environments cannot be pickled ({exc}); resume will reset them")
+        elif not self._warned_unsaved_envs:
+            # Async sub-envs live in worker processes; their state cannot be read from here.
+            self._warned_unsaved_envs = True
+            warnings.warn("env.vectorization=async: the environments are not saved in checkpoints, so a resume "
+                          "starts fresh episodes and wrapper statistics (NormalizeReward, NormalizeObservation) "
+                          "start over; use env.vectorization=sync for runs that must resume exactly.",
+                          stacklevel=2)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -438,6 +438,8 @@ def test_ctrl_c_to_the_process_group_with_async_env_workers(tmp_path):
     assert rc == 130, err
     assert "stopped by SIGINT" in err and "Traceback" not in err
     assert load_checkpoint(run)["update"] >= 1
+    # Its checkpoint cannot hold the worker processes' envs, and the user is told so.
+    assert "env.vectorization=async: the environments are not saved" in err
 
 
 def test_second_sigint_exits_at_once(tmp_path):
