@@ -22,7 +22,7 @@ from tensordict import TensorDict
 
 from rl_replay.accumulator import GradientAccumulator
 from rl_replay.agent import Agent
-from rl_replay.guards import check_env_step
+from rl_replay.guards import NonFiniteError, non_finite_env_step
 from rl_replay.environment import env_episode_return, make_vector_env
 from rl_replay.replay import replay
 from rl_replay.spaces import obs_converter
@@ -81,9 +81,11 @@ class Collector:
         bptt_truncate: if set, detach the recurrent state every K steps.
         device: where observations and the policy live.
         seed: seeds the envs' first reset.
-        all_ranks: under FSDP, ``all_ranks(flag)`` is True when ``flag`` is True on every
-            rank (a collective). Episode mode stops only once every rank's envs have
-            finished, so all ranks run the same number of (collective) forwards.
+        reduce_sums: under FSDP, ``reduce_sums({name: value})`` sums scalars over ranks (one
+            collective per step). Episode mode stops only once every rank's envs have
+            finished, so all ranks run the same number of (collective) forwards; a
+            non-finite env output on one rank stops every rank at the same step instead of
+            leaving the others waiting in their next forward's all-gather.
     """
 
     def __init__(
@@ -96,7 +98,7 @@ class Collector:
         bptt_truncate: int | None = None,
         device: torch.device | str = "cpu",
         seed: int | None = None,
-        all_ranks: Callable[[bool], bool] | None = None,
+        reduce_sums: Callable[[dict[str, float]], dict[str, float]] | None = None,
     ) -> None:
         if mode not in ("fixed", "episode"):
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
@@ -109,7 +111,7 @@ class Collector:
         self.bptt_truncate = bptt_truncate
         self.device = torch.device(device)
         self.seed = seed
-        self.all_ranks = all_ranks
+        self.reduce_sums = reduce_sums
         self._box = isinstance(envs.single_action_space, gym.spaces.Box)
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
@@ -190,7 +192,9 @@ class Collector:
             append_heads(heads, out)
             valid_np = ~self._autoreset & ~finished
             obs, reward, terminated, truncated, info = self.envs.step(self._env_action(action))
-            check_env_step(self._env_id, obs, reward)
+            problem = non_finite_env_step(self._env_id, obs, reward)
+            if problem and self.reduce_sums is None:
+                raise NonFiniteError(problem)
             env_steps += N
             done = (terminated | truncated) & valid_np
             self._ep_return += np.where(valid_np, reward, 0.0)
@@ -220,11 +224,18 @@ class Collector:
             self._obs, self._state = self._to_tensor(obs), state
             if self.mode == "episode":
                 finished |= done
-                # Under FSDP a rank that stopped alone would leave the others waiting in
-                # their next forward's all-gather: stop together.
-                everyone = finished.all() if self.all_ranks is None else self.all_ranks(bool(finished.all()))
-                if everyone:
-                    break
+            everyone_finished = self.mode == "episode" and bool(finished.all())
+            if self.reduce_sums is not None:
+                # Under FSDP a rank that stopped alone (episode over, or bad env output) would
+                # leave the others waiting in their next forward's all-gather: decide together.
+                sums = self.reduce_sums({"bad": float(problem is not None),
+                                         "unfinished": float(not everyone_finished)})
+                if sums["bad"]:
+                    raise NonFiniteError(problem or f"environment '{self._env_id}' returned a non-finite "
+                                         "value on another rank (its own error names it); every rank stops.")
+                everyone_finished = self.mode == "episode" and not sums["unfinished"]
+            if everyone_finished:
+                break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
             bootstrap = self.agent(**self._block_inputs())["value"]

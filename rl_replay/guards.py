@@ -9,7 +9,7 @@ through the run's :class:`StepGuard`:
   the step (and prints one line about it).
 * :func:`check_parameters` after the step: every parameter must be finite.
 
-The collector calls :func:`check_env_step` on each vector-env step output (one vectorised
+The collector checks each vector-env step output with :func:`non_finite_env_step` (one vectorised
 ``np.isfinite`` per array). Every check reduces to one flag per update or step; the
 offending names are searched for only on the error path.
 """
@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["NonFiniteError", "SkipBudget", "StepGuard", "check_update", "check_parameters", "check_env_step"]
+__all__ = ["NonFiniteError", "SkipBudget", "StepGuard", "check_update", "check_parameters",
+           "non_finite_env_step"]
 
 
 class NonFiniteError(RuntimeError):
@@ -103,22 +104,19 @@ def check_parameters(named_params: Iterable, *, update: int, last_checkpoint: st
     )
 
 
-def check_env_step(env_id: str, observation, reward: np.ndarray) -> None:
-    """Raise :class:`NonFiniteError` naming the env if a step returned a NaN/inf reward or observation."""
+def non_finite_env_step(env_id: str, observation, reward: np.ndarray) -> str | None:
+    """The one-line error for a step that returned a NaN/inf reward or observation, else None."""
     if not np.isfinite(reward).all():
         i = int(np.flatnonzero(~np.isfinite(reward))[0])
-        raise NonFiniteError(
-            f"environment '{env_id}' returned a non-finite reward ({reward[i]}) in sub-env {i}; "
-            "fix the environment or wrap it to sanitise its rewards."
-        )
+        return (f"environment '{env_id}' returned a non-finite reward ({reward[i]}) in sub-env {i}; "
+                "fix the environment or wrap it to sanitise its rewards.")
     leaves = observation.values() if isinstance(observation, Mapping) else (observation,)
     for leaf in leaves:
         if isinstance(leaf, np.ndarray) and leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
             i = int(np.flatnonzero(~np.isfinite(leaf).reshape(len(leaf), -1).all(axis=1))[0])
-            raise NonFiniteError(
-                f"environment '{env_id}' returned a non-finite observation in sub-env {i}; "
-                "fix the environment or wrap it to sanitise its observations."
-            )
+            return (f"environment '{env_id}' returned a non-finite observation in sub-env {i}; "
+                    "fix the environment or wrap it to sanitise its observations.")
+    return None
 
 
 class StepGuard:

@@ -371,13 +371,13 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
                 "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
                 "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR")
         optimizer = make_optimizer(model.parameters(), cfg.optim)
-        all_ranks = None
+        reduce_sums = None
         if info.distributed:
-            def all_ranks(flag: bool) -> bool:
-                return not dist_utils.reduce_sums({"not": float(not flag)}, device, info)["not"]
+            def reduce_sums(values: dict[str, float]) -> dict[str, float]:
+                return dist_utils.reduce_sums(values, device, info)
         collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
                               bptt_truncate=cfg.collector.bptt_truncate, device=device,
-                              seed=cfg.seed + 1000 * info.rank, all_ranks=all_ranks)
+                              seed=cfg.seed + 1000 * info.rank, reduce_sums=reduce_sums)
         check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space,
                     cfg.agent.target)
     except BaseException:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import gymnasium as gym
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -342,6 +344,60 @@ def _episode_worker(rank: int, world_size: int, run_dir: str) -> None:
 
 def test_episode_mode_ranks_collect_the_same_number_of_steps(tmp_path):
     run_ranks(_episode_worker, str(tmp_path / "run"))
+
+
+# ------------------------------------------- non-finite env output on one rank stops every rank
+class _NaNOnRankOne(gym.Env):
+    """Finite everywhere except on rank 1, whose envs are seeded from 1000 up: NaN reward at step 3."""
+
+    observation_space = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+    action_space = gym.spaces.Discrete(2)
+
+    def __init__(self):
+        self.bad, self.t = False, 0
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        if seed is not None:
+            self.bad = seed >= 1000
+        self.t = 0
+        return np.zeros(4, np.float32), {}
+
+    def step(self, action):
+        self.t += 1
+        return np.zeros(4, np.float32), float("nan") if self.bad and self.t == 3 else 1.0, False, False, {}
+
+
+if "test_dist/NaNOnRankOne-v0" not in gym.registry:
+    gym.register(id="test_dist/NaNOnRankOne-v0", entry_point=_NaNOnRankOne, max_episode_steps=20)
+
+
+def _nan_worker(rank: int, world_size: int, run_dir: str, out_dir: str, mode: str) -> None:
+    from rl_replay.config import load_config
+    from rl_replay.guards import NonFiniteError
+    from rl_replay.trainer import build
+
+    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
+                                       "env.id=test_dist/NaNOnRankOne-v0", f"collector.mode={mode}",
+                                       "collector.num_steps=8", "checkpoint.every=0"])
+    trainer = build(cfg)
+    try:
+        trainer.train()
+        message = None
+    except NonFiniteError as exc:
+        message = str(exc)
+    Path(out_dir, f"rank{rank}.txt").write_text(repr(message))
+
+
+@pytest.mark.parametrize("mode", ["fixed", "episode"])
+def test_non_finite_env_output_on_one_rank_stops_every_rank(tmp_path, mode):
+    # Before, rank 1 raised alone and rank 0 waited in its next forward's all-gather until
+    # the collective timed out; now both stop at the same step (else run_ranks times out).
+    run_ranks(_nan_worker, str(tmp_path / "run"), str(tmp_path), mode, timeout=120)
+    zero, one = (eval((tmp_path / f"rank{r}.txt").read_text()) for r in range(2))
+    assert one == ("environment 'test_dist/NaNOnRankOne-v0' returned a non-finite reward (nan) in sub-env 0; "
+                   "fix the environment or wrap it to sanitise its rewards."), one
+    assert zero is not None and "non-finite value on another rank" in zero, zero
 
 
 # --------------------------------------------------------------------- torchrun end to end
