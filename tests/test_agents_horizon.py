@@ -39,7 +39,7 @@ AGENTS = {
     "lru-complex": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
     "lru-real": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,),
                                  max_phase=0.0, normalize=False),
-    # configs/memory_1024.yaml's layout: no encoder, the recurrence reads the observation.
+    # configs/memory_1024_fast.yaml's layout: no encoder, the recurrence reads the observation.
     "lru-no-encoder": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,),
                                        r_min=0.99, r_max=0.9999, max_phase=0.0),
 }
@@ -285,7 +285,7 @@ def test_grad_horizon_on_a_trained_run(tmp_path, capsys):
     from rl_replay.trainer import build
 
     run = tmp_path / "run"
-    cfg = load_config(ROOT / "configs" / "memory_1024.yaml", [
+    cfg = load_config(ROOT / "configs" / "memory_1024_fast.yaml", [
         "env.num_envs=2", "env.kwargs.delay=3", "collector.num_steps=5", "total_env_steps=10",
         "ppo.num_minibatches=1", "eval.every=0", "log.wandb_mode=disabled", "log.progress=false",
         "agent.kwargs={hidden_size: 8, readout_sizes: [8], encoder_sizes: [], max_phase: 0.0}",

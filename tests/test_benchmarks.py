@@ -95,7 +95,7 @@ def test_bench_ppo_smoke():
 @pytest.mark.slow
 def test_bench_ppo_with_a_shipped_config():
     # The delay-1024 config's LRU agent, 32 envs, 2 minibatches; T short for speed.
-    out = run_script("bench_ppo.py", "--config", "configs/memory_1024.yaml", "--T", "8", "16", "--epochs", "1")
+    out = run_script("bench_ppo.py", "--config", "configs/memory_1024_fast.yaml", "--T", "8", "16", "--epochs", "1")
     assert_grad_line(out)
     for T in (8, 16):
         for method in ("plain", "rl_replay"):
