@@ -159,6 +159,8 @@ class LogConfig:
     """show a progress bar"""
     log_every: int = 1
     """log metrics every N updates"""
+    horizon_every: int = 0
+    """every N updates, log horizon/grad_first_obs: the norm of the gradient of an episode's last decision with respect to its first observation, through replay blocks (rl_replay.horizon; 0 = never; one process only)"""
     group: str | None = None
     """wandb run group (e.g. one experiment's seeds)"""
     tags: list[str] = field(default_factory=list)
@@ -268,6 +270,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "optim.max_grad_norm": (0, False, None, False),
     "optim.skip_nonfinite_updates": (0, True, None, False),
     "log.log_every": (1, True, None, False),
+    "log.horizon_every": (0, True, None, False),
     "checkpoint.every": (0, True, None, False),
     "eval.episodes": (1, True, None, False),
     "eval.every": (0, True, None, False),

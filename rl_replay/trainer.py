@@ -30,6 +30,7 @@ from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
 from rl_replay.contract import check_agent
 from rl_replay.errors import SetupError
+from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
 from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
                               wandb_preflight)
@@ -156,6 +157,12 @@ class Trainer:
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["train/skipped_updates"] = float(self.guard.budget.skipped)
         metrics["time/steps_per_sec"] = steps / update_sec
+        every = cfg.log.horizon_every
+        if every and self.update % every == 0:
+            t0 = time.perf_counter()
+            metrics.update(episode_horizon(self.collector.agent, self.collector.policy, rollout.data,
+                                           self.collector.bptt_truncate))
+            metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
         if every and (self.update % every == 0 or self.update == self.num_updates):
             metrics.update(self.evaluate())
@@ -370,6 +377,11 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
                 "eval.every is not supported under torchrun (FSDP's forward is collective and "
                 "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
                 "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR")
+        if info.distributed and cfg.log.horizon_every:
+            raise SetupError(
+                "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
+                "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
+                "with: python scripts/grad_horizon.py --run RUN_DIR")
         optimizer = make_optimizer(model.parameters(), cfg.optim)
         reduce_sums = None
         if info.distributed:

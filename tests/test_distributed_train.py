@@ -242,6 +242,11 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     with pytest.raises(SetupError, match="eval.every is not supported under torchrun.*scripts/evaluate.py"):
         build(evaluating)
     assert not Path(run_dir + "-eval").exists()
+    # And the horizon metric (it replays one rank's episode alone).
+    horizon = replace(cfg, run_dir=run_dir + "-horizon", log=replace(cfg.log, horizon_every=1))
+    with pytest.raises(SetupError, match="log.horizon_every is not supported under torchrun.*grad_horizon.py"):
+        build(horizon)
+    assert not Path(run_dir + "-horizon").exists()
 
     trainer = build(cfg)
     model = trainer.model
