@@ -124,3 +124,10 @@ def test_summarize_curve_windowed_curve_and_plot(tmp_path):
     out = tmp_path / "curve.png"
     assert main([str(run), "--key", "k", "--window", "1", "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --log-y draws the same curve on a logarithmic axis: another picture.
+    log_out = tmp_path / "curve_log.png"
+    records = [{"env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([1e-6, 1e-3, 1.0])]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main([str(run), "--key", "k", "--window", "1", "--plot", str(out)]) == 0
+    assert main([str(run), "--key", "k", "--window", "1", "--log-y", "--plot", str(log_out)]) == 0
+    assert log_out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and log_out.read_bytes() != out.read_bytes()
