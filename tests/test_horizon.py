@@ -151,3 +151,33 @@ def test_horizon_every_must_not_be_negative(tmp_path):
     with pytest.raises(ValueError, match="log.horizon_every"):
         memory_cfg(tmp_path / "x", "log.horizon_every=-1")
     assert not (tmp_path / "x").exists()
+
+
+def test_episode_horizon_with_a_dict_observation_differentiates_its_float_parts():
+    # A Dict observation: the float part gets the gradient, the uint8 part cannot.
+    space = gym.spaces.Dict({"x": gym.spaces.Box(-1.0, 1.0, shape=(3,), dtype=np.float32),
+                             "n": gym.spaces.Box(0, 255, shape=(2,), dtype=np.uint8)})
+    torch.manual_seed(0)
+    agent = GRUAgent(space, ACT, hidden_size=8, encoder_sizes=(8,))
+    data = rollout_data()
+    g = torch.Generator().manual_seed(1)
+    data["observation"] = TensorDict(x=torch.randn(T, N, 3, generator=g),
+                                     n=torch.randint(0, 256, (T, N, 2), generator=g, dtype=torch.uint8),
+                                     batch_size=[T, N])
+    got = episode_horizon(agent, agent, data)
+    # Plain autograd over env 0's rows 0..11, the float leaf of the first observation as the input.
+    x0 = data["observation"]["x"][0, :1].clone().requires_grad_(True)
+    state = agent.initial_state(1)
+    for t in range(T):
+        obs = data["observation"][t, :1]
+        if t == 0:
+            obs = TensorDict(x=x0, n=obs["n"], batch_size=[1])
+        out = agent(observation=obs, state=state, is_first=data["is_first"][t, :1])
+        state = out["state"]
+    (grad,) = torch.autograd.grad(agent.distribution(out).log_prob(data["action"][-1, :1]).sum(), x0)
+    assert got["horizon/steps"] == 11.0
+    assert got["horizon/grad_first_obs"] == math.sqrt(float(grad.double().pow(2).sum())) > 0
+    # Only integer observations: nothing to differentiate, no metric.
+    data["observation"] = data["observation"].exclude("x")
+    ints_only = GRUAgent(gym.spaces.Dict({"n": space["n"]}), ACT, hidden_size=8)
+    assert episode_horizon(ints_only, ints_only, data) == {}
