@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay.accumulator import GradientAccumulator
-from rl_replay.replay import replay
+from rl_replay.algorithms.ppo import replay_minibatch
 
 __all__ = ["episode_horizon"]
 
@@ -73,7 +73,7 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
     if span is None:
         return {}
     env, first, last = span
-    episode = data[first:last + 1, env:env + 1]
+    episode = data[first:last + 1, env:env + 1].select("observation", "is_first", "action")
     obs0 = episode["observation"][0]
     # The first observation's floating-point parts become leaves to differentiate.
     if isinstance(obs0, TensorDict):
@@ -83,6 +83,8 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
     leaves = _float_leaves(obs0)
     if not leaves:
         return {}
+    # The first row becomes the leaf; the rest stay the stored rows.
+    episode["observation"] = torch.cat([obs0.unsqueeze(0), episode["observation"][1:]])
     params = list(model.parameters())
     # The blocks' backward accumulates into .grad in place: set whatever is there aside
     # (None between updates) and put it back afterwards.
@@ -91,18 +93,11 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
         p.grad = None
     device = episode["is_first"].device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        # (dropout in the blocks must not move the training RNG streams)
-        acc = GradientAccumulator()
-        state = policy.initial_state(1, device)  # reset by the first block anyway (is_first)
-        for t in range(last - first + 1):
-            inputs = TensorDict(observation=obs0 if t == 0 else episode["observation"][t], state=state,
-                                is_first=episode["is_first"][t], batch_size=[1], device=None)
-            out = replay(model, acc, inputs)
-            state = out["state"]
-            if bptt_truncate and (t + 1) % bptt_truncate == 0:
-                state = state.detach()
-        log_prob = policy.distribution(out).log_prob(episode["action"][-1]).sum()
-        log_prob.backward()  # not autograd.grad(): replay blocks refuse it (they write .grad)
+        # (dropout in the blocks must not move the training RNG streams). The first row's
+        # block resets the state (is_first), so any start state will do.
+        replayed = replay_minibatch(model, policy, episode, policy.initial_state(1, device),
+                                    GradientAccumulator(), bptt_truncate)
+        replayed["log_prob"][-1].sum().backward()  # not autograd.grad(): replay blocks refuse it
     for p, g in zip(params, held):
         p.grad = g
     grads = [leaf.grad for leaf in leaves]
