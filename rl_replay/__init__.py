@@ -1,14 +1,16 @@
 """rl_replay: policy-gradient training on long rollouts with blockwise autograd replay.
 
-The replay engine (:func:`replay`, :func:`checkpoint_fsdp_forward`,
-:class:`GradientAccumulator`) is independent of the trainer and can be used alone.
+The replay engine (:mod:`rl_replay.engine`: :func:`replay`, :func:`checkpoint_fsdp_forward`,
+:class:`GradientAccumulator`) is independent of the trainer and can be used alone; its
+public names are re-exported here. Everything else (the trainer, the collector, the
+algorithms) lives in submodules imported on first use.
 """
 
-from rl_replay.accumulator import GradientAccumulator
-from rl_replay.errors import ReplayError
-from rl_replay.replay import checkpoint_fsdp_forward, replay
+from rl_replay.engine import (GradientAccumulator, ReplayError, StateWatch, checkpoint_fsdp_forward,
+                              keep_freed_memory, replay)
 
-__all__ = ["Agent", "GradientAccumulator", "ReplayError", "checkpoint_fsdp_forward", "replay"]
+__all__ = ["Agent", "GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
+           "keep_freed_memory", "replay"]
 __version__ = "0.1.0"
 
 

@@ -211,7 +211,7 @@ class Config:
     """CPU threads for torch ops (None = torch's default). Small policies run fastest on one
     thread; several threads on an oversubscribed machine can be orders of magnitude slower"""
     keep_freed_memory: bool = True
-    """let glibc keep freed memory for reuse (rl_replay.allocator): each replay block's
+    """let glibc keep freed memory for reuse (rl_replay.engine.keep_freed_memory): each replay block's
     gradient buffers are then not page-faulted in again; peak RSS stays at its maximum"""
     env: EnvConfig = field(default_factory=EnvConfig)
     """environment"""

@@ -19,7 +19,7 @@ import torch
 from tensordict import TensorDictBase
 
 from rl_replay.errors import SetupError
-from rl_replay.replay import _ModelPlan, _with_silent_stat_updates
+from rl_replay.engine import StateWatch
 
 __all__ = ["check_agent"]
 
@@ -38,16 +38,14 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
     n = inputs.batch_size[0]
     where = f"agent {target}"
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    # The replay engine's view of what a block must not change (buffers, and parameters
-    # of a plain module). No grad: nothing is recorded, and FSDP expects no backward.
-    plan = _ModelPlan(model)
+    # The replay engine's own check of what a block must not change (buffers, and
+    # parameters of a plain module). No grad: nothing is recorded, and FSDP expects no backward.
+    watch = StateWatch(model)
     with torch.random.fork_rng(devices=devices), torch.no_grad():
-        before = plan.versions()
+        before = watch.versions()
         out = model(**inputs)
-        after = plan.versions()
-        if after != before:
-            changed = [name for name, a, b in zip(plan.watched_names, after, before) if a != b]
-            changed = _with_silent_stat_updates(plan.module, changed)
+        changed = watch.changed(before)
+        if changed:
             raise SetupError(
                 f"{where}: forward() changed its {', '.join(changed)}; a replay block runs the forward "
                 "twice, so it must not modify parameters or buffers (put BatchNorm in eval mode or use "

@@ -22,7 +22,7 @@ import math
 import torch
 from tensordict import TensorDict
 
-from rl_replay.accumulator import GradientAccumulator
+from rl_replay.engine import GradientAccumulator
 from rl_replay.algorithms.ppo import replay_minibatch
 
 __all__ = ["episode_horizon"]

@@ -24,7 +24,7 @@ from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.agent import Agent, build_agent
 from rl_replay.algorithms import compute_loss, make_algorithm
-from rl_replay.allocator import keep_freed_memory
+from rl_replay.engine import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config

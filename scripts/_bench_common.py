@@ -287,7 +287,7 @@ class LiveTensorCensus:
 
         ``extra``: tensors only C++ holds (e.g. ``p.grad``) to include as well.
         ``slab_used``: ``{data_ptr: bytes}`` of rl_replay's slab chunks
-        (``GradientAccumulator._slabs.used_bytes()``): a chunk counts with the bytes
+        (``GradientAccumulator.slabs.used_bytes()``): a chunk counts with the bytes
         handed out, not its reserved size (its untouched tail is not memory in use).
         """
         gc.collect()

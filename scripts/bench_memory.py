@@ -291,7 +291,7 @@ def worker(spec: dict) -> dict:
     census.snapshot_before(params)
     meter.start()
     loss, acc, fwd0 = run_once(policy, cfg, method, T, device, census=census, loss_kind=loss_kind)
-    live = census.live_bytes(slab_used=acc._slabs.used_bytes() if acc is not None else None)
+    live = census.live_bytes(slab_used=acc.slabs.used_bytes() if acc is not None else None)
     result["live_bytes"] = sum(live.values())
     result["live_bytes_by_device"] = live
     result["saved_tensor_calls"] = census.saved_calls

@@ -205,7 +205,7 @@ def _record_minibatch_forwards(records: list) -> None:
         heap0, rss0 = heap_in_use(), current_rss()
         out = real(model, policy, data, start_state, accumulator, bptt_truncate)
         heap1 = heap_in_use()
-        records.append(dict(slab=sum(accumulator._slabs.used_bytes().values()),
+        records.append(dict(slab=sum(accumulator.slabs.used_bytes().values()),
                             heap=None if heap0 is None else heap1 - heap0,
                             rss=current_rss() - rss0, saved=accumulator.saved_bytes))
         return out

@@ -20,7 +20,7 @@ Each (allocator setting, T) runs in a fresh ``python`` process: after a warm-up 
 smallest and the largest T, compared with the copied (non-view) input bytes per step.
 
 Allocator settings: ``MALLOC_MMAP_THRESHOLD_=65536`` (fixed mmap threshold) or glibc's
-defaults, each with and without ``rl_replay.allocator.keep_freed_memory()`` (the
+defaults, each with and without ``rl_replay.engine.keep_freed_memory()`` (the
 trainer's default).
 
 Usage::
@@ -81,7 +81,7 @@ def worker(T: int, keep: bool, loss: str = "stacked") -> dict:
     from torch import nn
 
     import rl_replay
-    from rl_replay.allocator import keep_freed_memory
+    from rl_replay.engine import keep_freed_memory
 
     torch.set_num_threads(1)
     kept = keep_freed_memory() if keep else False

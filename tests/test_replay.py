@@ -694,7 +694,7 @@ def absorb_path(monkeypatch):
     FSDP1 (whose CPU offload overwrites .grad between blocks) takes."""
     import importlib
 
-    engine = importlib.import_module("rl_replay.replay")  # the package exports a function of that name
+    engine = importlib.import_module("rl_replay.engine.replay")  # the package exports a function of that name
     monkeypatch.setattr(engine, "_fsdp_units", lambda module: [module])
 
 

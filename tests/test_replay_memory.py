@@ -1,7 +1,7 @@
 """Where replay keeps saved inputs and outputs (the rollout's slabs), and what the process's
 memory does with them.
 
-See NOTE [ Replay blocks ] (Rule 1) and rl_replay/storage.py. The RSS probe runs each
+See NOTE [ Replay blocks ] (Rule 1) and rl_replay/engine/storage.py. The RSS probe runs each
 configuration in a fresh interpreter (scripts/bench_rss.py's worker, smaller sizes).
 """
 
@@ -45,14 +45,14 @@ def test_fresh_inputs_are_copied_and_slices_of_a_buffer_are_not():
     obs_saved, h_saved = saved_of(v)
     assert obs_saved is buf  # a slice: kept as the caller's buffer (and where it lies in it)
     assert h_saved.data_ptr() != fresh.data_ptr() and torch.equal(h_saved, fresh)
-    assert acc._slabs.owns(h_saved) and acc._slabs.owns(h) and acc._slabs.owns(v)
+    assert acc.slabs.owns(h_saved) and acc.slabs.owns(h) and acc.slabs.owns(v)
     assert h._base is None and v._base is None  # outputs are tensors of their own
-    copied = acc._slabs.copied_bytes
+    copied = acc.slabs.copied_bytes
     # The next block gets h, already in the slab: saved as it is, not copied again.
     v2, _ = checkpoint_fsdp_forward(cell, acc, obs=buf[1], h=h)
     assert saved_of(v2)[1].data_ptr() == h.data_ptr()
-    assert acc._slabs.copied_bytes == copied + 2 * 3 * 6 * 4 - 3 * 6 * 4 + 3 * 4  # v2, h2 only
-    assert acc.slab_bytes == acc._slabs.reserved_bytes > 0
+    assert acc.slabs.copied_bytes == copied + 2 * 3 * 6 * 4 - 3 * 6 * 4 + 3 * 4  # v2, h2 only
+    assert acc.slab_bytes == acc.slabs.reserved_bytes > 0
 
 
 def test_previous_output_is_saved_as_an_alias_that_sees_in_place_writes():
@@ -101,8 +101,8 @@ def test_pass_through_output_is_not_moved():
     acc = GradientAccumulator()
     x = torch.randn(2, 3)
     y, flat = checkpoint_fsdp_forward(Through(), acc, x=x)
-    assert acc._slabs.owns(y)
-    assert not acc._slabs.owns(flat)
+    assert acc.slabs.owns(y)
+    assert not acc.slabs.owns(flat)
 
 
 def _rss() -> int:
@@ -123,7 +123,7 @@ def test_slabs_are_freed_when_the_backward_is_done():
         base = _rss()
         loss = sum(checkpoint_fsdp_forward(lin, acc, input=x).sum() for x in inputs)
         grown = _rss() - base
-        assert acc._slabs.copied_bytes >= n * 4096 * 64 * 4
+        assert acc.slabs.copied_bytes >= n * 4096 * 64 * 4
         assert grown >= 0.9 * n * 2**20, grown
         loss.backward(retain_graph=retain)
         if retain:
@@ -170,12 +170,12 @@ def test_slab_holds_exactly_the_saved_state_once_the_other_outputs_are_dropped()
     state_bytes = B * d * 4
     # Blocks 1..T-1 saved the state block t-1 returned (in the slab); block 0's zeros were
     # copied in; the last state is still held by h.
-    assert sum(acc._slabs.used_bytes().values()) == (T + 1) * state_bytes
+    assert sum(acc.slabs.used_bytes().values()) == (T + 1) * state_bytes
     assert acc.saved_bytes == T * (state_bytes + buf[0].numel() * 4)
     (L.sum() + V.square().sum() + h.sum()).backward()
     del L, V, h
     gc.collect()
-    assert acc._slabs.used_bytes() == {}
+    assert acc.slabs.used_bytes() == {}
 
 
 def test_per_block_python_objects_are_few_and_none_survives_the_backward():

@@ -261,7 +261,7 @@ def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):
 def test_keep_freed_memory_applies_with_glibc():
     import platform
 
-    from rl_replay.allocator import keep_freed_memory
+    from rl_replay.engine import keep_freed_memory
 
     glibc = platform.libc_ver()[0] == "glibc"
     assert keep_freed_memory() is glibc

@@ -22,13 +22,13 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
-from rl_replay.accumulator import GradientAccumulator
+from rl_replay.engine import GradientAccumulator
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.collector import Collector, Rollout, append_heads, stack_heads
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
 from rl_replay.losses import gae_targets, ppo_loss
-from rl_replay.replay import replay
+from rl_replay.engine import replay
 
 __all__ = ["PPO", "replay_minibatch"]
 

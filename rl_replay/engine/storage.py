@@ -1,8 +1,30 @@
 """Host storage for saved block inputs: per-rollout slabs.
 
-See NOTE [ Replay blocks ] in replay.py (Rule 1) for why saved inputs live here. A
-:class:`SlabStore` belongs to one rollout's GradientAccumulator. It hands out host
-tensors carved from large contiguous chunks ("slabs"):
+A :class:`SlabStore` belongs to one rollout's GradientAccumulator (NOTE [ Replay blocks ]
+in replay.py, Rule 1). What a block puts here:
+
+* its host inputs, copied in before the model runs (so an in-place change by the forward
+  cannot reach the copy); CUDA inputs go to pinned chunks and are copied back with
+  non-blocking copies in the backward;
+* a CPU block's outputs (the recurrent state, the logits...). The recurrent state a block
+  returns is then already here when the next block saves it: it is kept as a detached
+  alias (same storage and version counter, no autograd metadata), not copied again.
+
+What a block does not copy: host inputs that are slices of a larger buffer (``obs[t]`` of
+a preallocated rollout tensor) are kept as that buffer plus the slice's offset, sizes and
+strides, and leaves that require grad are kept as they are; their memory is held anyway,
+so a copy would only add bytes. Unlike copies, those see later in-place writes, so the
+engine checks their versions before the recompute.
+
+Why: what survives a block (its saved inputs and its outputs) is the only memory that
+grows with T. Left where the model allocated it, among the block's freed activations, it
+splits the heap's free space, which then can neither be reused compactly nor returned
+(docs/benchmarks.md has the measurement). In slabs the heap grows per step by the bytes in
+use, and a chunk goes back to the OS (or the pinned cache) in one piece as soon as no
+tensor uses it, e.g. once the backward has replayed its blocks (the store holds chunks
+weakly; a tensor the caller keeps holds its chunk).
+
+A store hands out host tensors carved from large contiguous chunks ("slabs"):
 
 * pageable chunks are anonymous ``mmap`` regions, outside the C heap: their pages are
   faulted in only as inputs are copied in, they are not interleaved with the blocks'

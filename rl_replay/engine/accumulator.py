@@ -7,8 +7,8 @@ from typing import Iterable
 
 import torch
 
-from rl_replay.errors import _PREFIX, ReplayError
-from rl_replay.storage import SlabStore
+from rl_replay.engine.errors import _PREFIX, ReplayError
+from rl_replay.engine.storage import SlabStore
 
 __all__ = ["GradientAccumulator"]
 
@@ -52,6 +52,9 @@ class GradientAccumulator:
         blocks_replayed: blocks recomputed during backward.
         replay_seconds: wall time spent recomputing and back-propagating blocks.
         backward_passes: finished backward passes through this accumulator.
+        slabs: the rollout's :class:`~rl_replay.engine.storage.SlabStore`, for reading
+            its statistics (``used_bytes()``, ``copied_bytes``, ``owns(t)``); the engine
+            alone writes to it.
 
     .. warning::
         An accumulator belongs to one rollout. Recording a new block after its
@@ -66,7 +69,7 @@ class GradientAccumulator:
         self.backward_passes = 0
         self.slab_bytes = 0
         # The saved inputs' host chunks (replay._save_inputs copies into them).
-        self._slabs = SlabStore()
+        self.slabs = SlabStore()
         # Per model (keyed by id) facts computed once per rollout: see replay._ModelPlan.
         self._plans: dict[int, object] = {}
         # Running sums for parameters whose .grad FSDP may overwrite between blocks.
@@ -88,7 +91,7 @@ class GradientAccumulator:
     def _record_block(self, saved_bytes: int) -> None:
         self.num_blocks += 1
         self.saved_bytes += saved_bytes
-        self.slab_bytes = self._slabs.reserved_bytes
+        self.slab_bytes = self.slabs.reserved_bytes
 
     # --------------------------------------------------------------- backward side
     def _enter_backward(self) -> None:
@@ -152,7 +155,7 @@ class GradientAccumulator:
         finally:
             # The blocks' saved tensors hold their chunks until autograd frees them
             # (after each block's backward, or with the graph under retain_graph).
-            self._slabs.release()
+            self.slabs.release()
             self._sums.clear()
             self._absorbed.clear()
             self._absorbed_ids.clear()

@@ -1,73 +1,9 @@
-r"""Replay blocks: run a policy forward without a graph, recompute it in backward.
+"""Replay blocks: run a policy forward without a graph, recompute it in backward.
 
-# NOTE [ Replay blocks ]
-#
-# A rollout of T timesteps calls the policy T times. Plain autograd keeps every
-# activation of every call until ``loss.backward()``; memory grows with T times the
-# policy's activation size. A replay block keeps only what it was called with.
-#
-# Rule 1. Block boundary = one call of the model. The block's tensor inputs (the
-#         kwargs, or the leaves of the input TensorDict) are the only tensors saved,
-#         and they are saved on the host. Outputs are attached to autograd through one
-#         ``_ReplayFunction`` node.
-#         Where saved inputs live (rl_replay/storage.py): in the rollout's slabs, large
-#         contiguous host chunks of its GradientAccumulator, copied in before the model
-#         runs: pageable mmapped chunks for host inputs, pinned ones for CUDA inputs
-#         (copied back with non_blocking copies in backward). A CPU block's outputs are
-#         written into the slab too (one chunk series per output position, so outputs
-#         that die together, like per-step logits once a loss has stacked them, free
-#         their chunks together), and the recurrent state a block returns is already
-#         there when the next block saves it (saved as a detached alias: same storage
-#         and version counter, no autograd metadata; not copied again). Why: what
-#         survives a block (its saved inputs and its outputs) is the only memory that
-#         grows with T. Left where the model allocated it, among the block's freed
-#         activations, it splits the heap's free space, which then can neither be
-#         reused compactly nor returned: peak RSS grew 2-5x faster than the saved
-#         bytes. In slabs, the heap's growth per step equals the bytes in use, and a
-#         chunk goes back to the OS (or the pinned cache) in one piece as soon as no
-#         tensor uses it, e.g. once the backward has replayed its blocks (the store
-#         holds chunks weakly; a tensor the caller keeps holds its chunk). Host inputs
-#         that are slices of a larger buffer (``obs[t]`` of a preallocated rollout
-#         tensor) are saved as that buffer plus the slice's offset, sizes and strides,
-#         and leaves that require grad as they are: their memory is held anyway, a
-#         copy would only add bytes. Those, unlike copies, see later in-place writes,
-#         so their versions are checked before the recompute; a copy is immune to them.
-#         Per-block bookkeeping is memory that grows with T too, so a block keeps
-#         little besides its saved tensors: its state lives in the node's slots
-#         (``_ReplayCtx``), what its neighbours share (model, plan, argument layout,
-#         accumulator) in one ``_Site``; measured in tests/test_replay_memory.py.
-# Rule 2. Nothing crosses a block boundary except through inputs and outputs. The
-#         recompute detaches the saved inputs into fresh leaves, so the nested
-#         backward stops at the block's edge; the input gradients are returned to
-#         the outer backward, which carries them into the previous block (this is
-#         how recurrent state gets gradient through the whole episode). A tensor
-#         that reaches the model any other way (a closure, a global) is not replayed
-#         correctly: pass it as an input.
-# Rule 3. The recompute sees the same world as the forward: CPU (and CUDA) RNG
-#         state and autocast state are captured at forward and restored inside
-#         ``fork_rng`` so the caller's RNG stream is not disturbed. The CUDA state is
-#         the inputs' device's, or the current device's when the inputs are on the
-#         host but CUDA is initialized (the model may move them, as FSDP offload does).
-#         A forward that drew no random numbers keeps no snapshot (5 KB per block on
-#         the CPU) and recomputes without ``fork_rng``.
-#         ``context_fn`` lets the user snapshot any other mutable state.
-# Rule 4. The model must not change its parameters or buffers: the forward and the
-#         recompute would each apply the change. Version counters are compared
-#         around the forward, between forward and recompute, and around the
-#         recompute; any change raises ReplayError naming the tensor.
-# Rule 5. Recomputed activations live only during that block's nested backward:
-#         peak memory is one block's activations plus the saved inputs of all
-#         blocks, independent of T beyond the inputs.
-# Rule 6. Parameter gradients go through the GradientAccumulator shared by all
-#         blocks of the rollout (see accumulator.py for how FSDP's overwriting of
-#         ``.grad`` is handled). The nested backward is a real
-#         ``torch.autograd.backward`` so FSDP1's pre/post-backward hooks run for
-#         every block, exactly as in FSDP's own reentrant activation checkpointing.
-# Rule 7. A block whose outputs receive no gradient is not recomputed at all.
-# Rule 8. Only a full ``backward()`` may run through a block: ``torch.autograd.grad``
-#         and ``backward(inputs=...)`` must not touch parameter ``.grad``, but the
-#         nested backward accumulates into it, so they raise ReplayError (as
-#         reentrant ``torch.utils.checkpoint`` does).
+:func:`replay` (TensorDict inputs) and :func:`checkpoint_fsdp_forward` (keyword inputs)
+run one block; :class:`StateWatch` is the check that a block left its module's
+parameters and buffers alone, public so that other code can run the same check.
+See NOTE [ Replay blocks ] below for the rules every block follows.
 """
 
 from __future__ import annotations
@@ -82,10 +18,53 @@ import torch
 import torch.utils._pytree as pytree
 from tensordict import TensorDict, TensorDictBase
 
-from rl_replay.accumulator import _ACCUMULATOR_KEY, GradientAccumulator
-from rl_replay.errors import _PREFIX, DEBUG_TIP, ReplayError
+from rl_replay.engine.accumulator import _ACCUMULATOR_KEY, GradientAccumulator
+from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
 
-__all__ = ["replay", "checkpoint_fsdp_forward"]
+__all__ = ["StateWatch", "checkpoint_fsdp_forward", "replay"]
+
+# NOTE [ Replay blocks ]
+#
+# A rollout of T timesteps calls the policy T times. Plain autograd keeps every
+# activation of every call until ``loss.backward()``, so memory grows with T times the
+# policy's activation size. A replay block keeps only what it was called with.
+#
+# Rule 1. A block is one call of the model. Its tensor inputs (the kwargs, or the
+#         leaves of the input TensorDict) are the only tensors it saves, on the host,
+#         in the rollout's slabs (rl_replay/engine/storage.py says how). Its outputs
+#         are attached to autograd through one ``_ReplayFunction`` node.
+# Rule 2. Per-block bookkeeping grows with T too, so a block keeps little besides its
+#         saved tensors: its own state in the node's slots (``_ReplayCtx``), what its
+#         neighbours share (model, plan, argument layout, accumulator) in one ``_Site``.
+# Rule 3. Nothing crosses a block boundary except through inputs and outputs. The
+#         recompute detaches the saved inputs into fresh leaves, so the nested backward
+#         stops at the block's edge; the input gradients go back to the outer backward,
+#         which carries them into the previous block (how recurrent state gets gradient
+#         through the whole episode). A tensor that reaches the model any other way (a
+#         closure, a global) is not replayed correctly: pass it as an input.
+# Rule 4. The recompute sees the same world as the forward: CPU (and CUDA) RNG state
+#         and autocast state are captured at the forward and restored inside
+#         ``fork_rng``, so the caller's RNG stream is not disturbed. A forward that drew
+#         no random numbers keeps no snapshot and recomputes without ``fork_rng``.
+#         ``context_fn`` lets the user snapshot any other mutable state.
+# Rule 5. Saved inputs kept as they are (not copied) must not change before the
+#         recompute: their versions are recorded and checked.
+# Rule 6. The model must not change its parameters or buffers: the forward and the
+#         recompute would each apply the change. Versions are compared around the
+#         forward, between forward and recompute, and around the recompute; a change
+#         raises ReplayError naming the tensor.
+# Rule 7. Recomputed activations live only during that block's nested backward: peak
+#         memory is one block's activations plus the saved inputs of all blocks.
+# Rule 8. Parameter gradients go through the GradientAccumulator shared by all blocks
+#         of the rollout (accumulator.py: how FSDP's overwriting of ``.grad`` is
+#         handled). The nested backward is a real ``torch.autograd.backward``, so FSDP1's
+#         pre/post-backward hooks run for every block, as in FSDP's own reentrant
+#         activation checkpointing.
+# Rule 9. A block whose outputs receive no gradient is not recomputed at all.
+# Rule 10. Only a full ``backward()`` may run through a block: ``torch.autograd.grad``
+#         and ``backward(inputs=...)`` must leave parameter ``.grad`` alone, but the
+#         nested backward accumulates into it, so they raise ReplayError (as reentrant
+#         ``torch.utils.checkpoint`` does).
 
 ContextFn = Callable[[], "tuple[Any, Any]"]
 
@@ -111,59 +90,89 @@ def _anchor(device: torch.device) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- model plan
-class _ModelPlan:
-    """Facts about one model computed once per rollout (cached on the accumulator)."""
+class StateWatch:
+    """The parameters and buffers of a module that a replay block must not change.
 
-    __slots__ = ("module", "params", "absorb", "watched_names", "watched", "fsdp_units", "last",
-                 "site")
+    A block runs its forward twice (forward and recompute), so a change to its module's
+    state would be applied twice (NOTE [ Replay blocks ], Rule 6). The engine compares
+    :meth:`versions` around every forward and recompute; the trainer's agent check runs
+    the same comparison once before a run starts.
+
+    Args:
+        model: an ``nn.Module``, a bound method of one, or any callable (nothing to watch).
+
+    Example::
+
+        watch = StateWatch(agent)
+        before = watch.versions()
+        agent(**inputs)
+        if watch.changed(before):
+            ...  # e.g. a BatchNorm in training mode updated its running statistics
+    """
+
+    __slots__ = ("module", "watched_names", "watched", "last")
 
     def __init__(self, model: Callable) -> None:
-        module = model if isinstance(model, torch.nn.Module) else getattr(model, "__self__", None)
-        if not isinstance(module, torch.nn.Module):
-            module = None
-        self.module = module
-        self.fsdp_units = _fsdp_units(module) if module is not None else []
-        self.absorb = bool(self.fsdp_units)
-        if module is None:
-            self.params: tuple[torch.nn.Parameter, ...] = ()
-            named: list[tuple[str, torch.Tensor]] = []
-        else:
-            self.params = tuple(p for p in module.parameters() if p.requires_grad)
-            named = [(f"buffer '{n}'", b) for n, b in module.named_buffers()]
-            if not self.absorb:
-                # FSDP swaps parameter tensors in and out around every forward, so
-                # only plain modules can have their parameters' versions watched.
-                named += [(f"parameter '{n}'", p) for n, p in module.named_parameters()]
-        self.watched_names = tuple(n for n, _ in named)
-        self.watched = tuple(t for _, t in named)
-        self.site: weakref.ref | None = None  # the last block's site, weakly (see _Site)
+        self.module = _module_of(model)
+        self.watched_names, self.watched = self._watched()
+        self.last: list[int] | None = None
+
+    def _watched(self) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+        if self.module is None:
+            return (), ()
+        named = [(f"buffer '{n}'", b) for n, b in self.module.named_buffers()]
+        if not _has_fsdp(self.module):
+            # FSDP swaps parameter tensors in and out around every forward, so only a
+            # plain module's parameters can have their versions watched.
+            named += [(f"parameter '{n}'", p) for n, p in self.module.named_parameters()]
+        return tuple(n for n, _ in named), tuple(t for _, t in named)
 
     def versions(self) -> list[int]:
-        """The watched tensors' versions; the previous block's list when unchanged, so
-        the blocks of a rollout (which keep it until backward) share one list."""
+        """The watched tensors' version counters; the previous call's list when unchanged,
+        so the blocks of a rollout (which keep it until backward) share one list."""
         now = [t._version for t in self.watched]
-        last = getattr(self, "last", None)
-        if now == last:
-            return last
+        if now == self.last:
+            return self.last
         self.last = now
         return now
 
-    def check_versions(self, before: list[int], when: str, block: "_ReplayCtx") -> list[int]:
+    def changed(self, before: list[int]) -> list[str]:
+        """Names of the watched tensors whose version differs from ``before`` (empty if
+        none), with the BatchNorm running statistics that changed silently."""
         after = self.versions()
-        if after == before:
+        if after is before or after == before:
+            return []
+        names = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
+        return _with_silent_stat_updates(self.module, names)
+
+
+class _ModelPlan(StateWatch):
+    """Facts about one model computed once per rollout (cached on the accumulator)."""
+
+    __slots__ = ("params", "absorb", "fsdp_units", "site")
+
+    def __init__(self, model: Callable) -> None:
+        module = _module_of(model)
+        self.fsdp_units = _fsdp_units(module) if module is not None else []
+        self.absorb = bool(self.fsdp_units)
+        super().__init__(model)
+        self.params: tuple[torch.nn.Parameter, ...] = (
+            () if module is None else tuple(p for p in module.parameters() if p.requires_grad))
+        self.site: weakref.ref | None = None  # the last block's site, weakly (see _Site)
+
+    def check_versions(self, before: list[int], when: str, block: "_ReplayCtx") -> list[int]:
+        """``before`` if nothing watched changed since; raises ReplayError otherwise."""
+        changed = self.changed(before)
+        if not changed:
             return before  # blocks keep it until backward: one list, not one per block
-        if after != before:
-            changed = [n for n, a, b in zip(self.watched_names, after, before) if a != b]
-            changed = _with_silent_stat_updates(self.module, changed)
-            raise ReplayError(
-                _PREFIX + f"{when} changed {', '.join(changed)} of {type(self.module).__name__} "
-                f"(block {block.index}). A replay block must not modify its module's parameters "
-                "or buffers: the forward and the recompute would each apply the change. "
-                "Put layers such as BatchNorm in eval mode (or use LayerNorm), update running "
-                "statistics outside the block, and call optimizer.step() only after "
-                "loss.backward()." + DEBUG_TIP
-            )
-        return after
+        raise ReplayError(
+            _PREFIX + f"{when} changed {', '.join(changed)} of {type(self.module).__name__} "
+            f"(block {block.index}). A replay block must not modify its module's parameters "
+            "or buffers: the forward and the recompute would each apply the change. "
+            "Put layers such as BatchNorm in eval mode (or use LayerNorm), update running "
+            "statistics outside the block, and call optimizer.step() only after "
+            "loss.backward()." + DEBUG_TIP
+        )
 
     def check_fsdp_sync(self) -> None:
         for unit in self.fsdp_units:
@@ -201,6 +210,14 @@ def _with_silent_stat_updates(module: torch.nn.Module | None, changed: list[str]
         at = out.index(counter)
         out[at:at] = [s for s in stats if s not in out]
     return out
+
+
+def _has_fsdp(module: torch.nn.Module) -> bool:
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nobody imported FSDP, so nothing can be wrapped in it
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return any(isinstance(sub, FSDP) for sub in module.modules())
 
 
 def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
@@ -453,7 +470,7 @@ def _save_inputs(tensors: Sequence[torch.Tensor], site: "_Site"):
     ``slices[i]`` is ``(storage_offset, (dtype, shape, stride))`` when input i is a
     slice of a caller's buffer and ``saved[i]`` that buffer (None otherwise).
     """
-    slabs = site.accumulator._slabs
+    slabs = site.accumulator.slabs
     # devices, versions, slices: tuples, shared when not all None
     saved, devices, versions, slices = [], [], [], []
     for t in tensors:
@@ -670,7 +687,7 @@ class _ReplayFunction(torch.autograd.Function):
         flat, site.out_spec = _flatten_outputs(outputs, site)
         ctx.num_outputs = len(flat)
         if site.device.type == "cpu":
-            flat = _place_outputs(flat, tensors, site.accumulator._slabs)
+            flat = _place_outputs(flat, tensors, site.accumulator.slabs)
         return flat
 
     @staticmethod
@@ -695,7 +712,7 @@ class _ReplayFunction(torch.autograd.Function):
         accumulator._enter_backward()
         requires_grad = ctx.needs_input_grad[2:]  # the block's tensors (after site, anchor)
         if all(g is None for g in grads):
-            # Rule 7: no output of this block reaches the loss (and nothing is unpacked).
+            # Rule 9: no output of this block reaches the loss (and nothing is unpacked).
             return (None, None) + (None,) * len(requires_grad)
         saved = ctx.saved_tensors
         _check_inputs_unchanged(saved, ctx)

@@ -1,0 +1,27 @@
+"""The replay engine: blockwise autograd replay with one gradient accumulator per rollout.
+
+Depends on torch and tensordict only; nothing here knows about environments, configs,
+logging or the trainer, so it can be used alone::
+
+    from rl_replay.engine import GradientAccumulator, replay
+
+==========================  ================================================================
+:func:`replay`              run ``model(**inputs)`` (a TensorDict) as one replay block
+:func:`checkpoint_fsdp_forward`  the same with keyword inputs (the seed helper's API)
+:class:`GradientAccumulator`  one rollout's parameter-gradient sum, counters and slabs
+:class:`StateWatch`         the "a block must not change its module" check, for reuse
+:class:`ReplayError`        misuse that would give wrong gradients
+:func:`keep_freed_memory`   glibc setting that lets blocks reuse freed gradient buffers
+==========================  ================================================================
+
+Modules: ``replay`` (the autograd Function and the two entry points), ``accumulator``,
+``storage`` (the slabs that hold saved inputs), ``allocator``, ``errors``.
+"""
+
+from rl_replay.engine.accumulator import GradientAccumulator
+from rl_replay.engine.allocator import keep_freed_memory
+from rl_replay.engine.errors import ReplayError
+from rl_replay.engine.replay import StateWatch, checkpoint_fsdp_forward, replay
+
+__all__ = ["GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
+           "keep_freed_memory", "replay"]
