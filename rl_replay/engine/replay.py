@@ -12,10 +12,11 @@ import sys
 import weakref
 from collections.abc import Mapping
 from contextlib import ExitStack, nullcontext
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
+from torch.autograd.graph import _engine_run_backward
 from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import _ACCUMULATOR_KEY, GradientAccumulator
@@ -357,9 +358,82 @@ def _same_value(a: Any, b: Any) -> bool:
     return a == b and (type(a) is not float or repr(a) == repr(b))
 
 
+class _TDSpec:
+    """The structure of a plain TensorDict: its keys, which entries are nested TensorDicts
+    (with their own specs), its batch size and device.
+
+    Specs are interned (:func:`_flatten_td`): blocks whose inputs (or outputs) have the
+    same structure share one spec object, so a site compares layouts by identity and a
+    block keeps no per-block structure. Flattening and rebuilding through a spec is a
+    plain loop over the TensorDict's entries, about 10x cheaper per block than the
+    generic pytree path, which :class:`_TreeLayout` keeps for everything else
+    (TensorDict subclasses, named dimensions, non-tensor entries).
+    """
+
+    __slots__ = ("entries", "batch_size", "device")
+
+    def __init__(self, entries: tuple, batch_size: torch.Size, device) -> None:
+        self.entries = entries  # ((key, child spec or None for a tensor), ...)
+        self.batch_size = batch_size
+        self.device = device
+
+    def build(self, leaves: Iterator[torch.Tensor]) -> TensorDict:
+        """The TensorDict of this structure holding the next leaves of ``leaves``."""
+        source = {key: next(leaves) if child is None else child.build(leaves)
+                  for key, child in self.entries}
+        device = self.device
+        if device is not None and any(v.device != device for v in source.values()):
+            device = None  # as the pytree path: a device only if every entry is on it
+        return TensorDict._new_unsafe(source, batch_size=self.batch_size, device=device)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
+        """The model's keyword arguments: top-level entries, nested ones as TensorDicts."""
+        leaves = iter(tensors)
+        return {key: next(leaves) if child is None else child.build(leaves)
+                for key, child in self.entries}
+
+
+_SPECS: dict[tuple, _TDSpec] = {}
+
+
+def _flatten_td(td: Any, leaves: list) -> _TDSpec | None:
+    """Append the tensors of a plain TensorDict to ``leaves`` (depth first, in key order,
+    as pytree does) and return its interned spec; None if ``td`` needs the pytree path."""
+    if type(td) is not TensorDict or td._has_names():
+        return None
+    entries = []
+    for key, value in td._tensordict.items():
+        if type(value) is torch.Tensor or isinstance(value, torch.nn.Parameter):
+            leaves.append(value)
+            entries.append((key, None))
+        else:
+            child = _flatten_td(value, leaves)
+            if child is None:
+                return None
+            entries.append((key, child))
+    signature = (tuple(entries), td.batch_size, td.device)
+    spec = _SPECS.get(signature)
+    if spec is None:
+        if len(_SPECS) >= 1024:  # structures that change every block: do not grow
+            _SPECS.clear()
+        spec = _SPECS[signature] = _TDSpec(signature[0], td.batch_size, td.device)
+    return spec
+
+
+def _flatten_inputs(td: TensorDictBase) -> tuple[list[torch.Tensor], Any]:
+    """The leaves of a block's input TensorDict and the layout that rebuilds the kwargs."""
+    leaves: list[torch.Tensor] = []
+    spec = _flatten_td(td, leaves)
+    if spec is not None:
+        return leaves, spec
+    leaves, tree = pytree.tree_flatten(td)
+    return leaves, _TreeLayout(tree)
+
+
 class _TreeLayout:
-    """How ``replay`` turns a block's tensors back into the model's keyword arguments:
-    the input TensorDict's pytree spec (top-level keys become keywords)."""
+    """How ``replay`` turns a block's tensors back into the model's keyword arguments
+    when the input TensorDict is not a plain one (:class:`_TDSpec`): its pytree spec
+    (top-level keys become keywords)."""
 
     __slots__ = ("spec",)
 
@@ -627,6 +701,10 @@ def _flatten_outputs(outputs: Any, site: _Site) -> tuple[tuple[torch.Tensor, ...
         if not bad:
             outputs = TensorDict(dict(outputs), batch_size=[])
     if isinstance(outputs, TensorDictBase):
+        leaves: list = []
+        spec = _flatten_td(outputs, leaves)
+        if spec is not None:
+            return tuple(leaves), spec
         leaves, spec = pytree.tree_flatten(outputs)
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return tuple(leaves), spec
@@ -650,6 +728,8 @@ def _unflatten_outputs(flat: Sequence[torch.Tensor], spec: Any):
         return flat[0]
     if isinstance(spec, int):
         return tuple(flat)
+    if type(spec) is _TDSpec:
+        return spec.build(iter(flat))
     return pytree.tree_unflatten(list(flat), spec)
 
 
@@ -801,11 +881,21 @@ def _recompute_and_backward(block: _ReplayCtx, saved: Sequence[torch.Tensor],
     roots, root_grads = [], []
     for out, grad in zip(flat, grads):
         if grad is not None and out.requires_grad:
+            if out.shape != grad.shape:
+                raise ReplayError(
+                    _PREFIX + f"block {block.index} returned a tensor of shape {tuple(out.shape)} when "
+                    f"recomputed where the forward's had shape {tuple(grad.shape)}; the model must be "
+                    "deterministic given its inputs, RNG and autocast state." + DEBUG_TIP
+                )
             roots.append(out)
             root_grads.append(grad)
     if roots:
-        # Outside enable_grad: the nested backward must not build a graph itself.
-        torch.autograd.backward(roots, root_grads)
+        # The engine directly, outside enable_grad (the nested backward must not build a
+        # graph itself): ``torch.autograd.backward`` would only re-check what autograd
+        # already guarantees for ``grads`` (one per output, of its dtype and device) and
+        # the shapes compared above.
+        _engine_run_backward(tuple(roots), tuple(root_grads), False, False, (), allow_unreachable=True,
+                             accumulate_grad=True)
     return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 
@@ -924,7 +1014,7 @@ def replay(
         if isinstance(outputs, Mapping) and not isinstance(outputs, TensorDictBase):
             outputs = TensorDict(dict(outputs), batch_size=[])  # as with grad enabled
         return outputs
-    leaves, spec = pytree.tree_flatten(inputs)
+    leaves, layout = _flatten_inputs(inputs)
     if not leaves:
         raise ValueError(
             _PREFIX + f"replay() needs at least one tensor input; the TensorDict has keys "
@@ -938,7 +1028,7 @@ def replay(
             paths = [k for k, _ in inputs.items(include_nested=True, leaves_only=True)]
         return f"input {paths[i]!r}"
 
-    return _apply(model, accumulator, leaves, _TreeLayout(spec), context_fn, what)
+    return _apply(model, accumulator, leaves, layout, context_fn, what)
 
 
 def checkpoint_fsdp_forward(

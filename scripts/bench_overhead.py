@@ -1,0 +1,188 @@
+"""Per-block overhead of the replay engine: what a replayed step costs beyond plain autograd.
+
+For an agent as a shipped config builds it, steps T timesteps of batch B three ways on the
+same inputs (recurrent state flowing step to step, one ``backward()`` of the summed values
+and log-probabilities at the end):
+
+* ``plain``:   plain autograd (every activation kept), one backward;
+* ``replay``:  the public loop, ``rl_replay.replay(agent, acc, TensorDict(...))`` per step,
+  one backward (which recomputes every block);
+* ``nograd``:  the forward alone under ``torch.no_grad`` (the cost of the extra forward a
+  replay does in its backward).
+
+The floor for replay is ``plain + nograd`` (one extra forward per step); ``overhead`` is
+what replay spends beyond that floor per block: the engine's own machinery. Gradients of
+plain and replay are compared (bit-identical expected). Times are medians over
+``--repeats`` runs, each run timing all three in turn, so the ratios pair run by run.
+
+    python scripts/bench_overhead.py                      # LRU of memory_1024.yaml, T 1026, B 16
+    python scripts/bench_overhead.py --config configs/memory_256.yaml --T 258 --batch 16
+    python scripts/bench_overhead.py --all                # the shipped agents, as a table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+
+# The shipped agents, each as a config builds it: (label, config, T).
+SHIPPED = (
+    ("MLP (default.yaml)", "configs/default.yaml", 512),
+    ("GRU (memory_gru.yaml)", "configs/memory_gru.yaml", 512),
+    ("LSTM (ppo_pocartpole_gru.yaml, lstm)", "configs/ppo_pocartpole_gru.yaml", 512),
+    ("LRU (memory_1024.yaml)", "configs/memory_1024.yaml", 1026),
+)
+
+
+def build(config: str, overrides: tuple[str, ...] = ()):
+    """The agent, observation sampler and action space of a config (one env built to read spaces)."""
+    from rl_replay.agent import build_agent
+    from rl_replay.config import load_config
+    from rl_replay.environment import make_vector_env
+    from rl_replay.spaces import obs_converter
+
+    cfg = load_config(os.path.join(ROOT, config), overrides)
+    envs = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
+                           imports=cfg.env.imports, wrappers=cfg.env.wrappers)
+    torch.manual_seed(0)
+    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
+                        envs.single_action_space)
+    convert = obs_converter(envs.single_observation_space, "cpu")
+    space = envs.single_observation_space
+    envs.close()
+    return agent, convert, space
+
+
+def make_inputs(convert, space, T: int, B: int, seed: int = 0):
+    space.seed(seed)
+    import numpy as np
+
+    return [convert(np.stack([space.sample() for _ in range(B)])) for _ in range(T)]
+
+
+def _loss(agent, out, actions):
+    dist = agent.distribution(out)
+    return out["value"].sum() + dist.log_prob(actions).sum()
+
+
+def run_plain(agent, obs, B):
+    state = agent.initial_state(B)
+    is_first = torch.zeros(B, dtype=torch.bool)
+    total = 0.0
+    for t, o in enumerate(obs):
+        out = agent(observation=o, state=state, is_first=is_first)
+        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long))
+        state = out["state"]
+    total.backward()
+
+
+def run_replay(agent, obs, B):
+    import rl_replay
+
+    acc = rl_replay.GradientAccumulator()
+    state = agent.initial_state(B)
+    is_first = torch.zeros(B, dtype=torch.bool)
+    total = 0.0
+    for t, o in enumerate(obs):
+        out = rl_replay.replay(agent, acc, TensorDict(observation=o, state=state, is_first=is_first,
+                                                      batch_size=[B]))
+        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long))
+        state = out["state"]
+    total.backward()
+
+
+@torch.no_grad()
+def run_nograd(agent, obs, B):
+    state = agent.initial_state(B)
+    is_first = torch.zeros(B, dtype=torch.bool)
+    for o in obs:
+        state = agent(observation=o, state=state, is_first=is_first)["state"]
+
+
+def grads(agent):
+    return [None if p.grad is None else p.grad.clone() for p in agent.parameters()]
+
+
+def measure(config: str, T: int, B: int, repeats: int, overrides=()) -> dict:
+    agent, convert, space = build(config, tuple(overrides))
+    obs = make_inputs(convert, space, T, B)
+    # Parity first (and warm-up).
+    run_plain(agent, obs, B)
+    g_plain = grads(agent)
+    agent.zero_grad(set_to_none=True)
+    run_replay(agent, obs, B)
+    g_replay = grads(agent)
+    agent.zero_grad(set_to_none=True)
+    identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                    for a, b in zip(g_plain, g_replay))
+    times = {"plain": [], "replay": [], "nograd": []}
+    for _ in range(repeats):
+        for name, fn in (("plain", run_plain), ("replay", run_replay), ("nograd", run_nograd)):
+            t0 = time.perf_counter()
+            fn(agent, obs, B)
+            times[name].append(time.perf_counter() - t0)
+            agent.zero_grad(set_to_none=True)
+    ms = {k: 1e3 * statistics.median(v) / T for k, v in times.items()}
+    ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
+    overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
+    return {
+        "config": config, "T": T, "batch": B, "repeats": repeats, "identical_grads": identical,
+        "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
+        "replay_over_plain": statistics.median(ratios),
+        "replay_over_plain_min": min(ratios), "replay_over_plain_max": max(ratios),
+        "floor_over_plain": (ms["plain"] + ms["nograd"]) / ms["plain"],
+        "overhead_ms_per_block": statistics.median(overheads),
+    }
+
+
+def table(rows: list[dict], labels: list[str]) -> str:
+    lines = ["| agent | T | batch | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
+             "(median, min-max) | floor / plain | overhead ms/block | grads identical |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in zip(labels, rows):
+        lines.append(
+            f"| {label} | {r['T']} | {r['batch']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
+            f"{r['nograd_ms_per_step']:.3f} | {r['replay_over_plain']:.2f}x ({r['replay_over_plain_min']:.2f}-"
+            f"{r['replay_over_plain_max']:.2f}) | {r['floor_over_plain']:.2f}x | {r['overhead_ms_per_block']:.3f} | "
+            f"{'yes' if r['identical_grads'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/memory_1024.yaml")
+    ap.add_argument("--T", type=int, default=1026)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. agent.kwargs.hidden_size=64")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if args.all:
+        specs = [(label, cfg, T) for label, cfg, T in SHIPPED]
+    else:
+        specs = [(args.config, args.config, args.T)]
+    rows = []
+    for label, cfg, T in specs:
+        overrides = list(args.overrides)
+        if "lstm" in label.lower():
+            overrides.append("agent.target=agents.lstm:LSTMAgent")
+        rows.append(measure(cfg, T, args.batch, args.repeats, overrides))
+    print(json.dumps(rows, indent=1) if args.json else table(rows, [s[0] for s in specs]))
+    return 0 if all(r["identical_grads"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
