@@ -111,7 +111,8 @@ class LossConfig:
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
     normalize_advantages: bool | None = None
-    """normalize advantages to zero mean, unit std over the valid rows (None = the algorithm's default: false for a2c / reinforce, per rollout; true for ppo, per minibatch)"""
+    """normalize advantages to zero mean, unit std (None = the algorithm's default: a2c / reinforce
+    false, per rollout; ppo true, per minibatch)"""
     baseline: bool = True
     """reinforce only: subtract the learned value as a baseline"""
 
