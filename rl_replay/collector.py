@@ -25,6 +25,7 @@ from rl_replay.agent import Agent
 from rl_replay.guards import NonFiniteError, non_finite_env_step
 from rl_replay.environment import env_episode_return, make_vector_env
 from rl_replay.engine import replay
+from rl_replay.sequence import append_heads, block_inputs, stack_heads, truncate
 from rl_replay.spaces import obs_converter
 
 __all__ = ["Collector", "Rollout", "make_vector_env"]  # make_vector_env: re-exported from environment
@@ -50,22 +51,6 @@ class Rollout:
     episode_lengths: list[int] = field(default_factory=list)
     episode_successes: list[float] = field(default_factory=list)
     start_state: TensorDict | None = None
-
-
-def append_heads(columns: dict, out: TensorDict) -> None:
-    """Append one step's agent outputs except ``state`` to ``columns`` (key -> list)."""
-    for key, value in out.items(include_nested=True, leaves_only=True):
-        if key != "state" and not (isinstance(key, tuple) and key[0] == "state"):
-            columns.setdefault(key, []).append(value)
-
-
-def stack_heads(columns: dict, T: int, N: int) -> TensorDict:
-    """The (T, N) TensorDict of the steps' outputs collected by :func:`append_heads`,
-    for :meth:`~rl_replay.Agent.distribution` and the values."""
-    heads = TensorDict({}, batch_size=[T, N])
-    for key, values in columns.items():
-        heads.set(key, torch.stack(values))
-    return heads
 
 
 class Collector:
@@ -134,12 +119,6 @@ class Collector:
         self._ep_return[:] = 0.0
         self._ep_length[:] = 0
 
-    def _block_inputs(self) -> TensorDict:
-        return TensorDict(
-            observation=self._obs, state=self._state, is_first=self._is_first,
-            batch_size=[self.num_envs], device=None,
-        )
-
     def _env_action(self, action: torch.Tensor) -> np.ndarray:
         a = action.cpu().numpy()
         if self._box:
@@ -153,7 +132,7 @@ class Collector:
         The collector forgets them: the first :meth:`collect` resets with the same seed.
         """
         self._reset(self.seed)
-        inputs = self._block_inputs()
+        inputs = block_inputs(self._obs, self._state, self._is_first, self.num_envs)
         self._obs = self._state = self._is_first = None
         return inputs
 
@@ -185,7 +164,7 @@ class Collector:
         returns, lengths, successes = [], [], []
         env_steps = 0
         for t in range(self.num_steps):
-            inputs = self._block_inputs()
+            inputs = block_inputs(self._obs, self._state, self._is_first, N)
             out = replay(self.agent, acc, inputs) if acc is not None else self.agent(**inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
@@ -214,9 +193,7 @@ class Collector:
             flags["terminated"].append(terminated & valid_np)
             flags["truncated"].append(truncated & valid_np)
             flags["valid"].append(valid_np)
-            state = out["state"]
-            if self.bptt_truncate and (t + 1) % self.bptt_truncate == 0:
-                state = state.detach()
+            state = truncate(out["state"], t, self.bptt_truncate)
             # The step after an episode end is gymnasium's autoreset step.
             # A copy: as_tensor would alias the numpy flags, which _reset() later overwrites in place.
             self._is_first = torch.tensor(self._autoreset, device=self.device)
@@ -238,7 +215,7 @@ class Collector:
                 break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
-            bootstrap = self.agent(**self._block_inputs())["value"]
+            bootstrap = self.agent(**block_inputs(self._obs, self._state, self._is_first, N))["value"]
         self._state = self._state.detach()
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]

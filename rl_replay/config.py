@@ -92,6 +92,12 @@ class CollectorConfig:
     """cut the recurrent gradient every K steps (None = full backprop through the rollout)"""
 
 
+#: The values of ``loss.algorithm``: the names in :data:`rl_replay.algorithms.REGISTRY`, kept
+#: here so that validating a config does not import torch (tests/test_algorithms.py checks
+#: that the two agree).
+ALGORITHM_NAMES = ("a2c", "reinforce", "ppo")
+
+
 @dataclass
 class LossConfig:
     algorithm: str = "a2c"
@@ -104,8 +110,9 @@ class LossConfig:
     """weight of the value loss"""
     entropy_coef: float = 0.0
     """weight of the entropy bonus"""
-    normalize_advantages: bool = False
-    """a2c / reinforce: normalize advantages to zero mean, unit std per rollout (PPO: ppo.norm_adv)"""
+    normalize_advantages: bool | None = None
+    """normalize advantages to zero mean, unit std (None = the algorithm's default: a2c / reinforce
+    false, per rollout; ppo true, per minibatch)"""
     baseline: bool = True
     """reinforce only: subtract the learned value as a baseline"""
 
@@ -125,8 +132,6 @@ class PPOConfig:
     """clip the value update around the collected value"""
     target_kl: float | None = None
     """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
-    norm_adv: bool = True
-    """normalize advantages per minibatch (over its valid rows)"""
 
 
 @dataclass
@@ -243,7 +248,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "device": ("cpu", "cuda", "auto"),
     "env.vectorization": ("sync", "async"),
     "collector.mode": ("fixed", "episode"),
-    "loss.algorithm": ("a2c", "reinforce", "ppo"),
+    "loss.algorithm": ALGORITHM_NAMES,
     "optim.name": ("adam", "rmsprop", "sgd"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "distributed.mixed_precision": (None, "bf16", "fp16"),
@@ -488,11 +493,6 @@ def _validate_ppo(cfg: Config) -> None:
             f"Config key 'ppo.num_minibatches' ({m}) must divide 'env.num_envs' ({n}): each PPO "
             "minibatch holds the whole sequences of num_envs / num_minibatches envs"
         )
-    if cfg.loss.normalize_advantages:
-        raise ValueError(
-            "Config key 'loss.normalize_advantages' applies to a2c / reinforce; PPO normalizes "
-            "per minibatch with 'ppo.norm_adv' (default true): remove loss.normalize_advantages"
-        )
     if not cfg.loss.baseline:
         raise ValueError("Config key 'loss.baseline' applies to reinforce; PPO always trains its critic")
 
@@ -518,6 +518,38 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
+def _translate_norm_adv(loaded: Mapping[str, Any], data: dict[str, Any], path: str) -> Mapping[str, Any]:
+    """``loaded`` with the retired ``ppo.norm_adv`` turned into ``loss.normalize_advantages``.
+
+    Saved run configs (``RUN_DIR/config.yaml``) and older YAML files hold both keys with their
+    old meanings: ``ppo.norm_adv`` was read by PPO only, and ``loss.normalize_advantages`` by
+    a2c / reinforce only (config validation refused it true under PPO, so every old PPO file
+    holds false there, which was no choice at all). So under ``loss.algorithm: ppo`` (this
+    source's own, else the one loaded so far) ``norm_adv`` becomes the new key, refused if the
+    source also sets ``loss.normalize_advantages: true`` against ``norm_adv: false``; under
+    a2c / reinforce it is dropped, as it was ignored.
+    """
+    ppo = loaded.get("ppo")
+    if not isinstance(ppo, Mapping) or "norm_adv" not in ppo:
+        return loaded
+    norm_adv = _check_value("ppo.norm_adv", ppo["norm_adv"], bool)
+    loaded = {**loaded, "ppo": {k: v for k, v in ppo.items() if k != "norm_adv"}}
+    loss = loaded.get("loss")
+    if loss is not None and not isinstance(loss, Mapping):
+        return loaded  # _merge_file names the malformed section
+    loss = dict(loss or {})
+    if loss.get("algorithm", data["loss"]["algorithm"]) != "ppo":
+        return loaded
+    if loss.get("normalize_advantages") is True and norm_adv is False:
+        raise ValueError(
+            f"Config {path!r} sets 'ppo.norm_adv: false' and 'loss.normalize_advantages: true'. "
+            "ppo.norm_adv is now loss.normalize_advantages (one key for every algorithm): "
+            "remove ppo.norm_adv and keep the value you mean in loss.normalize_advantages"
+        )
+    loss["normalize_advantages"] = norm_adv
+    return {**loaded, "loss": loss}
+
+
 def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
     if loaded is None:  # empty file
         return
@@ -526,6 +558,7 @@ def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
             f"Config file {path!r} must contain a mapping at top level, "
             f"got {type(loaded).__name__}"
         )
+    loaded = _translate_norm_adv(loaded, data, path)
     hints = _hints(Config)
     for k, v in loaded.items():
         if k not in hints:
@@ -565,6 +598,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     except yaml.YAMLError as e:
         raise ValueError(f"Cannot parse value of override {override!r} as YAML: {e}") from None
 
+    if key == "ppo.norm_adv":  # retired: read as in a file (see _translate_norm_adv)
+        _merge_file(data, {"ppo": {"norm_adv": value}}, f"override {override!r}")
+        return
     root = _hints(Config)
     head = parts[0]
     if head not in root:

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay.engine import GradientAccumulator
-from rl_replay.algorithms.ppo import replay_minibatch
+from rl_replay.sequence import replay_sequence
 
 __all__ = ["episode_horizon"]
 
@@ -95,8 +95,8 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # (dropout in the blocks must not move the training RNG streams). The first row's
         # block resets the state (is_first), so any start state will do.
-        replayed = replay_minibatch(model, policy, episode, policy.initial_state(1, device),
-                                    GradientAccumulator(), bptt_truncate)
+        replayed = replay_sequence(model, policy, episode, policy.initial_state(1, device),
+                                   GradientAccumulator(), bptt_truncate)
         replayed["log_prob"][-1].sum().backward()  # not autograd.grad(): replay blocks refuse it
     for p, g in zip(params, held):
         p.grad = g

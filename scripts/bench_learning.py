@@ -4,7 +4,7 @@
   and ``trainer.step()`` -- every timestep's policy call is a replay block, one backward.
 * ``batched``: what most PPO/A2C code does -- collect the rollout under ``torch.no_grad``,
   then one batched forward of the policy over the ``T * N`` stored observations for
-  ``log_prob`` / ``value`` / ``entropy``, the same A2C loss (``rl_replay.trainer.compute_loss``),
+  ``log_prob`` / ``value`` / ``entropy``, the same A2C loss (the trainer's algorithm's ``loss``),
   backward, gradient clipping, optimizer step. Same agent class, env, N, T, optimizer.
 
 Both run in fresh processes, a fixed number of updates after one warm-up update, and the
@@ -123,29 +123,29 @@ class BatchedA2C:
         return data
 
     def step(self) -> None:
-        from rl_replay.algorithms import compute_loss, optimizer_step
+        from rl_replay.algorithms import optimizer_step
 
         data = self.attach(*self.collect())
-        optimizer_step(compute_loss(data, self.cfg.loss), self.trainer.model, self.optimizer,
+        optimizer_step(self.trainer.algorithm.loss(data, self.cfg.loss), self.trainer.model, self.optimizer,
                        self.cfg.optim.max_grad_norm, self.trainer.guard)
 
 
 def gradient_check(trainer) -> tuple[float, float]:
     """One rl_replay rollout's gradient vs a batched recompute on the same rollout data."""
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
 
+    loss = trainer.algorithm.loss
     model = trainer.model
     model.zero_grad(set_to_none=True)
     rollout = trainer.collector.collect()
-    total_loss(compute_loss(rollout.data, trainer.cfg.loss)).backward()
+    total_loss(loss(rollout.data, trainer.cfg.loss)).backward()
     replayed = grad_snapshot(model)
     model.zero_grad(set_to_none=True)
     data = rollout.data.exclude("log_prob", "entropy", "value", "next_value").detach()
     bootstrap = rollout.data["next_value"][-1].detach()
     batched = BatchedA2C.__new__(BatchedA2C)
     batched.agent = model
-    total_loss(compute_loss(batched.attach(data, bootstrap), trainer.cfg.loss)).backward()
+    total_loss(loss(batched.attach(data, bootstrap), trainer.cfg.loss)).backward()
     result = grad_diff(replayed, grad_snapshot(model))
     model.zero_grad(set_to_none=True)
     return result

@@ -8,8 +8,9 @@ steps x N envs; each minibatch holds the whole T-step sequences of N / M envs. T
 2. ``rl_replay``  :meth:`rl_replay.algorithms.ppo.PPO.optimize`, the trainer's code path:
                   each step of the sequence is a replay block.
 
-Both use the same loss (``rl_replay.losses.ppo_loss``), the same minibatch order and
-``optimizer_step``. The policy is ``agents.gru:GRUAgent`` with a 3 x 1024 tanh encoder
+Both run the same sequence loop (:func:`rl_replay.sequence.replay_sequence`, without and
+with a gradient accumulator) and use the same loss (``PPO.loss``), the same minibatch order
+and ``optimizer_step``. The policy is ``agents.gru:GRUAgent`` with a 3 x 1024 tanh encoder
 (hidden 512, 64-dim observations, 8 actions), 16 envs, 4 epochs, 4 minibatches; the
 rollout is synthetic (seeded observations, episode starts, actions; log-probs and values
 from a no-grad pass), so every method and process sees the same numbers.
@@ -145,9 +146,16 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
 
 
 def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
-    """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph."""
+    """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph.
+
+    The same minibatches, sequence loop (:func:`rl_replay.sequence.replay_sequence` without an
+    accumulator: plain autograd) and loss (``PPO.loss``) as the replay path, so only the replay
+    blocks differ.
+    """
     from rl_replay.algorithms.common import optimizer_step
-    from rl_replay.losses import gae_targets, ppo_loss
+    from rl_replay.algorithms.ppo import PPO
+    from rl_replay.losses import gae_targets
+    from rl_replay.sequence import replay_sequence
 
     p = cfg.ppo
     data = rollout.data
@@ -159,24 +167,11 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
         for k in range(p.num_minibatches):
             envs = order[k * per_mb:(k + 1) * per_mb]
             mb = data[:, envs]
-            state = rollout.start_state[envs]
-            log_prob, entropy, value = [], [], []
-            for t in range(T):
-                out = agent(observation=mb["observation"][t], state=state, is_first=mb["is_first"][t])
-                dist = agent.distribution(out)
-                log_prob.append(dist.log_prob(mb["action"][t]))
-                entropy.append(dist.entropy())
-                value.append(out["value"])
-                state = out["state"]
-            batch = TensorDict(
-                log_prob=torch.stack(log_prob), entropy=torch.stack(entropy), value=torch.stack(value),
+            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None).update(TensorDict(
                 old_log_prob=mb["log_prob"], old_value=mb["value"], advantage=advantages[:, envs],
                 valid=mb["valid"], **{"return": returns[:, envs]}, batch_size=[T, per_mb],
-            )
-            terms = ppo_loss(batch, clip_coef=p.clip_coef, clip_vloss=p.clip_vloss,
-                             value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
-                             normalize_advantages=p.norm_adv)
-            optimizer_step(terms, agent, optimizer, cfg.optim.max_grad_norm)
+            ))
+            optimizer_step(PPO.loss(batch, cfg), agent, optimizer, cfg.optim.max_grad_norm)
     return {}
 
 
@@ -193,13 +188,13 @@ def run_update(method: str, cfg, agent, optimizer, rollout) -> dict:
 
 # ============================================================================ worker
 def _record_minibatch_forwards(records: list) -> None:
-    """Wrap PPO's replay_minibatch: per minibatch, what its forward left in use (the slab's
+    """Wrap PPO's replay_sequence: per minibatch, what its forward left in use (the slab's
     bytes handed out, glibc heap in use, RSS) once its T blocks have run."""
     from rl_replay.algorithms import ppo as ppo_module
     from _bench_common import current_rss
     from rl_replay.memory_stats import heap_in_use
 
-    real = ppo_module.replay_minibatch
+    real = ppo_module.replay_sequence
 
     def recording(model, policy, data, start_state, accumulator, bptt_truncate=None):
         heap0, rss0 = heap_in_use(), current_rss()
@@ -210,7 +205,7 @@ def _record_minibatch_forwards(records: list) -> None:
                             rss=current_rss() - rss0, saved=accumulator.saved_bytes))
         return out
 
-    ppo_module.replay_minibatch = recording
+    ppo_module.replay_sequence = recording
 
 
 def worker(spec: dict) -> dict:

@@ -13,6 +13,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from _reference import plain_sequence
 from tensordict import TensorDict
 
 from agents.chrono import chrono_bias
@@ -250,12 +251,13 @@ def test_grad_horizon_matches_plain_autograd():
 
     agent = build_agent(target, kwargs, obs_space, act_space)
     cue = observations[0].clone().requires_grad_(True)
-    state = agent.initial_state(4)
-    for t in range(22):
-        out = agent(observation=cue if t == 0 else observations[t], state=state,
-                    is_first=torch.full((4,), t == 0))
-        state = out["state"]
-    agent.distribution(out).log_prob(torch.zeros(4, dtype=torch.long)).sum().backward()
+    T = len(observations)
+    is_first = torch.zeros(T, 4, dtype=torch.bool)
+    is_first[0] = True
+    episode = TensorDict(observation=torch.cat([cue.unsqueeze(0), observations[1:]]), is_first=is_first,
+                         action=torch.zeros(T, 4, dtype=torch.long), batch_size=[T, 4])
+    heads, _ = plain_sequence(agent, episode, agent.initial_state(4))
+    heads["log_prob"][-1].sum().backward()
     assert row["grad"] > 0
     assert math.isclose(row["grad"], cue.grad.norm().item(), rel_tol=1e-5)
 

@@ -12,6 +12,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from _reference import plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 from torch import nn
@@ -21,10 +22,11 @@ from agents.lstm import LSTMAgent
 from agents.mlp import MLPAgent
 from envs.chain import ChainEnv
 from rl_replay.agent import ActionHead, Agent
+from rl_replay.algorithms.a2c import A2C
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import LossConfig
 from rl_replay.losses import a2c_loss, total_loss
-from rl_replay.trainer import compute_loss
+from rl_replay.sequence import block_inputs
 
 T_, F_ = True, False
 
@@ -260,25 +262,16 @@ def test_recurrent_state_reset_at_episode_start():
 
 # --------------------------------------------------------------------- replay parity
 def plain_autograd_update(agent, data, initial_state, loss_cfg):
-    """The same update with ordinary autograd over the stored rollout."""
-    T = data.batch_size[0]
-    state = initial_state
-    log_probs, entropies, values = [], [], []
-    for t in range(T):
-        out = agent(observation=data["observation"][t], state=state, is_first=data["is_first"][t])
-        dist = agent.distribution(out)
-        log_probs.append(dist.log_prob(data["action"][t]))
-        entropies.append(dist.entropy())
-        values.append(out["value"])
-        state = out["state"]
-    value = torch.stack(values)
+    """The same A2C update with ordinary autograd over the stored rollout."""
+    heads, state = plain_sequence(agent, data, initial_state)
+    value = heads["value"]
     td = TensorDict(
         reward=data["reward"], terminated=data["terminated"], truncated=data["truncated"],
-        valid=data["valid"], log_prob=torch.stack(log_probs), entropy=torch.stack(entropies),
+        valid=data["valid"], log_prob=heads["log_prob"], entropy=heads["entropy"],
         value=value, next_value=torch.cat([value[1:].detach(), data["next_value"][-1:]]),
         batch_size=data.batch_size,
     )
-    terms = compute_loss(td, loss_cfg)
+    terms = A2C.loss(td, loss_cfg)
     total_loss(terms).backward()
     return td, terms, state
 
@@ -306,7 +299,7 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
     assert d["truncated"].any() and d["terminated"].any() and (~d["valid"]).any()
     assert d["is_first"][1:].any()
     agent.zero_grad(set_to_none=True)
-    terms = compute_loss(d, loss_cfg)
+    terms = A2C.loss(d, loss_cfg)
     total_loss(terms).backward()
     assert rollout.accumulator.blocks_replayed == 16
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
@@ -323,7 +316,7 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
         torch.testing.assert_close(final_state["h"], plain_state["h"].detach())
     # The bootstrap of the last row is V(next obs) with the carried state.
     with torch.no_grad():
-        boot = agent(**collector._block_inputs())["value"]
+        boot = agent(**block_inputs(collector._obs, collector._state, collector._is_first, collector.num_envs))["value"]
     torch.testing.assert_close(d["next_value"][-1], boot)
     assert_grads_match(replay_grads, {n: p.grad for n, p in agent.named_parameters()},
                        f"parity_{agent_name}", rtol=1e-5, atol=1e-6)
@@ -374,38 +367,3 @@ def test_box_and_multidiscrete_actions(kind):
     total_loss(a2c_loss(d)).backward()
     grads = [p.grad for p in agent.parameters()]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
-
-
-@pytest.mark.parametrize("space", [gym.spaces.Discrete(5), gym.spaces.MultiDiscrete([3, 4]),
-                                   gym.spaces.Box(-1, 1, (2,))], ids=["discrete", "multidiscrete", "box"])
-def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
-    """The collector and PPO build one distribution over the stacked (T, N) outputs; its
-    log-probs, entropies and their gradients equal those of one distribution per step,
-    bit for bit."""
-    from rl_replay.agent import ActionHead
-    from rl_replay.collector import append_heads, stack_heads
-
-    torch.manual_seed(0)
-    T, N = 6, 3
-    head = ActionHead(space, 5, init_std=1.0)
-    feats = [torch.randn(N, 5, requires_grad=True) for _ in range(T)]
-    outs = [TensorDict(dist=head(f), value=f.sum(-1), state=TensorDict(h=f * 2, batch_size=[N]),
-                       batch_size=[N]) for f in feats]
-    with torch.no_grad():
-        actions = torch.stack([head.distribution(o["dist"]).sample() for o in outs])
-    per_step = [head.distribution(o["dist"]) for o in outs]
-    logp_ref = torch.stack([d.log_prob(a) for d, a in zip(per_step, actions)])
-    ent_ref = torch.stack([d.entropy() for d in per_step])
-    columns: dict = {}
-    for o in outs:
-        append_heads(columns, o)
-    assert not any(k == "state" or (isinstance(k, tuple) and k[0] == "state") for k in columns)
-    heads = stack_heads(columns, T, N)
-    dist = head.distribution(heads["dist"])
-    logp, ent = dist.log_prob(actions), dist.entropy()
-    assert torch.equal(logp, logp_ref) and torch.equal(ent, ent_ref)
-    assert torch.equal(heads["value"], torch.stack([o["value"] for o in outs]))
-    w = torch.randn(T, N)
-    ref = torch.autograd.grad((w * (logp_ref + 0.1 * ent_ref)).sum(), feats, retain_graph=True)
-    got = torch.autograd.grad((w * (logp + 0.1 * ent)).sum(), feats)
-    assert all(torch.equal(a, b) for a, b in zip(got, ref))

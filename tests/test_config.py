@@ -38,7 +38,7 @@ def test_defaults():
     assert (cfg.collector.mode, cfg.collector.num_steps, cfg.collector.bptt_truncate) == ("fixed", 5, None)
     assert cfg.loss.algorithm == "a2c" and cfg.loss.gamma == 0.99 and cfg.loss.gae_lambda == 1.0
     assert (cfg.loss.value_coef, cfg.loss.entropy_coef) == (0.5, 0.0)
-    assert cfg.loss.normalize_advantages is False and cfg.loss.baseline is True
+    assert cfg.loss.normalize_advantages is None and cfg.loss.baseline is True
     assert (cfg.optim.name, cfg.optim.lr, cfg.optim.eps, cfg.optim.max_grad_norm) == ("rmsprop", 7e-4, 1e-5, 0.5)
     assert cfg.optim.anneal_lr is True
     assert cfg.log.wandb_mode == "offline" and cfg.log.wandb_project == "rl_replay"
@@ -270,7 +270,7 @@ def test_unknown_root_key_suggests_section():
         ("optim.max_grad_norm=abc", r"'optim\.max_grad_norm': expected float \| None, got str 'abc'"),
         ("env.kwargs=[1, 2]", r"'env\.kwargs': expected dict, got list"),
         ("distributed.wrap_modules=Block", r"'distributed\.wrap_modules': expected list, got str 'Block'"),
-        ("loss.normalize_advantages=1", r"'loss\.normalize_advantages': expected bool, got int 1"),
+        ("loss.normalize_advantages=1", r"'loss\.normalize_advantages': expected bool \| None, got int 1"),
     ],
 )
 def test_wrong_type(override, pattern):

@@ -37,8 +37,8 @@ def offload_parity_worker(rank: int, world_size: int, out_dir: str, device_type:
     from rl_replay.collector import Collector, make_vector_env
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.algorithms.a2c import A2C
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     info, device = init_from_env(device_type, backend)
@@ -58,7 +58,7 @@ def offload_parity_worker(rank: int, world_size: int, out_dir: str, device_type:
         torch.manual_seed(1)
         collector = Collector(envs, model, num_steps=STEPS, device=device, seed=100)
         rollout = collector.collect()
-        total_loss(compute_loss(rollout.data, loss_cfg)).backward()
+        total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
         assert rollout.accumulator.blocks_replayed == STEPS
         # One rank (NO_SHARD): the original parameters' .grad hold the full gradients
         # (in host memory under CPU offload).

@@ -97,32 +97,19 @@ def plain_rollout_grads(agent: torch.nn.Module, data: TensorDict, final_obs: tor
     bootstrap ``next_value`` exactly as :class:`rl_replay.collector.Collector` does, and
     backpropagates the same loss.
     """
+    from _reference import plain_sequence
+
+    from rl_replay.algorithms.a2c import A2C
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
 
     T, N = data.batch_size
     agent.zero_grad(set_to_none=True)
-    state = agent.initial_state(N, final_obs.device)
-    rows, values = [], []
-    for t in range(T):
-        out = agent(observation=data["observation"][t], state=state, is_first=data["is_first"][t])
-        dist = agent.distribution(out)
-        action = data["action"][t]
-        rows.append(TensorDict(
-            observation=data["observation"][t], is_first=data["is_first"][t], action=action,
-            log_prob=dist.log_prob(action), entropy=dist.entropy(), reward=data["reward"][t],
-            terminated=data["terminated"][t], truncated=data["truncated"][t], valid=data["valid"][t],
-            batch_size=[N],
-        ))
-        values.append(out["value"])
-        state = out["state"]
+    heads, state = plain_sequence(agent, data, agent.initial_state(N, final_obs.device))
     with torch.no_grad():
         bootstrap = agent(observation=final_obs, state=state, is_first=final_is_first)["value"]
-    value = torch.stack(values)
-    plain = torch.stack(rows)
-    plain.set("value", value)
-    plain.set("next_value", torch.cat([value[1:].detach(), bootstrap.unsqueeze(0)]))
-    total_loss(compute_loss(plain, loss_cfg)).backward()
+    plain = data.exclude("next_value").update(heads)
+    plain.set("next_value", torch.cat([heads["value"][1:].detach(), bootstrap.unsqueeze(0)]))
+    total_loss(A2C.loss(plain, loss_cfg)).backward()
     return {name: p.grad.detach().clone() for name, p in agent.named_parameters()}
 
 
@@ -150,8 +137,8 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from rl_replay.collector import Collector, make_vector_env
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.algorithms.a2c import A2C
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
 
     info, device = init_from_env("cpu", "gloo")
     assert (info.rank, info.world_size) == (rank, world_size)
@@ -169,7 +156,7 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         torch.manual_seed(1 + rank)  # action sampling differs per rank
         collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank)
         rollout = collector.collect()
-        total_loss(compute_loss(rollout.data, loss_cfg)).backward()
+        total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
         assert rollout.accumulator.blocks_replayed == PARITY_STEPS
         with FSDP.summon_full_params(model, with_grads=True):
             fsdp = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}

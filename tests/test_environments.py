@@ -15,12 +15,13 @@ from test_collector import plain_autograd_update
 import obs_envs  # noqa: F401  (registers test/DictObs-v0, test/TupleObs-v0, test/ImageObs-v0)
 from agents.gru import GRUAgent
 from agents.mlp import MLPAgent
+from rl_replay.algorithms.a2c import A2C
 from rl_replay.collector import Collector
 from rl_replay.config import LossConfig, load_config
 from rl_replay.environment import make_vector_env
 from rl_replay.errors import SetupError
 from rl_replay.spaces import flat_size, obs_converter
-from rl_replay.trainer import build, compute_loss
+from rl_replay.trainer import build
 from rl_replay.losses import total_loss
 
 AGENTS = {"mlp": ("agents.mlp:MLPAgent", "{hidden_sizes: [16]}"),
@@ -220,7 +221,7 @@ def test_replay_parity_with_dict_observation():
     assert d["observation", "nested", "code"].shape == (8, 3, 5)
     assert d["is_first"][1:].any()
     loss_cfg = LossConfig()
-    total_loss(compute_loss(d, loss_cfg)).backward()
+    total_loss(A2C.loss(d, loss_cfg)).backward()
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
     agent.zero_grad(set_to_none=True)
     plain_autograd_update(agent, d.detach(), start_state, loss_cfg)

@@ -11,6 +11,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from _reference import plain_sequence
 from tensordict import TensorDict
 
 from agents.gru import GRUAgent
@@ -40,19 +41,18 @@ def rollout_data(seed=0):
 
 
 def plain_first_obs_grad(agent, data, env, first, last, bptt_truncate=None):
-    """The same gradient with plain autograd (no replay blocks)."""
-    obs0 = data["observation"][first, env:env + 1].clone().requires_grad_(True)
-    state = agent.initial_state(1)
-    for t in range(first, last + 1):
-        obs = obs0 if t == first else data["observation"][t, env:env + 1]
-        out = agent(observation=obs, state=state, is_first=data["is_first"][t, env:env + 1])
-        state = out["state"]
-        if bptt_truncate and (t - first + 1) % bptt_truncate == 0:
-            state = state.detach()
-    log_prob = agent.distribution(out).log_prob(data["action"][last, env:env + 1]).sum()
-    if not log_prob.requires_grad:
-        return 0.0
-    (grad,) = torch.autograd.grad(log_prob, obs0, allow_unused=True)
+    """The same gradient with plain autograd (no replay blocks); of the ``x`` part of a Dict
+    observation."""
+    episode = data[first:last + 1, env:env + 1].select("observation", "is_first", "action")
+    obs0 = episode["observation"][0].clone()
+    if isinstance(obs0, TensorDict):
+        leaf = obs0["x"] = obs0["x"].requires_grad_(True)
+    else:
+        leaf = obs0 = obs0.requires_grad_(True)
+    episode["observation"] = torch.cat([obs0.unsqueeze(0), episode["observation"][1:]])
+    heads, _ = plain_sequence(agent, episode, agent.initial_state(1), bptt_truncate)
+    log_prob = heads["log_prob"][-1].sum()
+    (grad,) = torch.autograd.grad(log_prob, leaf, allow_unused=True)
     # The norm as episode_horizon takes it, so equal gradients give equal floats.
     return 0.0 if grad is None else math.sqrt(float(grad.double().pow(2).sum()))
 
@@ -165,17 +165,9 @@ def test_episode_horizon_with_a_dict_observation_differentiates_its_float_parts(
                                      batch_size=[T, N])
     got = episode_horizon(agent, agent, data)
     # Plain autograd over env 0's rows 0..11, the float leaf of the first observation as the input.
-    x0 = data["observation"]["x"][0, :1].clone().requires_grad_(True)
-    state = agent.initial_state(1)
-    for t in range(T):
-        obs = data["observation"][t, :1]
-        if t == 0:
-            obs = TensorDict(x=x0, n=obs["n"], batch_size=[1])
-        out = agent(observation=obs, state=state, is_first=data["is_first"][t, :1])
-        state = out["state"]
-    (grad,) = torch.autograd.grad(agent.distribution(out).log_prob(data["action"][-1, :1]).sum(), x0)
+    want = plain_first_obs_grad(agent, data, 0, 0, T - 1)
     assert got["horizon/steps"] == 11.0
-    assert got["horizon/grad_first_obs"] == math.sqrt(float(grad.double().pow(2).sum())) > 0
+    assert got["horizon/grad_first_obs"] == want > 0
     # Only integer observations: nothing to differentiate, no metric.
     data["observation"] = data["observation"].exclude("x")
     ints_only = GRUAgent(gym.spaces.Dict({"n": space["n"]}), ACT, hidden_size=8)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _reference import plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
@@ -68,25 +69,13 @@ def plain_ppo_grads(agent, rollout, cfg) -> list[torch.Tensor]:
     data = rollout.data
     T, N = data.batch_size
     agent.zero_grad(set_to_none=True)
-    state = rollout.start_state
-    log_prob, entropy, value = [], [], []
-    for t in range(T):
-        out = agent(observation=data["observation"][t], state=state, is_first=data["is_first"][t])
-        dist = agent.distribution(out)
-        log_prob.append(dist.log_prob(data["action"][t]))
-        entropy.append(dist.entropy())
-        value.append(out["value"])
-        state = out["state"]
+    heads, _ = plain_sequence(agent, data, rollout.start_state, cfg.collector.bptt_truncate)
     advantage, returns, _ = gae_targets(data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda)
-    batch = TensorDict(
-        log_prob=torch.stack(log_prob), entropy=torch.stack(entropy), value=torch.stack(value),
+    batch = heads.update(TensorDict(
         old_log_prob=data["log_prob"], old_value=data["value"], advantage=advantage,
         valid=data["valid"], **{"return": returns}, batch_size=[T, N],
-    )
-    terms = ppo_loss(batch, clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss,
-                     value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
-                     normalize_advantages=cfg.ppo.norm_adv)
-    total_loss(terms).backward()
+    ))
+    total_loss(PPO.loss(batch, cfg)).backward()
     return [p.grad.detach().clone() for p in agent.parameters()]
 
 
@@ -135,14 +124,14 @@ def test_minibatches_hold_whole_sequences_from_the_stored_start_state(monkeypatc
     cfg, envs, model, collector = make_setup(num_envs=6, num_steps=20,
                                              extra=("ppo.epochs=2", "ppo.num_minibatches=3"))
     seen = []
-    real = ppo_module.replay_minibatch
+    real = ppo_module.replay_sequence
 
     def recording(model_, policy, data, start_state, acc, bptt):
         out = real(model_, policy, data, start_state, acc, bptt)
         seen.append((data.clone(), start_state.clone(), out["log_prob"].detach().clone()))
         return out
 
-    monkeypatch.setattr(ppo_module, "replay_minibatch", recording)
+    monkeypatch.setattr(ppo_module, "replay_sequence", recording)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     algo = PPO(cfg, collector, model, optimizer)
     algo.update()
@@ -218,7 +207,6 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
 # ------------------------------------------------------------------ config
 @pytest.mark.parametrize("overrides, match", [
     (["env.num_envs=6", "ppo.num_minibatches=4"], r"'ppo.num_minibatches' \(4\) must divide 'env.num_envs' \(6\)"),
-    (["loss.normalize_advantages=true"], "ppo.norm_adv"),
     (["loss.baseline=false"], "loss.baseline"),
     (["ppo.epochs=0"], "ppo.epochs"),
     (["ppo.clip_coef=0"], "ppo.clip_coef"),
@@ -233,8 +221,9 @@ def test_ppo_config_errors(overrides, match):
 def test_ppo_section_defaults_follow_cleanrl_and_are_ignored_by_a2c():
     cfg = load_config(None, ["loss.algorithm=ppo"])
     p = cfg.ppo
-    assert (p.epochs, p.num_minibatches, p.clip_coef, p.clip_vloss, p.target_kl, p.norm_adv) == (
-        4, 4, 0.2, True, None, True)
+    assert (p.epochs, p.num_minibatches, p.clip_coef, p.clip_vloss, p.target_kl) == (4, 4, 0.2, True, None)
+    # loss.normalize_advantages unset: PPO normalises per minibatch.
+    assert cfg.loss.normalize_advantages is None and PPO.normalize_advantages(cfg.loss) is True
     # a2c does not read the ppo section: an env count it does not divide is fine there.
     assert load_config(None, ["env.num_envs=6"]).loss.algorithm == "a2c"
 
@@ -282,7 +271,7 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
     torch.manual_seed(1 + rank)  # action sampling differs per rank
     collector = Collector(envs, model, num_steps=40, seed=100 + 1000 * rank)
     recorder = GradRecorder(model.parameters(), fsdp_model=model)
-    rollout = PPO(cfg, collector, model, recorder, info, device).update().rollout
+    rollout = PPO(cfg, collector, model, recorder, info=info, device=device).update().rollout
     assert len(recorder.grads) == 1
     local = plain_ppo_grads(reference, rollout, cfg)
     names = [n for n, _ in reference.named_parameters()]
@@ -300,7 +289,8 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
     epochs = {}
     for target in ("null", "1.0e-9"):
         cfg_kl = ppo_cfg(4, 40, "ppo.epochs=3", "ppo.num_minibatches=2", f"ppo.target_kl={target}")
-        algo = PPO(cfg_kl, collector, model, torch.optim.Adam(model.parameters(), lr=1e-2), info, device)
+        algo = PPO(cfg_kl, collector, model, torch.optim.Adam(model.parameters(), lr=1e-2),
+                   info=info, device=device)
         ran = torch.tensor([algo.update().metrics["train/epochs_run"]])
         gathered = [torch.empty_like(ran) for _ in range(world_size)]
         dist.all_gather(gathered, ran)

@@ -1,15 +1,27 @@
 """Update rules behind one interface: ``algorithm.update() -> UpdateResult``.
 
-Each algorithm owns collection and optimisation of one update (it holds the collector,
-the model and the optimizer); the trainer only anneals the learning rate, calls
-``update()`` and logs. Every optimizer step goes through
-:func:`rl_replay.algorithms.common.optimizer_step`.
+Every algorithm is an :class:`~rl_replay.algorithms.base.Algorithm` built with the same
+arguments, ``cls(cfg, collector, model, optimizer, info=..., device=..., guard=...)``. Each
+owns collection and optimisation of one update (it holds the collector, the model and the
+optimizer); the trainer only anneals the learning rate, calls ``update()`` and logs. Every
+optimizer step goes through :func:`rl_replay.algorithms.common.optimizer_step`; the loss
+math is pure functions in :mod:`rl_replay.losses`.
 
 =============  ==========================================================================
-``a2c``        :class:`~rl_replay.algorithms.a2c.PolicyGradient`: GAE actor-critic
-``reinforce``  :class:`~rl_replay.algorithms.a2c.PolicyGradient`: Monte-Carlo returns
+``a2c``        :class:`~rl_replay.algorithms.a2c.A2C`: GAE actor-critic
+``reinforce``  :class:`~rl_replay.algorithms.reinforce.REINFORCE`: Monte-Carlo returns
 ``ppo``        :class:`~rl_replay.algorithms.ppo.PPO`: clipped surrogate, epochs x minibatches
 =============  ==========================================================================
+
+A fourth algorithm is one new module (a subclass of ``Algorithm``, or of
+:class:`~rl_replay.algorithms.policy_gradient.PolicyGradient` for a one-backward rollout
+loss) plus one registry line in :data:`REGISTRY` below::
+
+    "sac": SAC,
+
+and its name in :data:`rl_replay.config.ALGORITHM_NAMES`, the tuple config validation
+checks ``loss.algorithm`` against without importing torch (tests/test_algorithms.py
+checks that it lists exactly the registered names).
 """
 
 from __future__ import annotations
@@ -17,21 +29,33 @@ from __future__ import annotations
 import torch
 
 from rl_replay import distributed as dist_utils
-from rl_replay.algorithms.a2c import PolicyGradient, compute_loss
+from rl_replay.algorithms.a2c import A2C
+from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, clip_grad_norm, optimizer_step
 from rl_replay.algorithms.ppo import PPO
+from rl_replay.algorithms.reinforce import REINFORCE
 from rl_replay.collector import Collector
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
 
-__all__ = ["PPO", "PolicyGradient", "UpdateResult", "clip_grad_norm", "compute_loss",
+__all__ = ["A2C", "PPO", "REGISTRY", "REINFORCE", "Algorithm", "UpdateResult", "clip_grad_norm",
            "make_algorithm", "optimizer_step"]
+
+#: ``loss.algorithm`` -> the class that runs it.
+REGISTRY: dict[str, type[Algorithm]] = {
+    "a2c": A2C,
+    "reinforce": REINFORCE,
+    "ppo": PPO,
+}
 
 
 def make_algorithm(cfg: Config, collector: Collector, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer, info: dist_utils.DistInfo,
-                   device: torch.device, guard: StepGuard | None = None) -> PolicyGradient | PPO:
+                   device: torch.device, guard: StepGuard | None = None) -> Algorithm:
     """The update rule named by ``cfg.loss.algorithm``; ``guard`` checks each optimizer step."""
-    if cfg.loss.algorithm == "ppo":
-        return PPO(cfg, collector, model, optimizer, info, device, guard=guard)
-    return PolicyGradient(cfg, collector, model, optimizer, guard=guard)
+    try:
+        cls = REGISTRY[cfg.loss.algorithm]
+    except KeyError:
+        raise ValueError(f"Invalid value for config key 'loss.algorithm': {cfg.loss.algorithm!r}. "
+                         f"Registered: {', '.join(REGISTRY)}") from None
+    return cls(cfg, collector, model, optimizer, info=info, device=device, guard=guard)

@@ -1,60 +1,22 @@
-"""A2C and REINFORCE: one backward through the replay blocks of the rollout, one step."""
+"""A2C: GAE advantages and a learned critic, one backward through the rollout's replay blocks."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
+from tensordict import TensorDict
 
-from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Collector
-from rl_replay.config import Config
-from rl_replay.guards import StepGuard
-from rl_replay.losses import a2c_loss, reinforce_loss
+from rl_replay.algorithms.policy_gradient import PolicyGradient
+from rl_replay.config import LossConfig
+from rl_replay.losses import a2c_loss
 
-__all__ = ["PolicyGradient", "compute_loss"]
+__all__ = ["A2C"]
 
 
-def compute_loss(data, cfg) -> Any:
-    """The named loss terms of a rollout for a :class:`~rl_replay.config.LossConfig` (a2c | reinforce)."""
-    if cfg.algorithm == "a2c":
+class A2C(PolicyGradient):
+    """Advantage actor-critic (:func:`rl_replay.losses.a2c_loss`); no advantage normalisation by default."""
+
+    @classmethod
+    def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
         return a2c_loss(
-            data, gamma=cfg.gamma, gae_lambda=cfg.gae_lambda, value_coef=cfg.value_coef,
-            entropy_coef=cfg.entropy_coef, normalize_advantages=cfg.normalize_advantages,
+            data, gamma=loss.gamma, gae_lambda=loss.gae_lambda, value_coef=loss.value_coef,
+            entropy_coef=loss.entropy_coef, normalize_advantages=cls.normalize_advantages(loss),
         )
-    return reinforce_loss(
-        data, gamma=cfg.gamma, baseline=cfg.baseline, value_coef=cfg.value_coef,
-        entropy_coef=cfg.entropy_coef, normalize_advantages=cfg.normalize_advantages,
-    )
-
-
-class PolicyGradient:
-    """A2C or REINFORCE (``cfg.loss.algorithm``): the rollout's outputs carry the graph.
-
-    Collection records one replay block per step; the loss over the whole rollout is
-    back-propagated once, which replays every block newest-first.
-    """
-
-    def __init__(self, cfg: Config, collector: Collector, model, optimizer,
-                 guard: StepGuard | None = None) -> None:
-        self.cfg = cfg
-        self.collector = collector
-        self.model = model
-        self.optimizer = optimizer
-        self.guard = guard
-
-    def update(self) -> UpdateResult:
-        t0 = time.perf_counter()
-        rollout = self.collector.collect()
-        t1 = time.perf_counter()
-        terms = compute_loss(rollout.data, self.cfg.loss)
-        grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
-        t2 = time.perf_counter()
-        acc = rollout.accumulator
-        metrics = {
-            "memory/replay_saved_bytes": float(acc.saved_bytes),
-            "time/replay_backward_sec": t2 - t1,
-            "time/replay_recompute_sec": acc.replay_seconds,
-        }
-        for key, value in terms.items():
-            metrics["train/" + key] = float(value.detach())
-        return UpdateResult(rollout, metrics, float(grad_norm), collect_sec=t1 - t0, optimize_sec=t2 - t1)

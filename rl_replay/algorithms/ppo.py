@@ -4,7 +4,8 @@ Collection runs the policy without a graph and keeps what the update needs (see
 :meth:`rl_replay.collector.Collector.collect` with ``graph=False``). GAE is computed once
 per rollout. Each epoch shuffles the environments and splits them into
 ``num_minibatches`` groups; a minibatch is the whole T-step sequence of its envs. Its
-steps are re-run as replay blocks from the envs' stored start state, the recurrent state
+steps are re-run as replay blocks from the envs' stored start state
+(:func:`rl_replay.sequence.replay_sequence`), the recurrent state
 flowing from block to block (agents reset it inside the block at ``is_first``, exactly as
 in collection), so the gradient spans the whole sequence while only the blocks' inputs
 are kept: peak memory is the minibatch's saved block inputs plus one block's activations.
@@ -23,67 +24,34 @@ from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
 from rl_replay.engine import GradientAccumulator
+from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Collector, Rollout, append_heads, stack_heads
+from rl_replay.collector import Rollout
 from rl_replay.config import Config
-from rl_replay.guards import StepGuard
 from rl_replay.losses import gae_targets, ppo_loss
-from rl_replay.engine import replay
+from rl_replay.sequence import replay_sequence
 
-__all__ = ["PPO", "replay_minibatch"]
+__all__ = ["PPO"]
 
 
-def replay_minibatch(model, policy, data: TensorDict, start_state: TensorDict,
-                     accumulator: GradientAccumulator, bptt_truncate: int | None = None) -> TensorDict:
-    """Re-run a stored (T, n) sequence as T replay blocks; returns ``log_prob``, ``entropy``, ``value``.
+class PPO(Algorithm):
+    """PPO with clipped surrogate, optional value clipping and ``target_kl`` early stop.
 
-    Args:
-        model: what the collector called (the FSDP-wrapped root under FSDP).
-        policy: the :class:`~rl_replay.agent.Agent` (for ``distribution``).
-        data: (T, n) with ``observation``, ``is_first`` and ``action``.
-        start_state: the n envs' recurrent state before row 0.
-        accumulator: a fresh GradientAccumulator for this minibatch.
-        bptt_truncate: detach the state every K steps, as the collector does.
-
-    Returns:
-        TensorDict (T, n) whose entries are attached to autograd through the blocks.
+    Advantages are normalised per minibatch unless ``loss.normalize_advantages`` is false.
     """
-    T, n = data.batch_size
-    state = start_state
-    # Each step's outputs except the state, key by key: the distribution, its log-prob and
-    # entropy are computed once on the stacked (T, n) outputs, so the loss's graph has a
-    # few nodes in all instead of a few per step (each kept until the backward).
-    columns: dict = {}
-    for t in range(T):
-        inputs = TensorDict(observation=data["observation"][t], state=state,
-                            is_first=data["is_first"][t], batch_size=[n], device=None)
-        out = replay(model, accumulator, inputs)
-        append_heads(columns, out)
-        state = out["state"]
-        if bptt_truncate and (t + 1) % bptt_truncate == 0:
-            state = state.detach()
-        del out
-    heads = stack_heads(columns, T, n)
-    del columns
-    dist = policy.distribution(heads)
-    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                      value=heads["value"], batch_size=[T, n])
 
+    normalizes_advantages_by_default = True
 
-class PPO:
-    """PPO with clipped surrogate, optional value clipping and ``target_kl`` early stop."""
-
-    def __init__(self, cfg: Config, collector: Collector, model, optimizer,
-                 info: dist_utils.DistInfo | None = None, device: torch.device | str = "cpu",
-                 guard: StepGuard | None = None) -> None:
-        self.cfg = cfg
-        self.collector = collector
-        self.model = model
-        self.policy = collector.policy
-        self.optimizer = optimizer
-        self.guard = guard
-        self.info = info or dist_utils.DistInfo()
-        self.device = torch.device(device)
+    @classmethod
+    def loss(cls, batch: TensorDict, cfg: Config) -> TensorDict:
+        """The named loss terms of one minibatch: the replayed ``log_prob`` / ``entropy`` /
+        ``value`` with the stored ``old_log_prob``, ``old_value``, ``advantage``, ``return``
+        and ``valid`` (:func:`rl_replay.losses.ppo_loss` with the run's settings)."""
+        return ppo_loss(
+            batch, clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss,
+            value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
+            normalize_advantages=cls.normalize_advantages(cfg.loss),
+        )
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
@@ -141,16 +109,12 @@ class PPO:
 
         Returns (detached loss terms, pre-clip grad norm, saved block-input bytes, replay seconds).
         """
-        cfg = self.cfg
         acc = GradientAccumulator()
-        new = replay_minibatch(self.model, self.policy, mb, start_state, acc, self.collector.bptt_truncate)
+        new = replay_sequence(self.model, self.collector.policy, mb, start_state, acc,
+                              self.collector.bptt_truncate)
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
-        terms = ppo_loss(
-            batch, clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss,
-            value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
-            normalize_advantages=cfg.ppo.norm_adv,
-        )
-        grad_norm = optimizer_step(terms, self.model, self.optimizer, cfg.optim.max_grad_norm, self.guard)
+        terms = self.loss(batch, self.cfg)
+        grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         return terms.detach(), grad_norm, acc.saved_bytes, acc.replay_seconds
 
     def _mean_over_ranks(self, value: float) -> float:

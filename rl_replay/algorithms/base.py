@@ -1,0 +1,60 @@
+"""The interface every algorithm implements: one constructor, ``update() -> UpdateResult``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from rl_replay import distributed as dist_utils
+from rl_replay.algorithms.common import UpdateResult
+from rl_replay.collector import Collector
+from rl_replay.config import Config, LossConfig
+from rl_replay.guards import StepGuard
+
+__all__ = ["Algorithm"]
+
+
+class Algorithm(ABC):
+    """One update rule: collection and optimisation of one update.
+
+    Every algorithm is built with the same arguments (:func:`rl_replay.algorithms.make_algorithm`
+    looks the class up by ``cfg.loss.algorithm`` and calls it) and owns what one update needs;
+    the trainer only anneals the learning rate, calls :meth:`update` and logs. Optimizer
+    steps go through :func:`rl_replay.algorithms.common.optimizer_step` with ``guard``.
+
+    Args:
+        cfg: the run's config (an algorithm reads its own sections).
+        collector: collects the rollouts.
+        model: what the collector calls (the FSDP-wrapped root under FSDP).
+        optimizer: steps ``model``'s parameters.
+        info: this process's rank and world size (one process when None).
+        device: where the model lives (collectives of a decision taken over ranks).
+        guard: the run's non-finite checks on every optimizer step (None = no checks).
+    """
+
+    #: Whether advantages are normalised when ``loss.normalize_advantages`` is None.
+    normalizes_advantages_by_default: ClassVar[bool] = False
+
+    def __init__(self, cfg: Config, collector: Collector, model: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, *, info: dist_utils.DistInfo | None = None,
+                 device: torch.device | str = "cpu", guard: StepGuard | None = None) -> None:
+        self.cfg = cfg
+        self.collector = collector
+        self.model = model
+        self.optimizer = optimizer
+        self.info = info or dist_utils.DistInfo()
+        self.device = torch.device(device)
+        self.guard = guard
+
+    @abstractmethod
+    def update(self) -> UpdateResult:
+        """Collect one rollout and optimise on it; returns the rollout and this rank's metrics."""
+
+    @classmethod
+    def normalize_advantages(cls, loss: LossConfig) -> bool:
+        """``loss.normalize_advantages``, or this algorithm's default where it is None."""
+        if loss.normalize_advantages is None:
+            return cls.normalizes_advantages_by_default
+        return loss.normalize_advantages
