@@ -6,8 +6,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from agents.chrono import check_t_max, chrono_bias
-from agents.mlp import mlp
+from rl_replay.agents.chrono import check_t_max, chrono_bias
+from rl_replay.agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 
@@ -40,7 +40,7 @@ class GRUAgent(Agent):
 
     Args:
         update_gate_bias: one constant bias for the update (keep) gate; 0 leaves torch's init.
-        chrono_t_max: instead, chrono initialisation (see :mod:`agents.chrono`): the update
+        chrono_t_max: instead, chrono initialisation (see :mod:`rl_replay.agents.chrono`): the update
             gate's bias per unit is ``log(U[1, chrono_t_max - 1])``, so the units' memory
             times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
         separate_critic: the value comes from a second encoder and GRU (sb3-contrib's

@@ -6,9 +6,9 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from agents.chrono import check_t_max, chrono_bias
-from agents.gru import activation_class, add_heads
-from agents.mlp import mlp
+from rl_replay.agents.chrono import check_t_max, chrono_bias
+from rl_replay.agents.gru import activation_class, add_heads
+from rl_replay.agents.mlp import mlp
 from rl_replay.agent import Agent
 
 
@@ -22,7 +22,7 @@ class LSTMAgent(Agent):
     Args:
         forget_bias: one constant forget-gate bias.
         chrono_t_max: instead, chrono initialisation (Tallec & Ollivier 2018, see
-            :mod:`agents.chrono`): forget bias ``log(U[1, chrono_t_max - 1])`` per unit and
+            :mod:`rl_replay.agents.chrono`): forget bias ``log(U[1, chrono_t_max - 1])`` per unit and
             input-gate bias its negative, so memory times spread over ``[2, chrono_t_max]``
             and the cell does not fill its memory with every input.
         separate_critic: the value comes from a second encoder and LSTM (sb3-contrib's
@@ -32,7 +32,7 @@ class LSTMAgent(Agent):
             (sb3's ``net_arch`` after the LSTM); empty: the outputs read ``h`` directly.
         activation: ``"tanh"`` or ``"relu"``, for the encoder and the head layers.
         skip: the actor and critic read the encoded observation next to ``h`` (see
-            :class:`agents.gru.GRUAgent`).
+            :class:`rl_replay.agents.gru.GRUAgent`).
     """
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),

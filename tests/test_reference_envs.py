@@ -1,4 +1,4 @@
-"""Tests for the gymnasium environments in the envs package."""
+"""The reference gymnasium environments (repository folder envs/, installed as rl_replay.envs)."""
 
 import importlib
 import warnings
@@ -9,8 +9,8 @@ import pytest
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.utils.env_checker import check_env
 
-import envs
-from envs import ChainEnv, MemoryCueEnv, PartialObsCartPole, make_po_cartpole
+import rl_replay.envs as envs
+from rl_replay.envs import ChainEnv, MemoryCueEnv, PartialObsCartPole, make_po_cartpole
 
 IDS = ("rl_replay/MemoryCue-v0", "rl_replay/POCartPole-v0", "rl_replay/Chain-v0")
 
@@ -39,7 +39,7 @@ def test_ids_registered():
 def test_import_twice_is_harmless():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        import envs as again  # noqa: F401  (cached import)
+        import rl_replay.envs as again  # noqa: F401  (cached import)
 
         importlib.reload(envs)  # re-runs the registration code
     for env_id in IDS:
