@@ -185,6 +185,39 @@ def test_reference_agents_follow_the_contract(cls):
     assert set(out["state"].keys()) == set(state.keys())
 
 
+RECURRENT_KEYS = [f"{part}.{name}" for part, names in [
+    ("encoder.0", ["weight", "bias"]), ("cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+    ("critic_encoder.0", ["weight", "bias"]), ("critic_cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+    ("actor_mlp.0", ["weight", "bias"]), ("critic_mlp.0", ["weight", "bias"]),
+    ("head.linear", ["weight", "bias"]), ("value", ["weight", "bias"])] for name in names]
+
+
+@pytest.mark.parametrize("cls, state_keys, param_sum, outputs", [
+    (GRUAgent, ["h", "h_critic"], 22.043388, [0.764346, 0.009361, 0.375036, -0.01484, 0.678747, 0.001616]),
+    (LSTMAgent, ["h", "c", "h_critic", "c_critic"], 1.226208,
+     [0.600105, -0.02189, 1.01284, 0.010656, -0.058101, 0.004572]),
+], ids=["gru", "lstm"])
+def test_recurrent_agents_keep_their_parameters_and_outputs(cls, state_keys, param_sum, outputs):
+    """Checkpoints hold these parameter names and state keys, and a seeded agent (separate
+    critic, skip path, head layers, chrono init) computes these numbers, as it did before
+    GRUAgent and LSTMAgent shared agents/recurrent.py: training stays identical."""
+    torch.manual_seed(0)
+    agent = cls(OBS, gym.spaces.Discrete(3), hidden_size=6, encoder_sizes=(5,), separate_critic=True, skip=True,
+                head_sizes=(7,), chrono_t_max=16)
+    assert list(agent.state_dict()) == RECURRENT_KEYS
+    assert sum(p.double().sum().item() for p in agent.parameters()) == pytest.approx(param_sum, abs=1e-5)
+    g = torch.Generator().manual_seed(1)
+    state, got = agent.initial_state(3), []
+    assert list(state.keys()) == state_keys
+    for t in range(3):
+        out = agent(observation=torch.randn(3, 4, generator=g), state=state,
+                    is_first=torch.tensor([t == 0, False, t == 1]))
+        state = out["state"]
+        got += [out["value"].sum().item(), out["dist", "logits"].sum().item()]
+    assert list(state.keys()) == state_keys
+    assert got == pytest.approx(outputs, abs=1e-5)
+
+
 def test_reset_state_blocks_gradient():
     h = torch.randn(3, 4, requires_grad=True)
     is_first = torch.tensor([True, False, True])
