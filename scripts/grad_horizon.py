@@ -50,7 +50,7 @@ from tensordict import TensorDict  # noqa: E402
 
 import rl_replay.envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
 from rl_replay import GradientAccumulator, replay  # noqa: E402
-from rl_replay.agent import build_agent  # noqa: E402
+from rl_replay.agent import build_agent, load_agent_class  # noqa: E402
 
 #: The agents the diagnostic reports by default: the existing ones (as measured before)
 #: and the long-memory candidates.
@@ -152,7 +152,7 @@ def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 
 
 def spec_label(target: str, kwargs: dict) -> str:
     args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-    return f"{target.rpartition(':')[2]}({args})"
+    return f"{load_agent_class(target).__name__}({args})"  # the class, however the target names it
 
 
 def fmt(x: float) -> str:
