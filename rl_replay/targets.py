@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import io
+import pickle
 import re
 from collections.abc import Mapping
 from types import ModuleType
@@ -29,7 +31,7 @@ from typing import Any
 from rl_replay.errors import SetupError
 
 __all__ = ["parse_target", "split_env_id", "is_short_name", "current_module_name", "import_module",
-           "resolve", "canonical_target"]
+           "resolve", "canonical_target", "unpickle"]
 
 # old top-level package -> where it lives now
 RENAMED_PACKAGES = {"agents": "rl_replay.agents", "envs": "rl_replay.envs"}
@@ -127,3 +129,14 @@ def canonical_target(text: Any, short_names: Mapping[str, str] | None = None) ->
         return f"{current_module_name(module)}:{name}"
     except (SetupError, ImportError):
         return text
+
+
+class _RenamedModulesUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(current_module_name(module), name)
+
+
+def unpickle(data: bytes) -> Any:
+    """``pickle.loads`` that also reads pickles written before the rename: a checkpoint's
+    pickled ``envs.memory.MemoryCueEnv`` loads as ``rl_replay.envs.memory.MemoryCueEnv``."""
+    return _RenamedModulesUnpickler(io.BytesIO(data)).load()

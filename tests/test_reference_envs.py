@@ -1,6 +1,7 @@
 """The reference gymnasium environments (repository folder envs/, installed as rl_replay.envs)."""
 
 import importlib
+import pickle
 import warnings
 
 import gymnasium
@@ -259,3 +260,17 @@ def test_chain_make_vec():
     np.testing.assert_array_equal(reward, [2.0, 2.0])
     assert terminated.all()
     vec.close()
+
+
+def test_envs_pickled_under_the_old_package_name_still_load():
+    # Checkpoints written before the envs became rl_replay.envs pickle 'envs.memory.MemoryCueEnv'.
+    from rl_replay.targets import unpickle
+
+    env = MemoryCueEnv(delay=3)
+    env.reset(seed=5)
+    new = pickle.dumps(env, protocol=0)
+    old = new.replace(b"crl_replay.envs.memory\nMemoryCueEnv", b"cenvs.memory\nMemoryCueEnv")
+    assert old != new
+    loaded = unpickle(old)
+    assert type(loaded) is MemoryCueEnv
+    assert [loaded.step(0)[0].tolist() for _ in range(4)] == [env.step(0)[0].tolist() for _ in range(4)]
