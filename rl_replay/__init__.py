@@ -34,10 +34,13 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
         self.root = root
 
     def find_spec(self, fullname, path=None, target=None):
-        init = self.root / self.FOLDERS.get(fullname, "-") / "__init__.py"
-        if fullname not in self.FOLDERS or not init.is_file():
+        if fullname not in self.FOLDERS:
             return None
-        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
+        init = self.root / self.FOLDERS[fullname] / "__init__.py"
+        if not init.is_file():
+            return None
+        return importlib.util.spec_from_file_location(fullname, init,
+                                                      submodule_search_locations=[str(init.parent)])
 
 
 def _find_source_tree_packages() -> None:
