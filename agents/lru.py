@@ -17,7 +17,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from agents.mlp import mlp
+from rl_replay.agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 

@@ -4,7 +4,7 @@ state: ``h_t = (1 - z_t) * h_{t-1} + z_t * h~_t``.
 
 The gradient from ``h_t`` to ``h_{t-k}`` is the product of the keep gates ``1 - z`` over
 those steps, elementwise, with no recurrent weight matrix to shrink or blow it up. The
-update gate's bias gets a chrono initialisation (:mod:`agents.chrono`), so the units'
+update gate's bias gets a chrono initialisation (:mod:`rl_replay.agents.chrono`), so the units'
 memory times spread over ``[2, chrono_t_max]`` steps.
 """
 
@@ -14,8 +14,8 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from agents.chrono import check_t_max, chrono_bias
-from agents.mlp import mlp
+from rl_replay.agents.chrono import check_t_max, chrono_bias
+from rl_replay.agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 

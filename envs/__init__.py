@@ -1,10 +1,10 @@
-"""Gymnasium environments for rl_replay, registered on ``import envs``.
+"""Gymnasium environments for rl_replay, registered on ``import rl_replay.envs``.
 
 Registered ids:
 
-- ``rl_replay/MemoryCue-v0``  -> :class:`envs.memory.MemoryCueEnv` (ends itself, no time limit)
-- ``rl_replay/POCartPole-v0`` -> :class:`envs.partial_cartpole.PartialObsCartPole` (500 steps)
-- ``rl_replay/Chain-v0``      -> :class:`envs.chain.ChainEnv` (ends itself, no time limit)
+- ``rl_replay/MemoryCue-v0``  -> :class:`rl_replay.envs.memory.MemoryCueEnv` (ends itself, no time limit)
+- ``rl_replay/POCartPole-v0`` -> :class:`rl_replay.envs.partial_cartpole.PartialObsCartPole` (500 steps)
+- ``rl_replay/Chain-v0``      -> :class:`rl_replay.envs.chain.ChainEnv` (ends itself, no time limit)
 """
 
 import gymnasium
@@ -17,10 +17,10 @@ __all__ = ["ChainEnv", "MemoryCueEnv", "PartialObsCartPole", "make_po_cartpole"]
 
 _REGISTRATIONS = (
     # max_episode_steps=None: the env terminates itself, so make() adds no TimeLimit.
-    ("rl_replay/MemoryCue-v0", "envs.memory:MemoryCueEnv", None),
+    ("rl_replay/MemoryCue-v0", "rl_replay.envs.memory:MemoryCueEnv", None),
     # Same limit as CartPole-v1 so truncation behaves identically.
-    ("rl_replay/POCartPole-v0", "envs.partial_cartpole:make_po_cartpole", 500),
-    ("rl_replay/Chain-v0", "envs.chain:ChainEnv", None),
+    ("rl_replay/POCartPole-v0", "rl_replay.envs.partial_cartpole:make_po_cartpole", 500),
+    ("rl_replay/Chain-v0", "rl_replay.envs.chain:ChainEnv", None),
 )
 
 for _id, _entry_point, _max_steps in _REGISTRATIONS:

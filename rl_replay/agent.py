@@ -19,7 +19,6 @@ parameters, e.g. ``logits``), ``value`` ``(N,)`` and the next ``state``.
 
 from __future__ import annotations
 
-import importlib
 import math
 from typing import Any
 
@@ -31,8 +30,10 @@ from torch import nn
 
 from rl_replay.errors import SetupError
 from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
+from rl_replay.targets import canonical_target, resolve
 
-__all__ = ["Agent", "ActionHead", "MultiCategorical", "value_head", "load_agent_class", "build_agent"]
+__all__ = ["Agent", "ActionHead", "MultiCategorical", "value_head", "AGENTS", "load_agent_class",
+           "canonical_agent_target", "build_agent"]
 
 
 class MultiCategorical(torch.distributions.Distribution):
@@ -149,7 +150,8 @@ class Agent(nn.Module):
     :meth:`flatten_observation`'s output; an agent that wants the keys of a Dict observation
     (e.g. an image encoder plus a vector) reads them from the TensorDict instead.
 
-    Select it from a config with ``agent.target=my_pkg.policies:MyAgent``.
+    Select it from a config with ``agent.target=my_pkg.policies:MyAgent`` (the reference
+    agents have short names, :data:`AGENTS`).
     """
 
     #: The block-input keys this agent's forward takes as keyword arguments.
@@ -189,21 +191,30 @@ class Agent(nn.Module):
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
 
 
+#: Short names of the reference agents for ``agent.target`` (as SB3 names its policies).
+AGENTS = {
+    "mlp": "rl_replay.agents.mlp:MLPAgent",
+    "gru": "rl_replay.agents.gru:GRUAgent",
+    "lstm": "rl_replay.agents.lstm:LSTMAgent",
+    "lru": "rl_replay.agents.lru:LRUAgent",
+    "mingru": "rl_replay.agents.mingru:MinGRUAgent",
+    "transformer": "rl_replay.agents.transformer:TransformerAgent",
+}
+
+
 def load_agent_class(target: str) -> type[Agent]:
-    """Import ``module.path:ClassName`` and check it is an :class:`Agent` subclass."""
-    if ":" not in target:
-        raise SetupError(f"agent.target '{target}' must look like 'package.module:ClassName'.")
-    module_name, _, attr = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SetupError(f"agent.target '{target}': cannot import module '{module_name}' ({exc}).") from None
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise SetupError(f"agent.target '{target}': module '{module_name}' has no attribute '{attr}'.")
+    """The :class:`Agent` subclass named by ``target``: a short name of :data:`AGENTS`
+    (``gru``) or an import path ``package.module:ClassName``."""
+    cls = resolve(target, "agent.target", AGENTS)
     if not (isinstance(cls, type) and issubclass(cls, Agent)):
         raise SetupError(f"agent.target '{target}' is {cls!r}, not a subclass of rl_replay.Agent.")
     return cls
+
+
+def canonical_agent_target(target: str) -> str:
+    """``module:Class`` of the class ``target`` names, so that ``gru``, ``agents.gru:GRUAgent``
+    and ``rl_replay.agents.gru:GRUAgent`` compare equal (a resume checks the agent is unchanged)."""
+    return canonical_target(target, AGENTS)
 
 
 def build_agent(target: str, kwargs: dict[str, Any], observation_space, action_space) -> Agent:

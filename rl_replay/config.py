@@ -30,6 +30,8 @@ from typing import Any
 
 import yaml
 
+from rl_replay.targets import is_short_name, parse_target
+
 __all__ = [
     "EnvConfig",
     "AgentConfig",
@@ -76,8 +78,8 @@ class EnvConfig:
 
 @dataclass
 class AgentConfig:
-    target: str = "agents.mlp:MLPAgent"
-    """import path of the agent class, ``module:Class``"""
+    target: str = "mlp"
+    """agent class: a built-in name (mlp, gru, lstm, lru, mingru, transformer) or ``module:Class``"""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments passed to the agent's constructor"""
 
@@ -456,12 +458,9 @@ def validate(cfg: Config) -> Config:
             raise ValueError(
                 f"Out of range value for config key '{key}': {v!r} (must be {lo_s}{key}{hi_s})"
             )
-    module, sep, cls_name = cfg.agent.target.partition(":")
-    if not (module and sep and cls_name):
-        raise ValueError(
-            f"Invalid value for config key 'agent.target': {cfg.agent.target!r} "
-            "(expected 'module:Class', e.g. 'agents.mlp:MLPAgent')"
-        )
+    if not is_short_name(cfg.agent.target):  # a short name is looked up when the agent is built
+        _check_target("agent.target", cfg.agent.target,
+                      "(expected a built-in name such as 'gru', or 'module:Class')")
     _check_str_list("env.imports", cfg.env.imports)
     _check_str_list("log.tags", cfg.log.tags)
     for i, spec in enumerate(cfg.env.wrappers):
@@ -474,6 +473,7 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"Unknown key {unknown[0]!r} in config key '{key}': {form}")
         if not isinstance(spec.get("target"), str) or not spec["target"]:
             raise ValueError(f"Config key '{key}.target' must be a string 'module:Class' {form}")
+        _check_target(f"{key}.target", spec["target"], form)
         if not isinstance(spec.get("kwargs") or {}, Mapping):
             raise ValueError(f"Config key '{key}.kwargs' must be a mapping, got {spec['kwargs']!r}")
     if cfg.loss.algorithm == "ppo":
@@ -495,6 +495,13 @@ def _validate_ppo(cfg: Config) -> None:
         )
     if not cfg.loss.baseline:
         raise ValueError("Config key 'loss.baseline' applies to reinforce; PPO always trains its critic")
+
+
+def _check_target(key: str, value: str, form: str) -> None:
+    try:
+        parse_target(value, key)
+    except ValueError:
+        raise ValueError(f"Invalid value for config key '{key}': {value!r} {form}") from None
 
 
 def _check_str_list(key: str, value: list) -> None:

@@ -11,7 +11,6 @@ is built.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.errors import SetupError
+from rl_replay.targets import import_module, resolve, split_env_id
 
 __all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "make_env", "make_vector_env",
            "env_episode_return"]
@@ -34,50 +34,24 @@ _REGISTER_HINT = (
 
 def import_env_modules(modules: Sequence[str]) -> None:
     """Import each module (they register their env ids on import)."""
-    import envs  # noqa: F401  (the project's own rl_replay/* ids)
+    import rl_replay.envs  # noqa: F401  (the project's own rl_replay/* ids)
 
     for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise SetupError(f"env.imports: cannot import module '{name}' ({exc}).") from None
+        import_module(name, "env.imports")
 
 
 def resolve_env_id(env_id: str, imports: Sequence[str] = ()) -> str:
     """Import what ``env_id`` needs and return the registered id (``module:`` prefix removed)."""
     import_env_modules(imports)
-    if ":" in env_id:
-        module, _, env_id = env_id.partition(":")
-        if not module or not env_id:
-            raise SetupError(f"env.id '{module}:{env_id}' must look like 'package.module:EnvId-v0'.")
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise SetupError(f"env.id '{module}:{env_id}': cannot import module '{module}' ({exc}).") from None
+    module, env_id = split_env_id(env_id)
+    if module is not None:
+        import_module(module, f"env.id '{module}:{env_id}'")
     if env_id not in gym.registry:
         stem = env_id.split("/")[-1].split("-")[0].lower()
         known = sorted(k for k in gym.registry if stem and stem in k.lower())
         hint = f" Similar ids: {', '.join(known[:8])}." if known else ""
         raise SetupError(f"unknown environment id '{env_id}'.{hint} {_REGISTER_HINT}")
     return env_id
-
-
-def _import_target(target: str, what: str) -> Any:
-    """``module:attr`` or ``module.attr`` -> the attribute."""
-    if ":" in target:
-        module_name, _, attr = target.partition(":")
-    else:
-        module_name, _, attr = target.rpartition(".")
-    if not module_name or not attr:
-        raise SetupError(f"{what} '{target}' must look like 'package.module:Name' or 'package.module.Name'.")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise SetupError(f"{what} '{target}': cannot import module '{module_name}' ({exc}).") from None
-    obj = getattr(module, attr, None)
-    if obj is None:
-        raise SetupError(f"{what} '{target}': module '{module_name}' has no attribute '{attr}'.")
-    return obj
 
 
 def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env], gym.Env]]:
@@ -88,7 +62,7 @@ def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env]
     wrappers = []
     for i, spec in enumerate(specs):
         what = f"env.wrappers[{i}].target"
-        wrapper = _import_target(spec["target"], what)
+        wrapper = resolve(spec["target"], what)
         if not callable(wrapper):
             raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a wrapper class or function.")
         wrappers.append(functools.partial(wrapper, **dict(spec.get("kwargs") or {})))
@@ -155,7 +129,7 @@ def make_vector_env(
     env's own episode return is still known when a wrapper rescales rewards (``NormalizeReward``);
     read it with :func:`env_episode_return`.
 
-    The project's own environments (``rl_replay/...``) are registered on import of ``envs``.
+    The project's own environments (``rl_replay/...``) are registered on import of ``rl_replay.envs``.
     """
     env_id = resolve_env_id(env_id, imports)
     loaded = load_wrappers(wrappers)

@@ -22,7 +22,7 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
-from rl_replay.agent import Agent, build_agent
+from rl_replay.agent import Agent, build_agent, canonical_agent_target
 from rl_replay.algorithms import compute_loss, make_algorithm
 from rl_replay.engine import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
@@ -237,7 +237,10 @@ def _dotted(data: dict[str, Any], key: str) -> Any:
 def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> None:
     now = config_to_dict(cfg)
     for key in RESUME_FIXED_KEYS:
-        if _dotted(now, key) != _dotted(saved, key):
+        ours, theirs = _dotted(now, key), _dotted(saved, key)
+        if key == "agent.target":  # 'gru' and an older run's 'agents.gru:GRUAgent' are one class
+            ours, theirs = canonical_agent_target(ours), canonical_agent_target(theirs)
+        if ours != theirs:
             raise SetupError(
                 f"cannot resume {where} with {key}={_dotted(now, key)!r}: its checkpoint was written with "
                 f"{key}={_dotted(saved, key)!r}, and a resumed run keeps its environments, agent and "

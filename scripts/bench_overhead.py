@@ -178,7 +178,7 @@ def main(argv=None) -> int:
     for label, cfg, T in specs:
         overrides = list(args.overrides)
         if "lstm" in label.lower():
-            overrides.append("agent.target=agents.lstm:LSTMAgent")
+            overrides.append("agent.target=lstm")
         rows.append(measure(cfg, T, args.batch, args.repeats, overrides))
     print(json.dumps(rows, indent=1) if args.json else table(rows, [s[0] for s in specs]))
     return 0 if all(r["identical_grads"] for r in rows) else 1

@@ -10,7 +10,7 @@ steps x N envs; each minibatch holds the whole T-step sequences of N / M envs. T
 
 Both run the same sequence loop (:func:`rl_replay.sequence.replay_sequence`, without and
 with a gradient accumulator) and use the same loss (``PPO.loss``), the same minibatch order
-and ``optimizer_step``. The policy is ``agents.gru:GRUAgent`` with a 3 x 1024 tanh encoder
+and ``optimizer_step``. The policy is the ``gru`` agent with a 3 x 1024 tanh encoder
 (hidden 512, 64-dim observations, 8 actions), 16 envs, 4 epochs, 4 minibatches; the
 rollout is synthetic (seeded observations, episode starts, actions; log-probs and values
 from a no-grad pass), so every method and process sees the same numbers.
@@ -79,7 +79,7 @@ def build(spec: dict, T: int):
     ])
     obs_space = gym.spaces.Box(-10.0, 10.0, shape=(p["obs"],))
     torch.manual_seed(spec.get("seed", 0))
-    agent = build_agent("agents.gru:GRUAgent", {"hidden_size": p["hidden"], "encoder_sizes": p["encoder"]},
+    agent = build_agent("gru", {"hidden_size": p["hidden"], "encoder_sizes": p["encoder"]},
                         obs_space, gym.spaces.Discrete(p["actions"]))
     optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)
     return cfg, agent, optimizer, synthetic_rollout(agent, T, p["envs"], p["obs"])

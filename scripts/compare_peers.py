@@ -53,7 +53,7 @@ def _yaml_mapping(text: str, flag: str) -> dict:
 
 def import_env_modules(env_id: str) -> None:
     """Register the project's envs, and POPGym's when the id asks for them."""
-    import envs  # noqa: F401  (rl_replay/* ids)
+    import rl_replay.envs  # noqa: F401  (rl_replay/* ids)
 
     if env_id.startswith("popgym-"):
         try:

@@ -17,15 +17,16 @@ marks the horizon past which the agent cannot learn the task by gradient at this
 Usage::
 
     python scripts/grad_horizon.py                                  # the built-in candidates
-    python scripts/grad_horizon.py --agent 'agents.gru:GRUAgent {update_gate_bias: 5}' \\
-        --agent 'agents.lru:LRUAgent {r_max: 0.9999}' --delays 64 256 1024 4096 --json out.json
+    python scripts/grad_horizon.py --agent 'gru {update_gate_bias: 5}' \\
+        --agent 'lru {r_max: 0.9999}' --delays 64 256 1024 4096 --json out.json
     python scripts/grad_horizon.py --run runs/mem1024_s1 --delays 256 1024 4096   # trained weights
 
 ``--run RUN_DIR`` (repeatable) measures a MemoryCue run's agent with its checkpoint's weights
 instead of an initialisation: how far back the trained agent's gradient reaches, and whether
 it still carries the cue at delays it was not trained on.
 
-An agent spec is ``module:Class`` optionally followed by its kwargs in YAML flow style.
+An agent spec is an ``agent.target`` (a built-in name such as ``gru``, or ``module:Class``)
+optionally followed by its kwargs in YAML flow style.
 """
 
 from __future__ import annotations
@@ -47,32 +48,32 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-import envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
+import rl_replay.envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
 from rl_replay import GradientAccumulator, replay  # noqa: E402
-from rl_replay.agent import build_agent  # noqa: E402
+from rl_replay.agent import build_agent, load_agent_class  # noqa: E402
 
 #: The agents the diagnostic reports by default: the existing ones (as measured before)
 #: and the long-memory candidates.
 DEFAULT_SPECS = (
-    "agents.gru:GRUAgent {update_gate_bias: 5}",
-    "agents.gru:GRUAgent {update_gate_bias: 8}",
-    "agents.gru:GRUAgent {chrono_t_max: 1024}",
-    "agents.gru:GRUAgent {chrono_t_max: 4096}",
-    "agents.lstm:LSTMAgent {forget_bias: 1}",
-    "agents.lstm:LSTMAgent {forget_bias: 4}",
-    "agents.lstm:LSTMAgent {forget_bias: 7}",
-    "agents.lstm:LSTMAgent {chrono_t_max: 1024}",
-    "agents.lstm:LSTMAgent {chrono_t_max: 4096}",
-    "agents.mingru:MinGRUAgent {chrono_t_max: 1024}",
-    "agents.mingru:MinGRUAgent {chrono_t_max: 4096}",
-    "agents.lru:LRUAgent {r_min: 0.9, r_max: 0.999}",
-    "agents.lru:LRUAgent {r_min: 0.99, r_max: 0.9999}",
-    "agents.lru:LRUAgent {r_min: 0.99, r_max: 0.9999, max_phase: 0}",
+    "gru {update_gate_bias: 5}",
+    "gru {update_gate_bias: 8}",
+    "gru {chrono_t_max: 1024}",
+    "gru {chrono_t_max: 4096}",
+    "lstm {forget_bias: 1}",
+    "lstm {forget_bias: 4}",
+    "lstm {forget_bias: 7}",
+    "lstm {chrono_t_max: 1024}",
+    "lstm {chrono_t_max: 4096}",
+    "mingru {chrono_t_max: 1024}",
+    "mingru {chrono_t_max: 4096}",
+    "lru {r_min: 0.9, r_max: 0.999}",
+    "lru {r_min: 0.99, r_max: 0.9999}",
+    "lru {r_min: 0.99, r_max: 0.9999, max_phase: 0}",
 )
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """``'module:Class {k: v}'`` -> ``('module:Class', {'k': v})``."""
+    """``'gru {k: v}'`` -> ``('gru', {'k': v})`` (or ``'module:Class {k: v}'``)."""
     target, _, rest = spec.strip().partition(" ")
     kwargs = yaml.safe_load(rest) if rest.strip() else {}
     if not isinstance(kwargs, dict):
@@ -151,7 +152,7 @@ def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 
 
 def spec_label(target: str, kwargs: dict) -> str:
     args = ", ".join(f"{k}={v}" for k, v in kwargs.items())
-    return f"{target.rpartition(':')[2]}({args})"
+    return f"{load_agent_class(target).__name__}({args})"  # the class, however the target names it
 
 
 def fmt(x: float) -> str:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import sys
+
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
 from tensordict import TensorDict
 
-from agents.gru import GRUAgent
-from agents.lstm import LSTMAgent
-from agents.mlp import MLPAgent
-from rl_replay.agent import ActionHead, Agent, MultiCategorical, build_agent, load_agent_class
+from rl_replay.agent import (AGENTS, ActionHead, Agent, MultiCategorical, build_agent, canonical_agent_target,
+                             load_agent_class)
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.lstm import LSTMAgent
+from rl_replay.agents.mlp import MLPAgent
 from rl_replay.errors import SetupError
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
@@ -115,25 +118,59 @@ def test_unsupported_observation_space(obs_space):
 @pytest.mark.parametrize(
     "target, match",
     [
-        ("agents.mlp.MLPAgent", "must look like 'package.module:ClassName'"),
+        ("rl_replay.agents.mlp:", "must look like 'package.module:Name'"),
+        ("my pkg:Agent", "must look like 'package.module:Name'"),
+        ("gpt", r"'gpt' is not a built-in name \(one of gru, lru, lstm, mingru, mlp, transformer\); "
+                r"name your own class as 'package.module:Name'"),
         ("no_such_module_xyz.sub:Agent", "cannot import module 'no_such_module_xyz.sub'"),
-        ("agents.mlp:NoSuchAgent", "module 'agents.mlp' has no attribute 'NoSuchAgent'"),
-        ("agents.mlp:mlp", "not a subclass of rl_replay.Agent"),
+        ("rl_replay.agents.mlp:NoSuchAgent", "module 'rl_replay.agents.mlp' has no attribute 'NoSuchAgent'"),
+        ("agents.mlp:NoSuchAgent", "module 'rl_replay.agents.mlp' has no attribute 'NoSuchAgent'"),
+        ("rl_replay.agents.mlp:mlp", "not a subclass of rl_replay.Agent"),
         ("torch.nn:Linear", "not a subclass of rl_replay.Agent"),
     ],
-    ids=["no-colon", "missing-module", "missing-attribute", "function", "other-class"],
+    ids=["no-name", "bad-module", "unknown-short-name", "missing-module", "missing-attribute",
+         "missing-attribute-old-path", "function", "other-class"],
 )
 def test_load_agent_class_errors(target, match):
     with pytest.raises(SetupError, match=match):
         load_agent_class(target)
 
 
+@pytest.mark.parametrize("target", ["gru", "rl_replay.agents.gru:GRUAgent", "rl_replay.agents.gru.GRUAgent",
+                                    "agents.gru:GRUAgent", "agents.gru.GRUAgent"],
+                         ids=["short", "path", "dotted", "old-path", "old-dotted"])
+def test_every_spelling_of_an_agent_is_the_same_class(target):
+    # Configs written before the short names (and before the rl_replay.agents package) keep working.
+    assert load_agent_class(target) is GRUAgent
+    assert canonical_agent_target(target) == "rl_replay.agents.gru:GRUAgent"
+
+
+def test_every_short_name_is_a_reference_agent():
+    for name, path in AGENTS.items():
+        cls = load_agent_class(name)
+        assert cls is load_agent_class(path) and cls.__module__ == "rl_replay.agents." + name
+
+
+def test_an_own_package_called_agents_is_not_renamed(tmp_path, monkeypatch):
+    # Only the modules the old top-level package had map to rl_replay.agents.
+    (tmp_path / "agents").mkdir()
+    (tmp_path / "agents" / "__init__.py").write_text("")
+    (tmp_path / "agents" / "mine.py").write_text("from rl_replay.agents.mlp import MLPAgent as Mine\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert load_agent_class("agents.mine:Mine") is MLPAgent
+        assert canonical_agent_target("agents.mine:Mine") == "agents.mine:Mine"
+    finally:
+        for name in ("agents", "agents.mine"):
+            sys.modules.pop(name, None)
+
+
 def test_load_and_build_agent():
-    assert load_agent_class("agents.gru:GRUAgent") is GRUAgent
-    agent = build_agent("agents.mlp:MLPAgent", {"hidden_sizes": [8]}, OBS, gym.spaces.Discrete(2))
+    assert load_agent_class("gru") is GRUAgent
+    agent = build_agent("mlp", {"hidden_sizes": [8]}, OBS, gym.spaces.Discrete(2))
     assert isinstance(agent, MLPAgent) and agent.actor[0].out_features == 8
     with pytest.raises(SetupError, match="rejected agent.kwargs"):
-        build_agent("agents.mlp:MLPAgent", {"bogus": 1}, OBS, gym.spaces.Discrete(2))
+        build_agent("mlp", {"bogus": 1}, OBS, gym.spaces.Discrete(2))
 
 
 @pytest.mark.parametrize("cls", [MLPAgent, GRUAgent, LSTMAgent])
@@ -146,6 +183,39 @@ def test_reference_agents_follow_the_contract(cls):
     assert out["value"].shape == (5,)
     assert agent.distribution(out).sample().shape == (5,)
     assert set(out["state"].keys()) == set(state.keys())
+
+
+RECURRENT_KEYS = [f"{part}.{name}" for part, names in [
+    ("encoder.0", ["weight", "bias"]), ("cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+    ("critic_encoder.0", ["weight", "bias"]), ("critic_cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+    ("actor_mlp.0", ["weight", "bias"]), ("critic_mlp.0", ["weight", "bias"]),
+    ("head.linear", ["weight", "bias"]), ("value", ["weight", "bias"])] for name in names]
+
+
+@pytest.mark.parametrize("cls, state_keys, param_sum, outputs", [
+    (GRUAgent, ["h", "h_critic"], 22.043388, [0.764346, 0.009361, 0.375036, -0.01484, 0.678747, 0.001616]),
+    (LSTMAgent, ["h", "c", "h_critic", "c_critic"], 1.226208,
+     [0.600105, -0.02189, 1.01284, 0.010656, -0.058101, 0.004572]),
+], ids=["gru", "lstm"])
+def test_recurrent_agents_keep_their_parameters_and_outputs(cls, state_keys, param_sum, outputs):
+    """Checkpoints hold these parameter names and state keys, and a seeded agent (separate
+    critic, skip path, head layers, chrono init) computes these numbers, as it did before
+    GRUAgent and LSTMAgent shared agents/recurrent.py: training stays identical."""
+    torch.manual_seed(0)
+    agent = cls(OBS, gym.spaces.Discrete(3), hidden_size=6, encoder_sizes=(5,), separate_critic=True, skip=True,
+                head_sizes=(7,), chrono_t_max=16)
+    assert list(agent.state_dict()) == RECURRENT_KEYS
+    assert sum(p.double().sum().item() for p in agent.parameters()) == pytest.approx(param_sum, abs=1e-5)
+    g = torch.Generator().manual_seed(1)
+    state, got = agent.initial_state(3), []
+    assert list(state.keys()) == state_keys
+    for t in range(3):
+        out = agent(observation=torch.randn(3, 4, generator=g), state=state,
+                    is_first=torch.tensor([t == 0, False, t == 1]))
+        state = out["state"]
+        got += [out["value"].sum().item(), out["dist", "logits"].sum().item()]
+    assert list(state.keys()) == state_keys
+    assert got == pytest.approx(outputs, abs=1e-5)
 
 
 def test_reset_state_blocks_gradient():

@@ -16,13 +16,13 @@ import torch
 from _reference import plain_sequence
 from tensordict import TensorDict
 
-from agents.chrono import chrono_bias
-from agents.gru import GRUAgent
-from agents.lru import LRUAgent
-from agents.lstm import LSTMAgent
-from agents.mingru import MinGRUAgent
 from conftest import assert_grads_match
 from rl_replay import GradientAccumulator, replay
+from rl_replay.agents.chrono import chrono_bias
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.lru import LRUAgent
+from rl_replay.agents.lstm import LSTMAgent
+from rl_replay.agents.mingru import MinGRUAgent
 from rl_replay.errors import SetupError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,15 +220,15 @@ def test_grad_horizon_smoke(tmp_path):
     out = tmp_path / "horizon.json"
     cmd = [sys.executable, str(ROOT / "scripts" / "grad_horizon.py"), "--delays", "2", "6",
            "--batch", "4", "--json", str(out),
-           "--agent", "agents.gru:GRUAgent {hidden_size: 8, encoder_sizes: [8], update_gate_bias: 5}",
-           "--agent", "agents.lru:LRUAgent {hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"]
+           "--agent", "gru {hidden_size: 8, encoder_sizes: [8], update_gate_bias: 5}",
+           "--agent", "lru {hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| GRUAgent(hidden_size=8, encoder_sizes=[8], update_gate_bias=5) |" in proc.stdout
     rows = json.loads(out.read_text())
     assert [(r["agent"], r["delay"]) for r in rows] == [
-        ("agents.gru:GRUAgent", 2), ("agents.gru:GRUAgent", 6),
-        ("agents.lru:LRUAgent", 2), ("agents.lru:LRUAgent", 6)]
+        ("gru", 2), ("gru", 6),
+        ("lru", 2), ("lru", 6)]
     for r in rows:
         assert r["grad"] > 0 and math.isfinite(r["grad"]) and r["signal"] >= 0
         assert r["blocks_replayed"] == r["delay"] + 2
@@ -242,7 +242,7 @@ def test_grad_horizon_matches_plain_autograd():
     sys.path.insert(0, str(ROOT / "scripts"))
     import grad_horizon
 
-    target, kwargs = "agents.mingru:MinGRUAgent", {"hidden_size": 8, "encoder_sizes": [8],
+    target, kwargs = "mingru", {"hidden_size": 8, "encoder_sizes": [8],
                                                  "readout_sizes": [8], "chrono_t_max": 50}
     row = grad_horizon.measure(target, kwargs, delay=20, batch=4, seed=3)
     observations, _, obs_space, act_space = grad_horizon.episode_observations(20, 4, 3)
@@ -271,7 +271,7 @@ def test_memory_256_config_runs_an_update(tmp_path):
         "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8", "total_env_steps=32",
         "log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0", f"run_dir={tmp_path / 'run'}",
     ])
-    assert cfg.agent.target == "agents.lru:LRUAgent" and cfg.collector.bptt_truncate is None
+    assert cfg.agent.target == "lru" and cfg.collector.bptt_truncate is None
     trainer = build(cfg)
     assert isinstance(trainer.model, LRUAgent)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}

@@ -17,14 +17,14 @@ from conftest import assert_grads_match
 from tensordict import TensorDict
 from torch import nn
 
-from agents.gru import GRUAgent
-from agents.lstm import LSTMAgent
-from agents.mlp import MLPAgent
-from envs.chain import ChainEnv
 from rl_replay.agent import ActionHead, Agent
 from rl_replay.algorithms.a2c import A2C
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.lstm import LSTMAgent
+from rl_replay.agents.mlp import MLPAgent
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import LossConfig
+from rl_replay.envs.chain import ChainEnv
 from rl_replay.losses import a2c_loss, total_loss
 from rl_replay.sequence import block_inputs
 

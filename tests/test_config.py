@@ -34,7 +34,7 @@ def test_defaults():
     assert cfg.run_dir is None
     assert cfg.env.id == "CartPole-v1" and cfg.env.num_envs == 8 and cfg.env.vectorization == "sync"
     assert cfg.env.kwargs == {} and cfg.env.max_episode_steps is None
-    assert cfg.agent.target == "agents.mlp:MLPAgent" and cfg.agent.kwargs == {}
+    assert cfg.agent.target == "mlp" and cfg.agent.kwargs == {}
     assert (cfg.collector.mode, cfg.collector.num_steps, cfg.collector.bptt_truncate) == ("fixed", 5, None)
     assert cfg.loss.algorithm == "a2c" and cfg.loss.gamma == 0.99 and cfg.loss.gae_lambda == 1.0
     assert (cfg.loss.value_coef, cfg.loss.entropy_coef) == (0.5, 0.0)
@@ -128,7 +128,7 @@ def test_memory_gru_yaml():
     cfg = load_config(CONFIG_DIR / "memory_gru.yaml")
     assert cfg.env.id == "rl_replay/MemoryCue-v0" and cfg.env.kwargs == {"delay": 64}
     assert cfg.env.num_envs == 32
-    assert cfg.agent.target == "agents.gru:GRUAgent" and cfg.agent.kwargs == {"hidden_size": 128, "update_gate_bias": 5.0}
+    assert cfg.agent.target == "gru" and cfg.agent.kwargs == {"hidden_size": 128, "update_gate_bias": 5.0}
     assert cfg.collector.mode == "episode"
     assert cfg.collector.num_steps == cfg.env.kwargs["delay"] + 2 == 66
     assert cfg.total_env_steps == 2_000_000
@@ -137,10 +137,10 @@ def test_memory_gru_yaml():
 
 def test_pocartpole_and_fsdp_yaml():
     po = load_config(CONFIG_DIR / "ppo_pocartpole_gru.yaml")
-    assert po.env.id == "rl_replay/POCartPole-v0" and po.agent.target == "agents.gru:GRUAgent"
+    assert po.env.id == "rl_replay/POCartPole-v0" and po.agent.target == "gru"
     assert (po.loss.algorithm, po.collector.mode) == ("ppo", "fixed")
     fs = load_config(CONFIG_DIR / "fsdp_transformer.yaml")
-    assert fs.agent.target == "agents.transformer:TransformerAgent"
+    assert fs.agent.target == "transformer"
     assert fs.agent.kwargs == {"d_model": 256, "num_layers": 4, "num_heads": 4}
     assert fs.distributed.wrap_modules == ["TransformerEncoderLayer"] and fs.distributed.cpu_offload is False
 
@@ -343,7 +343,7 @@ def test_range_boundaries_are_accepted():
 
 def test_bad_agent_target():
     with pytest.raises(ValueError, match=r"'agent\.target'.*module:Class"):
-        load_config(overrides=["agent.target=agents.mlp.MLPAgent"])
+        load_config(overrides=["agent.target=Not-A-Name"])
 
 
 def test_wrap_modules_and_min_num_params_exclusive():

@@ -21,7 +21,7 @@ TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
 
 
 def tiny_agent(target: str) -> str:
-    if target == "agents.lru:LRUAgent":
+    if target == "lru":
         return "agent.kwargs={hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"
     return "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"
 

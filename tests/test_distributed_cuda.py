@@ -23,8 +23,8 @@ pytestmark = [
 ]
 
 AGENTS = {
-    "mlp": ("agents.mlp:MLPAgent", {"hidden_sizes": [32, 32]}, ["Linear"]),
-    "gru": ("agents.gru:GRUAgent", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
+    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"]),
+    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
 }
 STEPS, ENVS = 24, 4
 

@@ -119,9 +119,9 @@ def clean_name(name: str) -> str:
 
 # --------------------------------------------------------------------- gradient parity
 PARITY_AGENTS = {
-    "mlp": ("agents.mlp:MLPAgent", {"hidden_sizes": [32, 32]}, ["Linear"]),
-    "gru": ("agents.gru:GRUAgent", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
-    "transformer": ("agents.transformer:TransformerAgent",
+    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"]),
+    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
+    "transformer": ("transformer",
                     {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_mult": 2, "context": 2},
                     ["TransformerEncoderLayer"]),
 }

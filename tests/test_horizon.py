@@ -14,9 +14,9 @@ import torch
 from _reference import plain_sequence
 from tensordict import TensorDict
 
-from agents.gru import GRUAgent
-from agents.lru import LRUAgent
-from agents.mlp import MLPAgent
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.lru import LRUAgent
+from rl_replay.agents.mlp import MLPAgent
 from rl_replay.config import load_config
 from rl_replay.horizon import episode_horizon
 from rl_replay.trainer import build
@@ -121,7 +121,7 @@ def read_metrics(run_dir):
 def memory_cfg(run_dir, *extra):
     return load_config(None, [
         "env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 6}", "env.num_envs=4", "collector.num_steps=8",
-        "collector.mode=episode", "agent.target=agents.lru:LRUAgent",
+        "collector.mode=episode", "agent.target=lru",
         "agent.kwargs={hidden_size: 8, encoder_sizes: [], readout_sizes: [8], max_phase: 0.0}",
         "loss.algorithm=ppo", "ppo.num_minibatches=2", "ppo.epochs=2", "log.progress=false",
         "log.wandb_mode=disabled", "total_env_steps=128", "checkpoint.every=0", f"run_dir={run_dir}", *extra])

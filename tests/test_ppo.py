@@ -23,8 +23,8 @@ from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import load_config
 from rl_replay.losses import gae_targets, ppo_loss, total_loss
 
-GRU = ("agents.gru:GRUAgent", {"hidden_size": 16, "encoder_sizes": [16]})
-MLP = ("agents.mlp:MLPAgent", {"hidden_sizes": [16, 16]})
+GRU = ("gru", {"hidden_size": 16, "encoder_sizes": [16]})
+MLP = ("mlp", {"hidden_sizes": [16, 16]})
 
 
 class GradRecorder(torch.optim.Optimizer):
@@ -234,7 +234,7 @@ def test_trainer_runs_ppo_and_logs_its_metrics(tmp_path):
 
     cfg = load_config(None, [
         "loss.algorithm=ppo", "env.num_envs=4", "collector.num_steps=16", "ppo.num_minibatches=2",
-        "ppo.epochs=2", "agent.target=agents.gru:GRUAgent", "agent.kwargs={hidden_size: 16, encoder_sizes: [16]}",
+        "ppo.epochs=2", "agent.target=gru", "agent.kwargs={hidden_size: 16, encoder_sizes: [16]}",
         "env.id=rl_replay/POCartPole-v0", "total_env_steps=192", "log.progress=false",
         "log.wandb_mode=disabled", f"run_dir={tmp_path / 'run'}", "optim.name=adam", "optim.lr=3e-4",
     ])

@@ -66,7 +66,7 @@ def test_train_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
     [
         (["env.num_envs=many"], r"error: Invalid type for config key 'env\.num_envs'"),
         (["no_equals_sign"], r"error: Malformed override 'no_equals_sign'"),
-        (["agent.target=agents.mlp:Nope"], r"error: agent\.target 'agents\.mlp:Nope': module"),
+        (["agent.target=rl_replay.agents.mlp:Nope"], r"error: agent\.target 'rl_replay\.agents\.mlp:Nope': module"),
         (["collector.num_steps=0"], r"error: Out of range value for config key 'collector\.num_steps'"),
         (["--resume", "{tmp}/missing_run"], r"error: cannot resume: no checkpoint at "),
     ],
@@ -127,7 +127,7 @@ def test_evaluate_records_video(tmp_path):
     pytest.importorskip("pygame")
     import gymnasium as gym
 
-    from agents.mlp import MLPAgent
+    from rl_replay.agents.mlp import MLPAgent
     from rl_replay.evaluate import evaluate
 
     env = gym.make("CartPole-v1")

@@ -81,7 +81,7 @@ if DICT_ENV_ID not in gym.registry:
     [
         ("env.id=NoSuchEnv-v7", "unknown environment id 'NoSuchEnv-v7'"),
         ("agent.target=no_such_pkg.policies:Agent", "cannot import module 'no_such_pkg.policies'"),
-        ("agent.target=agents.mlp:Missing", "has no attribute 'Missing'"),
+        ("agent.target=rl_replay.agents.mlp:Missing", "has no attribute 'Missing'"),
         (f"env.id={DICT_ENV_ID}", "MLPAgent cannot handle action space Dict"),
         ("distributed.cpu_offload=true", "cpu_offload applies to FSDP runs under torchrun"),
     ],
@@ -179,6 +179,17 @@ def test_resume_in_process_with_more_steps(tmp_path):
     assert_same_training_state(load_checkpoint(tmp_path / "full"), load_checkpoint(tmp_path / "part"))
     assert [m["update"] for m in read_metrics(tmp_path / "part")] == [1, 2, 3, 4, 5, 6]
     assert load_config(tmp_path / "part" / "config.yaml").total_env_steps == 6 * BATCH
+
+
+def test_a_run_that_names_its_agent_by_the_old_path_resumes_under_the_short_name(tmp_path):
+    # Runs written before the short names hold agent.target: agents.mlp:MLPAgent.
+    build(tiny_cfg(tmp_path / "old", 2, "agent.target=agents.mlp:MLPAgent", "checkpoint.every=0")).train()
+    with pytest.raises(SetupError, match=r"cannot resume .* with agent\.target='gru'"):
+        build(resume=tmp_path / "old", overrides=("agent.target=gru",))
+    resumed = build(resume=tmp_path / "old", overrides=("agent.target=mlp", f"total_env_steps={3 * BATCH}"))
+    assert type(resumed.model).__name__ == "MLPAgent" and resumed.update == 2
+    resumed.train()
+    assert [m["update"] for m in read_metrics(tmp_path / "old")] == [1, 2, 3]
 
 
 # ------------------------------------------------------------------ custom agent
@@ -294,7 +305,7 @@ def test_eval_every_logs_eval_metrics_and_leaves_training_untouched(tmp_path):
 
 def test_eval_every_on_memory_cue_reports_success(tmp_path):
     cfg = load_config(None, ["env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 3}", "env.num_envs=4",
-                             "collector.num_steps=5", "collector.mode=episode", "agent.target=agents.gru:GRUAgent",
+                             "collector.num_steps=5", "collector.mode=episode", "agent.target=gru",
                              "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}", "log.progress=false",
                              "log.wandb_mode=disabled", "total_env_steps=40", "eval.every=1", "eval.episodes=6",
                              f"run_dir={tmp_path / 'run'}"])

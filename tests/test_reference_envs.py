@@ -1,6 +1,7 @@
-"""Tests for the gymnasium environments in the envs package."""
+"""The reference gymnasium environments (repository folder envs/, installed as rl_replay.envs)."""
 
 import importlib
+import pickle
 import warnings
 
 import gymnasium
@@ -9,8 +10,8 @@ import pytest
 from gymnasium.envs.classic_control.cartpole import CartPoleEnv
 from gymnasium.utils.env_checker import check_env
 
-import envs
-from envs import ChainEnv, MemoryCueEnv, PartialObsCartPole, make_po_cartpole
+import rl_replay.envs as envs
+from rl_replay.envs import ChainEnv, MemoryCueEnv, PartialObsCartPole, make_po_cartpole
 
 IDS = ("rl_replay/MemoryCue-v0", "rl_replay/POCartPole-v0", "rl_replay/Chain-v0")
 
@@ -39,7 +40,7 @@ def test_ids_registered():
 def test_import_twice_is_harmless():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        import envs as again  # noqa: F401  (cached import)
+        import rl_replay.envs as again  # noqa: F401  (cached import)
 
         importlib.reload(envs)  # re-runs the registration code
     for env_id in IDS:
@@ -259,3 +260,17 @@ def test_chain_make_vec():
     np.testing.assert_array_equal(reward, [2.0, 2.0])
     assert terminated.all()
     vec.close()
+
+
+def test_envs_pickled_under_the_old_package_name_still_load():
+    # Checkpoints written before the envs became rl_replay.envs pickle 'envs.memory.MemoryCueEnv'.
+    from rl_replay.targets import unpickle
+
+    env = MemoryCueEnv(delay=3)
+    env.reset(seed=5)
+    new = pickle.dumps(env, protocol=0)
+    old = new.replace(b"crl_replay.envs.memory\nMemoryCueEnv", b"cenvs.memory\nMemoryCueEnv")
+    assert old != new
+    loaded = unpickle(old)
+    assert type(loaded) is MemoryCueEnv
+    assert [loaded.step(0)[0].tolist() for _ in range(4)] == [env.step(0)[0].tolist() for _ in range(4)]

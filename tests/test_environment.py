@@ -13,8 +13,8 @@ from tensordict import TensorDict
 from test_collector import plain_autograd_update
 
 import obs_envs  # noqa: F401  (registers test/DictObs-v0, test/TupleObs-v0, test/ImageObs-v0)
-from agents.gru import GRUAgent
-from agents.mlp import MLPAgent
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.a2c import A2C
 from rl_replay.collector import Collector
 from rl_replay.config import LossConfig, load_config
@@ -24,8 +24,8 @@ from rl_replay.spaces import flat_size, obs_converter
 from rl_replay.trainer import build
 from rl_replay.losses import total_loss
 
-AGENTS = {"mlp": ("agents.mlp:MLPAgent", "{hidden_sizes: [16]}"),
-          "gru": ("agents.gru:GRUAgent", "{hidden_size: 8, encoder_sizes: [8]}")}
+AGENTS = {"mlp": ("mlp", "{hidden_sizes: [16]}"),
+          "gru": ("gru", "{hidden_size: 8, encoder_sizes: [8]}")}
 
 USER_MODULE = '''
 import gymnasium as gym

@@ -1,0 +1,142 @@
+"""Import targets in configs: ``module:Name`` strings, parsed and resolved in one place.
+
+One grammar serves every config key that names code:
+
+* ``package.module:Name`` (or ``package.module.Name``): the attribute ``Name`` of the module
+  (``agent.target``, ``env.wrappers[i].target``);
+* a bare ``name`` where the key has a table of short names (``agent.target: gru``);
+* ``package.module:EnvId-v0`` for ``env.id`` (gymnasium's own form: import the module, which
+  registers the id, then make the id); ``env.imports`` lists bare module names.
+
+The reference agents and envs were once installed as the top-level packages ``agents`` and
+``envs``; they are now ``rl_replay.agents`` and ``rl_replay.envs``, and the old module names
+that configs already hold (``agents.gru:GRUAgent``) resolve to the same modules.
+
+Errors are :class:`~rl_replay.errors.SetupError` (a ``ValueError``), one line of the form
+``<key> '<value>': <what is wrong>``. Parsing imports nothing, so :mod:`rl_replay.config`
+checks the grammar without loading the trainer side.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import pickle
+import re
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any
+
+from rl_replay.errors import SetupError
+
+__all__ = ["parse_target", "split_env_id", "is_short_name", "current_module_name", "import_module",
+           "resolve", "canonical_target", "unpickle"]
+
+# old top-level package -> where it lives now
+RENAMED_PACKAGES = {"agents": "rl_replay.agents", "envs": "rl_replay.envs"}
+
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_FORM = "'package.module:Name' (or 'package.module.Name')"
+
+
+def is_short_name(text: str) -> bool:
+    """True for a bare name such as ``gru`` (no module part), looked up in a table of names."""
+    return text.isidentifier()
+
+
+def parse_target(text: Any, what: str) -> tuple[str, str]:
+    """``package.module:Name`` or ``package.module.Name`` -> ``(module, name)``.
+
+    ``what`` names the config key in the error, e.g. ``"env.wrappers[0].target"``.
+    """
+    if not isinstance(text, str):
+        raise SetupError(f"{what} {text!r} must be a string {_FORM}.")
+    if ":" in text:
+        module, _, name = text.partition(":")
+    else:
+        module, _, name = text.rpartition(".")
+    if not (_MODULE.fullmatch(module) and name.isidentifier()):
+        raise SetupError(f"{what} '{text}' must look like {_FORM}.")
+    return module, name
+
+
+def split_env_id(env_id: str) -> tuple[str | None, str]:
+    """``package.module:EnvId-v0`` -> ``(module, "EnvId-v0")``; a plain id -> ``(None, id)``."""
+    if ":" not in env_id:
+        return None, env_id
+    module, _, name = env_id.partition(":")
+    if not (_MODULE.fullmatch(module) and name):
+        raise SetupError(f"env.id '{env_id}' must look like 'package.module:EnvId-v0' or a registered id.")
+    return module, name
+
+
+def current_module_name(module: str) -> str:
+    """``module``, or its new name if it is one of the old top-level packages' modules.
+
+    ``agents.gru`` becomes ``rl_replay.agents.gru`` only where that module exists, so a
+    user's own package that happens to be called ``agents`` keeps resolving to itself.
+    """
+    top, dot, rest = module.partition(".")
+    if top not in RENAMED_PACKAGES:
+        return module
+    renamed = RENAMED_PACKAGES[top] + dot + rest
+    try:
+        found = importlib.util.find_spec(renamed) is not None
+    except ImportError:  # a parent of ``renamed`` does not exist
+        found = False
+    return renamed if found else module
+
+
+def import_module(module: str, what: str) -> ModuleType:
+    """Import ``module`` (old top-level names mapped to their new ones); one-line SetupError."""
+    try:
+        return importlib.import_module(current_module_name(module))
+    except ImportError as exc:
+        raise SetupError(f"{what}: cannot import module '{module}' ({exc}).") from None
+
+
+def _expand(text: Any, what: str, short_names: Mapping[str, str] | None) -> str:
+    """A short name replaced by the target it stands for; anything else unchanged."""
+    if short_names is None or not isinstance(text, str) or not is_short_name(text):
+        return text
+    if text not in short_names:
+        raise SetupError(
+            f"{what} '{text}' is not a built-in name (one of {', '.join(sorted(short_names))}); "
+            f"name your own class as {_FORM}."
+        )
+    return short_names[text]
+
+
+def resolve(text: Any, what: str, short_names: Mapping[str, str] | None = None) -> Any:
+    """The object a target names: a short name from ``short_names``, or ``module:Name``."""
+    module_name, name = parse_target(_expand(text, what, short_names), what)
+    module = import_module(module_name, f"{what} '{text}'")
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise SetupError(f"{what} '{text}': module '{module.__name__}' has no attribute '{name}'.")
+    return obj
+
+
+def canonical_target(text: Any, short_names: Mapping[str, str] | None = None) -> Any:
+    """``module:Name`` with the module's current name: targets that name the same object
+    compare equal (``gru``, ``agents.gru:GRUAgent``, ``rl_replay.agents.gru.GRUAgent``).
+
+    Text that is not a valid target is returned unchanged.
+    """
+    try:
+        module, name = parse_target(_expand(text, "target", short_names), "target")
+        return f"{current_module_name(module)}:{name}"
+    except (SetupError, ImportError):
+        return text
+
+
+class _RenamedModulesUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        return super().find_class(current_module_name(module), name)
+
+
+def unpickle(data: bytes) -> Any:
+    """``pickle.loads`` that also reads pickles written before the rename: a checkpoint's
+    pickled ``envs.memory.MemoryCueEnv`` loads as ``rl_replay.envs.memory.MemoryCueEnv``."""
+    return _RenamedModulesUnpickler(io.BytesIO(data)).load()
