@@ -29,9 +29,9 @@ from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remo
 from rl_replay.collector import Collector, make_vector_env
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
 from rl_replay.contract import check_agent
-from rl_replay.errors import SetupError
+from rl_replay.errors import SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
-from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
+from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
 from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
                               wandb_preflight)
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
@@ -90,8 +90,8 @@ class Trainer:
         """Train until ``total_env_steps``; returns the last update's metrics.
 
         On SIGINT / SIGTERM the current update is finished, a checkpoint written and
-        :class:`~rl_replay.interrupt.TrainingInterrupted` raised. Non-finite values stop
-        the run with :class:`~rl_replay.guards.NonFiniteError` (no checkpoint is written).
+        :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
+        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written).
         The logger and the run directory's lock are released in every case.
         """
         metrics: dict[str, float] = {}

@@ -379,7 +379,7 @@ if "test_dist/NaNOnRankOne-v0" not in gym.registry:
 
 def _nan_worker(rank: int, world_size: int, run_dir: str, out_dir: str, mode: str) -> None:
     from rl_replay.config import load_config
-    from rl_replay.guards import NonFiniteError
+    from rl_replay.errors import NonFiniteError
     from rl_replay.trainer import build
 
     cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
@@ -460,7 +460,7 @@ def _signal_worker(rank: int, world_size: int, run_dir: str, out_dir: str) -> No
 
     from rl_replay.checkpoint import load_checkpoint
     from rl_replay.config import load_config
-    from rl_replay.interrupt import TrainingInterrupted
+    from rl_replay.errors import TrainingInterrupted
     from rl_replay.trainer import build
 
     cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
