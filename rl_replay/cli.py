@@ -210,8 +210,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
     from rl_replay.agent import build_agent
     from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
-    from rl_replay.collector import make_vector_env
     from rl_replay.config import load_config
+    from rl_replay.environment import make_vector_env
     from rl_replay.errors import SetupError
     from rl_replay.evaluate import evaluate
 

@@ -23,11 +23,11 @@ from tensordict import TensorDict
 from rl_replay.engine import GradientAccumulator
 from rl_replay.agent import Agent
 from rl_replay.guards import NonFiniteError, non_finite_env_step
-from rl_replay.environment import env_episode_return, make_vector_env
+from rl_replay.environment import env_episode_return
 from rl_replay.engine import replay
 from rl_replay.spaces import obs_converter
 
-__all__ = ["Collector", "Rollout", "make_vector_env"]  # make_vector_env: re-exported from environment
+__all__ = ["Collector", "Rollout"]
 
 
 @dataclass

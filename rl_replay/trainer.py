@@ -23,21 +23,22 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.agent import Agent, build_agent
-from rl_replay.algorithms import compute_loss, make_algorithm
+from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
-from rl_replay.collector import Collector, make_vector_env
+from rl_replay.collector import Collector
 from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
 from rl_replay.contract import check_agent
+from rl_replay.environment import make_vector_env
 from rl_replay.errors import SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
-from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
-                              wandb_preflight)
+from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, wandb_preflight
+from rl_replay.memory_stats import begin_update, update_memory
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
 from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
 
-__all__ = ["Trainer", "build", "make_optimizer", "compute_loss", "RESUME_FIXED_KEYS"]
+__all__ = ["Trainer", "build", "make_optimizer", "RESUME_FIXED_KEYS"]
 
 
 def make_optimizer(params, cfg) -> torch.optim.Optimizer:

@@ -133,7 +133,7 @@ class BatchedA2C:
 def gradient_check(trainer) -> tuple[float, float]:
     """One rl_replay rollout's gradient vs a batched recompute on the same rollout data."""
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
+    from rl_replay.algorithms import compute_loss
 
     model = trainer.model
     model.zero_grad(set_to_none=True)

@@ -87,8 +87,8 @@ def build(spec: dict, T: int):
 def build_from_config(spec: dict, T: int):
     """(cfg, agent, optimizer, rollout) with a shipped config's agent, envs and PPO settings."""
     from rl_replay.agent import build_agent
-    from rl_replay.collector import make_vector_env
     from rl_replay.config import load_config
+    from rl_replay.environment import make_vector_env
     from rl_replay.trainer import make_optimizer
 
     overrides = [f"collector.num_steps={T}", "log.wandb_mode=disabled"]

@@ -21,10 +21,11 @@ from agents.lstm import LSTMAgent
 from agents.mlp import MLPAgent
 from envs.chain import ChainEnv
 from rl_replay.agent import ActionHead, Agent
-from rl_replay.collector import Collector, make_vector_env
+from rl_replay.collector import Collector
 from rl_replay.config import LossConfig
+from rl_replay.environment import make_vector_env
 from rl_replay.losses import a2c_loss, total_loss
-from rl_replay.trainer import compute_loss
+from rl_replay.algorithms import compute_loss
 
 T_, F_ = True, False
 

@@ -98,7 +98,7 @@ def plain_rollout_grads(agent: torch.nn.Module, data: TensorDict, final_obs: tor
     backpropagates the same loss.
     """
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
+    from rl_replay.algorithms import compute_loss
 
     T, N = data.batch_size
     agent.zero_grad(set_to_none=True)
@@ -147,11 +147,12 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Collector, make_vector_env
+    from rl_replay.collector import Collector
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.environment import make_vector_env
     from rl_replay.losses import total_loss
-    from rl_replay.trainer import compute_loss
+    from rl_replay.algorithms import compute_loss
 
     info, device = init_from_env("cpu", "gloo")
     assert (info.rank, info.world_size) == (rank, world_size)

@@ -20,7 +20,8 @@ from rl_replay.config import LossConfig, load_config
 from rl_replay.environment import make_vector_env
 from rl_replay.errors import SetupError
 from rl_replay.spaces import flat_size, obs_converter
-from rl_replay.trainer import build, compute_loss
+from rl_replay.trainer import build
+from rl_replay.algorithms import compute_loss
 from rl_replay.losses import total_loss
 
 AGENTS = {"mlp": ("agents.mlp:MLPAgent", "{hidden_sizes: [16]}"),
