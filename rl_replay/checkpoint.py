@@ -10,8 +10,8 @@ same directory, fsyncs it, reads it back and checks its checksum, keeps the chec
 replaces as ``checkpoint.prev.pt`` and only then renames the new file into place
 (``os.replace`` is atomic on POSIX: a reader, or a resume after a kill, sees either the old
 file or the new one). :func:`load_checkpoint` verifies size and checksum and raises a
-one-line :class:`CheckpointError` naming the file for an empty, truncated or corrupt one;
-:func:`load_latest` falls back to the previous checkpoint.
+one-line :class:`~rl_replay.errors.CheckpointError` naming the file for an empty, truncated
+or corrupt one; :func:`load_latest` falls back to the previous checkpoint.
 
 Files written before the header existed (a bare ``torch.save``) still load, unverified.
 """
@@ -29,10 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_replay.errors import SetupError
+from rl_replay.errors import CheckpointError
 
 __all__ = [
-    "CHECKPOINT_NAME", "PREVIOUS_NAME", "CheckpointError", "save_checkpoint", "load_checkpoint",
+    "CHECKPOINT_NAME", "PREVIOUS_NAME", "save_checkpoint", "load_checkpoint",
     "load_latest", "checkpoint_path", "previous_checkpoint_path", "remove_stale_temporaries",
     "capture_rng", "restore_rng", "non_finite_tensors",
 ]
@@ -41,10 +41,6 @@ CHECKPOINT_NAME = "checkpoint.pt"
 PREVIOUS_NAME = "checkpoint.prev.pt"
 _MAGIC = b"RLREPLAY-CHECKPOINT 1 "
 _HEADER_MAX = 256
-
-
-class CheckpointError(SetupError):
-    """A checkpoint file is missing, empty, truncated, corrupt, or would hold non-finite weights."""
 
 
 def checkpoint_path(run_dir: str | os.PathLike) -> Path:

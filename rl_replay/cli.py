@@ -109,11 +109,8 @@ def train_main(argv: list[str] | None = None) -> int:
                         help="config overrides, e.g. optim.lr=3e-4 (see the keys below)")
     args = parser.parse_intermixed_args(argv)
 
-    from rl_replay.checkpoint import CheckpointError
     from rl_replay.config import load_config
-    from rl_replay.errors import SetupError
-    from rl_replay.guards import NonFiniteError
-    from rl_replay.interrupt import TrainingInterrupted
+    from rl_replay.errors import CheckpointError, NonFiniteError, SetupError, TrainingInterrupted
 
     if args.resume and args.config:
         print(f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
@@ -213,8 +210,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
     from rl_replay.agent import build_agent
     from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
-    from rl_replay.collector import make_vector_env
     from rl_replay.config import load_config
+    from rl_replay.environment import make_vector_env
     from rl_replay.errors import SetupError
     from rl_replay.evaluate import evaluate
 

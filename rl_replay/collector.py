@@ -22,13 +22,15 @@ from tensordict import TensorDict
 
 from rl_replay.engine import GradientAccumulator
 from rl_replay.agent import Agent
-from rl_replay.guards import NonFiniteError, non_finite_env_step
-from rl_replay.environment import env_episode_return, make_vector_env
+from rl_replay.errors import NonFiniteError
+from rl_replay.guards import non_finite_env_step
+from rl_replay.environment import env_episode_return
 from rl_replay.engine import replay
 from rl_replay.sequence import append_heads, block_inputs, stack_heads, truncate
 from rl_replay.spaces import obs_converter
+from rl_replay.targets import unpickle
 
-__all__ = ["Collector", "Rollout", "make_vector_env"]  # make_vector_env: re-exported from environment
+__all__ = ["Collector", "Rollout"]
 
 
 @dataclass
@@ -259,7 +261,8 @@ class Collector:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("envs") is not None:
-            self.envs.envs, self.envs._autoreset_envs = pickle.loads(state["envs"])
+            # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
+            self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])
         elif state.get("obs") is not None:
             # The envs could not be restored: start fresh episodes instead of mixing.
             self._reset(None)

@@ -11,8 +11,8 @@ Overrides have the form ``section.key=value`` (or ``key=value`` for root fields 
 
 Every field is type-checked; enumerated strings and numeric ranges are validated, and
 every error is a ``ValueError`` that names the offending key (``FileNotFoundError`` for a
-missing file). Sizes derived from the config (batch size, number of updates) are computed
-in one place: :func:`derived`.
+missing file). Sizes derived from the config are computed in one place each:
+:func:`batch_size_per_rank` and :func:`num_updates`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ __all__ = [
     "config_to_dict",
     "save_config",
     "validate",
-    "derived",
+    "batch_size_per_rank",
+    "num_updates",
 ]
 
 
@@ -714,15 +715,18 @@ def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def derived(cfg: Config) -> dict[str, int]:
-    """Sizes computed from the config, in one place.
+def batch_size_per_rank(cfg: Config) -> int:
+    """Env steps one rank collects per update: ``num_envs * num_steps``.
 
-    batch_size: env steps per update, ``num_envs * num_steps`` (an upper bound in episode
-    mode, where episodes may end before the step cap).
-    num_updates: ``ceil(total_env_steps / batch_size)``.
+    An upper bound in episode mode, where episodes may end before the step cap.
     """
-    batch_size = cfg.env.num_envs * cfg.collector.num_steps
-    return {
-        "batch_size": batch_size,
-        "num_updates": math.ceil(cfg.total_env_steps / batch_size),
-    }
+    return cfg.env.num_envs * cfg.collector.num_steps
+
+
+def num_updates(cfg: Config, *, world_size: int) -> int:
+    """Updates a run takes: ``ceil(total_env_steps / (num_envs * num_steps * world_size))``.
+
+    Every rank runs ``env.num_envs`` envs, so an update consumes ``world_size`` times the
+    per-rank batch.
+    """
+    return math.ceil(cfg.total_env_steps / (batch_size_per_rank(cfg) * world_size))

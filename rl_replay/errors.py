@@ -1,8 +1,21 @@
-"""Error types of the trainer side (the engine's own is :class:`rl_replay.engine.ReplayError`)."""
+"""Every error type rl_replay raises, importable from one place.
+
+The trainer side's errors are defined here; the engine's own
+(:class:`~rl_replay.engine.ReplayError`) lives in :mod:`rl_replay.engine.errors`, since the
+engine does not import the trainer side, and is re-exported here.
+
+The command-line entry points (:mod:`rl_replay.cli`) print each of them as one line and
+exit with the code the README's table gives for it.
+"""
+
+from __future__ import annotations
+
+import signal
 
 from rl_replay.engine.errors import ReplayError
 
-__all__ = ["ReplayError", "SetupError"]
+__all__ = ["ReplayError", "SetupError", "RunDirError", "CheckpointError", "NonFiniteError",
+           "TrainingInterrupted"]
 
 
 class SetupError(ValueError):
@@ -10,3 +23,39 @@ class SetupError(ValueError):
 
     Raised before anything is written to disk; scripts print it as one line.
     """
+
+
+class RunDirError(SetupError):
+    """The run directory cannot be used as asked (not empty, or in use by another process).
+
+    Raised by :mod:`rl_replay.run_dir`.
+    """
+
+
+class CheckpointError(SetupError):
+    """A checkpoint file is missing, empty, truncated, corrupt, or would hold non-finite weights.
+
+    Raised by :mod:`rl_replay.checkpoint`.
+    """
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced (or an environment returned) NaN or infinity; the message is one line.
+
+    Raised by the guards of :mod:`rl_replay.guards` and by the collector.
+    """
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on a signal after writing a checkpoint.
+
+    Raised by :meth:`rl_replay.trainer.Trainer.train` (see :mod:`rl_replay.interrupt`).
+    ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM).
+    """
+
+    def __init__(self, signum: int, update: int, checkpoint: str | None, run_dir: str) -> None:
+        self.signum, self.update, self.checkpoint, self.run_dir = signum, update, checkpoint, run_dir
+        self.exit_code = 128 + signum
+        super().__init__(
+            f"stopped by {signal.Signals(signum).name} after update {update}; checkpoint {checkpoint} written."
+        )

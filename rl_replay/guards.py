@@ -5,7 +5,7 @@ through the run's :class:`StepGuard`:
 
 * :func:`check_update` after backward and clipping, before ``optimizer.step()``: the loss
   terms and the (global) gradient norm must be finite. Otherwise it raises
-  :class:`NonFiniteError`, or, while the run's skip budget lasts, tells the caller to skip
+  :class:`~rl_replay.errors.NonFiniteError`, or, while the run's skip budget lasts, tells the caller to skip
   the step (and prints one line about it).
 * :func:`check_parameters` after the step: every parameter must be finite.
 
@@ -23,12 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-__all__ = ["NonFiniteError", "SkipBudget", "StepGuard", "check_update", "check_parameters",
-           "non_finite_env_step"]
+from rl_replay.errors import NonFiniteError
 
-
-class NonFiniteError(RuntimeError):
-    """Training produced (or an environment returned) NaN or infinity; the message is one line."""
+__all__ = ["SkipBudget", "StepGuard", "check_update", "check_parameters", "non_finite_env_step"]
 
 
 @dataclass

@@ -4,7 +4,8 @@
 The first SIGINT or SIGTERM only sets a flag and restores the default handlers, so a
 second one kills the process at once. The trainer asks :meth:`StopOnSignal.requested`
 once per update; under torchrun the flag is all-reduced there, so every rank stops at
-the same update even if only one of them received the signal.
+the same update even if only one of them received the signal. The trainer then raises
+:class:`~rl_replay.errors.TrainingInterrupted`.
 """
 
 from __future__ import annotations
@@ -16,23 +17,9 @@ import threading
 
 import torch
 
-__all__ = ["StopOnSignal", "TrainingInterrupted", "children_ignore_sigint"]
+__all__ = ["StopOnSignal", "children_ignore_sigint"]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class TrainingInterrupted(Exception):
-    """Training stopped on a signal after writing a checkpoint.
-
-    ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM).
-    """
-
-    def __init__(self, signum: int, update: int, checkpoint: str | None, run_dir: str) -> None:
-        self.signum, self.update, self.checkpoint, self.run_dir = signum, update, checkpoint, run_dir
-        self.exit_code = 128 + signum
-        super().__init__(
-            f"stopped by {signal.Signals(signum).name} after update {update}; checkpoint {checkpoint} written."
-        )
 
 
 class StopOnSignal:

@@ -30,11 +30,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 from rl_replay.errors import SetupError
-from rl_replay.memory_stats import begin_update, update_memory
 
 __all__ = [
-    "RunLogger", "begin_update", "update_memory", "peak_memory", "truncate_metrics", "read_metrics",
-    "resolve_wandb_mode", "wandb_preflight", "summarize",
+    "RunLogger", "truncate_metrics", "read_metrics", "resolve_wandb_mode", "wandb_preflight", "summarize",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -44,9 +42,6 @@ WANDB_MODES = ("online", "offline", "disabled")
 # wandb's own aliases for its modes
 _MODE_ALIASES = {"run": "online", "dryrun": "offline"}
 ONLINE_CHECK_SECONDS = 10.0
-
-# Kept for callers of the old name: the per-update numbers (see rl_replay.memory_stats).
-peak_memory = update_memory
 
 
 def resolve_wandb_mode(config_mode: str) -> str:

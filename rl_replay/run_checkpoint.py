@@ -114,7 +114,7 @@ def save_trainer(trainer) -> Path:
     """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
 
     Returns the path written. Raises on every rank if rank 0 could not write it (e.g. a
-    :class:`~rl_replay.checkpoint.CheckpointError` for non-finite weights).
+    :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
     """
     info, model = trainer.info, trainer.model
     path = checkpoint_path(trainer.run_dir)

@@ -6,6 +6,8 @@
 * :class:`RunLock` holds ``fcntl.flock`` on ``RUN_DIR/.lock`` for the life of the run. The
   operating system drops the lock when the process dies, so a killed run never leaves a
   stale lock behind; a second live process writing the same directory is refused.
+
+Every refusal is a :class:`~rl_replay.errors.RunDirError` (a ``SetupError``).
 """
 
 from __future__ import annotations
@@ -15,19 +17,15 @@ import os
 import time
 from pathlib import Path
 
-from rl_replay.errors import SetupError
+from rl_replay.errors import RunDirError
 
-__all__ = ["LOCK_NAME", "RunLock", "RunDirError", "claim_fresh", "claim_default", "default_name"]
+__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name"]
 
 LOCK_NAME = ".lock"
 
 # Locks this process holds, by resolved path: a run directory is owned by a process, so a
 # second trainer built in the same process (a resume after an in-process run) takes over.
 _HELD: dict[str, "RunLock"] = {}
-
-
-class RunDirError(SetupError):
-    """The run directory cannot be used as asked (not empty, or in use by another process)."""
 
 
 class RunLock:

@@ -9,7 +9,7 @@ directory. :meth:`Trainer.train` is the thin loop.
 from __future__ import annotations
 
 import collections
-import math
+import contextlib
 import random
 import sys
 import time
@@ -23,21 +23,24 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
-from rl_replay.algorithms import compute_loss, make_algorithm
+from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
 from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
-from rl_replay.collector import Collector, make_vector_env
-from rl_replay.config import Config, config_to_dict, derived, load_config, save_config
+from rl_replay.collector import Collector
+from rl_replay.config import (Config, batch_size_per_rank, config_to_dict, load_config, num_updates,
+                              save_config)
 from rl_replay.contract import check_agent
-from rl_replay.errors import SetupError
+from rl_replay.environment import make_vector_env
+from rl_replay.errors import SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
-from rl_replay.interrupt import StopOnSignal, TrainingInterrupted, children_ignore_sigint
-from rl_replay.logger import (METRICS_NAME, RunLogger, begin_update, truncate_metrics, update_memory,
-                              wandb_preflight)
+from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
+from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, wandb_preflight
+from rl_replay.memory_stats import begin_update
+from rl_replay.metrics import pool_update_metrics
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
 from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
 
-__all__ = ["Trainer", "build", "make_optimizer", "compute_loss", "RESUME_FIXED_KEYS"]
+__all__ = ["Trainer", "build", "make_optimizer", "RESUME_FIXED_KEYS"]
 
 
 def make_optimizer(params, cfg) -> torch.optim.Optimizer:
@@ -58,12 +61,13 @@ def seed_everything(seed: int) -> None:
 class Trainer:
     """Owns one run: the collector, the (possibly FSDP-wrapped) agent and the optimizer.
 
-    Training holds the run directory's lock (rank 0) until :meth:`close`.
+    Training holds the run directory's lock (rank 0) until :meth:`close`. ``num_params`` is
+    the agent's parameter count, taken before FSDP shards it.
     """
 
     def __init__(self, cfg: Config, *, run_dir: Path, collector: Collector, model: torch.nn.Module,
                  optimizer: torch.optim.Optimizer, logger: RunLogger | None, info: dist_utils.DistInfo,
-                 device: torch.device, lock: RunLock | None = None) -> None:
+                 device: torch.device, num_params: int, lock: RunLock | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
         self.collector = collector
@@ -75,11 +79,10 @@ class Trainer:
         self.lock = lock
         self.update = 0
         self.env_steps = 0  # summed over all ranks
-        # Every rank runs cfg.env.num_envs envs: an update consumes world_size times the batch.
-        self.num_updates = math.ceil(cfg.total_env_steps / (derived(cfg)["batch_size"] * info.world_size))
+        self.num_updates = num_updates(cfg, world_size=info.world_size)
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
-        self.num_params = sum(p.numel() for p in model.parameters())  # build() counts before FSDP shards
+        self.num_params = num_params
         # Every optimizer step of the algorithm passes through these non-finite checks.
         self.guard = guards.StepGuard(model, guards.SkipBudget(cfg.optim.skip_nonfinite_updates),
                                       any_rank=self._any_rank)
@@ -90,8 +93,8 @@ class Trainer:
         """Train until ``total_env_steps``; returns the last update's metrics.
 
         On SIGINT / SIGTERM the current update is finished, a checkpoint written and
-        :class:`~rl_replay.interrupt.TrainingInterrupted` raised. Non-finite values stop
-        the run with :class:`~rl_replay.guards.NonFiniteError` (no checkpoint is written).
+        :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
+        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written).
         The logger and the run directory's lock are released in every case.
         """
         metrics: dict[str, float] = {}
@@ -123,44 +126,16 @@ class Trainer:
         self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update()
-        rollout = result.rollout
-        update_sec = result.collect_sec + result.optimize_sec
         self.update += 1
-        # Episode statistics are pooled over ranks (sums and counts, not means of means).
-        pooled = dist_utils.reduce_sums({
-            "steps": rollout.env_steps,
-            "episodes": len(rollout.episode_returns),
-            "return": sum(rollout.episode_returns),
-            "length": sum(rollout.episode_lengths),
-            "judged": len(rollout.episode_successes),
-            "success": sum(rollout.episode_successes),
-        }, self.device, self.info)
-        steps = pooled["steps"]
-        self.env_steps += int(steps)
-        self.recent_returns.extend(rollout.episode_returns)
-        nan = float("nan")
-        episodes, judged = pooled["episodes"], pooled["judged"]
-        local = {
-            "rollout/return_recent": float(np.mean(self.recent_returns)) if self.recent_returns else nan,
-            **result.metrics,
-            "time/collect_sec": result.collect_sec,
-            "time/optimize_sec": result.optimize_sec,
-            "time/update_sec": update_sec,
-            **update_memory(self.device),
-        }
-        metrics = dist_utils.reduce_mean(local, self.device, self.info)
-        metrics["rollout/episodes"] = episodes
-        metrics["rollout/return_mean"] = pooled["return"] / episodes if episodes else nan
-        metrics["rollout/episode_length"] = pooled["length"] / episodes if episodes else nan
-        metrics["rollout/success_rate"] = pooled["success"] / judged if judged else nan
-        metrics["train/grad_norm"] = result.grad_norm
-        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["train/skipped_updates"] = float(self.guard.budget.skipped)
-        metrics["time/steps_per_sec"] = steps / update_sec
+        self.recent_returns.extend(result.rollout.episode_returns)
+        metrics, steps = pool_update_metrics(
+            result, recent_returns=self.recent_returns, lr=self.optimizer.param_groups[0]["lr"],
+            skipped_updates=self.guard.budget.skipped, device=self.device, info=self.info)
+        self.env_steps += steps
         every = cfg.log.horizon_every
         if every and self.update % every == 0:
             t0 = time.perf_counter()
-            metrics.update(episode_horizon(self.collector.agent, self.collector.policy, rollout.data,
+            metrics.update(episode_horizon(self.collector.agent, self.collector.policy, result.rollout.data,
                                            self.collector.bptt_truncate))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
@@ -274,14 +249,13 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
 
     Everything that can be misconfigured is checked before anything is written: a fresh
     run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
-    into the new objects before its ``config.yaml`` is rewritten.
+    into the new objects before its ``config.yaml`` is rewritten. A failure releases what
+    was taken until then (the run directory's lock, the envs, the logger); the returned
+    trainer holds them until :meth:`Trainer.close`.
     """
     if resume is not None:
         resume = Path(resume)
-        if not (checkpoint_path(resume).exists() or previous_checkpoint_path(resume).exists()):
-            raise FileNotFoundError(f"cannot resume: no checkpoint at {checkpoint_path(resume)}")
-        cfg = load_config(resume / "config.yaml", overrides)
-        cfg = replace(cfg, run_dir=str(resume))
+        cfg = _resume_config(resume, overrides)
     assert cfg is not None
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
@@ -289,73 +263,100 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     if cfg.keep_freed_memory:
         keep_freed_memory()
     info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
-    lock: RunLock | None = None
-    state = None
-    if resume is not None:
-        # Refuse a run that is still being written before reading anything.
-        lock = _on_main(lambda: RunLock(resume), info)
-        try:
-            state, ckpt, warning = read_trainer_state(resume, info)
-        except BaseException:
-            if lock is not None:
-                lock.release()
-            raise
-        if warning and info.is_main:
-            print(f"warning: {warning}", file=sys.stderr, flush=True)
-    try:
+    # Unwound (newest first) only if building fails: pop_all() hands everything to the trainer.
+    with contextlib.ExitStack() as cleanup:
+        lock: RunLock | None = None
+        state, ckpt = None, None
+        if resume is not None:
+            # Refuse a run that is still being written before reading anything.
+            lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
+            state, ckpt = _read_resume_state(cfg, resume, info)
+        trainer = _build_objects(cfg, info, device, lock, cleanup)
         if state is not None:
-            _check_resume_config(cfg, state["config"], resume)
-        trainer = _build_objects(cfg, info, device, lock)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    try:
-        if state is not None:
-            try:
-                load_trainer(trainer, state)
-            except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                raise SetupError(
-                    f"cannot resume {resume}: its checkpoint {ckpt} does not fit the run as configured "
-                    f"({type(exc).__name__}: {first}). Resume without overrides that change the agent, "
-                    "optimizer or environments, or start a new run."
-                ) from None
-            trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
+            _load_resume_state(trainer, state, ckpt, resume)
         # Nothing has been written yet; from here on the run exists on disk.
         if resume is None:
-            trainer.lock = lock = _on_main(lambda: _claim_new(cfg), info)
+            trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
             trainer.run_dir = Path(_broadcast_obj(str(lock.run_dir) if lock else None, info))
-        run_dir = trainer.run_dir
-        trainer.cfg = cfg = replace(cfg, run_dir=str(run_dir))
-        if info.is_main:
-            if state is not None:
-                remove_stale_temporaries(run_dir)
-                truncate_metrics(run_dir / METRICS_NAME, state["update"])
-            save_config(cfg, run_dir / "config.yaml")
-        dist_utils.barrier(info)
-        trainer.logger = RunLogger(
-            run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
-            wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
-            run_name=cfg.log.run_name or run_dir.name, wandb_id=state["wandb_id"] if state else None,
-            group=cfg.log.group, tags=cfg.log.tags,
-            extras=_run_extras(cfg, trainer.num_params, info, device),
-            progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
-            start_env_steps=state["env_steps"] if state else 0,
-            start_update=state["update"] if state else 0,
-        )
+        trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
+        _write_run_dir(trainer.cfg, trainer.run_dir, state, info)
+        trainer.logger = _open_logger(trainer, state, wandb_mode)
+        cleanup.callback(trainer.logger.close)
         if state is not None:
             restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
-    except BaseException:
-        trainer.collector.envs.close()
-        trainer.close()
-        raise
+        cleanup.pop_all()
     return trainer
 
 
+def _resume_config(resume: Path, overrides: tuple[str, ...]) -> Config:
+    """The saved config of the run in ``resume`` with ``overrides``; refuses a run without checkpoint."""
+    if not (checkpoint_path(resume).exists() or previous_checkpoint_path(resume).exists()):
+        raise FileNotFoundError(f"cannot resume: no checkpoint at {checkpoint_path(resume)}")
+    cfg = load_config(resume / "config.yaml", overrides)
+    return replace(cfg, run_dir=str(resume))
+
+
+def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None:
+    """Have ``cleanup`` release ``lock`` (None on ranks other than 0) if building fails."""
+    if lock is not None:
+        cleanup.callback(lock.release)
+    return lock
+
+
+def _read_resume_state(cfg: Config, resume: Path, info: dist_utils.DistInfo) -> tuple[dict[str, Any], Path]:
+    """The checkpoint state to resume from and its path; refuses overrides it cannot honour."""
+    state, ckpt, warning = read_trainer_state(resume, info)
+    if warning and info.is_main:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    _check_resume_config(cfg, state["config"], resume)
+    return state, ckpt
+
+
+def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resume: Path) -> None:
+    """Load the checkpoint into the newly built objects (RNG streams come last, in build)."""
+    try:
+        load_trainer(trainer, state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SetupError(
+            f"cannot resume {resume}: its checkpoint {ckpt} does not fit the run as configured "
+            f"({type(exc).__name__}: {first}). Resume without overrides that change the agent, "
+            "optimizer or environments, or start a new run."
+        ) from None
+    trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
+
+
+def _write_run_dir(cfg: Config, run_dir: Path, state: dict[str, Any] | None, info: dist_utils.DistInfo) -> None:
+    """Rank 0 writes ``config.yaml`` (a resume first cuts ``metrics.jsonl`` back to its checkpoint)."""
+    if info.is_main:
+        if state is not None:
+            remove_stale_temporaries(run_dir)
+            truncate_metrics(run_dir / METRICS_NAME, state["update"])
+        save_config(cfg, run_dir / "config.yaml")
+    dist_utils.barrier(info)
+
+
+def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str) -> RunLogger:
+    """The run's logger, continuing a resumed run's wandb run and progress."""
+    cfg, info = trainer.cfg, trainer.info
+    return RunLogger(
+        trainer.run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
+        wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
+        run_name=cfg.log.run_name or trainer.run_dir.name, wandb_id=state["wandb_id"] if state else None,
+        group=cfg.log.group, tags=cfg.log.tags,
+        extras=_run_extras(cfg, trainer.num_params, info, trainer.device),
+        progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
+        start_env_steps=state["env_steps"] if state else 0,
+        start_update=state["update"] if state else 0,
+    )
+
+
 def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
-                   lock: RunLock | None) -> Trainer:
-    """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk."""
+                   lock: RunLock | None, cleanup: contextlib.ExitStack) -> Trainer:
+    """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk.
+
+    The envs are closed by ``cleanup`` if building fails.
+    """
     seed_everything(cfg.seed + 1000 * info.rank)
     with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
         envs = make_vector_env(
@@ -363,46 +364,41 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
             kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
             imports=cfg.env.imports, wrappers=cfg.env.wrappers,
         )
-    try:
-        agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
-                                   envs.single_action_space).to(device)
-        num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
-        model: torch.nn.Module = agent
-        if info.distributed:
-            d = cfg.distributed
-            model = dist_utils.wrap_fsdp(agent, device, wrap_modules=d.wrap_modules,
-                                         min_num_params=d.min_num_params, cpu_offload=d.cpu_offload,
-                                         mixed_precision=d.mixed_precision)
-        elif cfg.distributed.cpu_offload:
-            raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
-        if info.distributed and cfg.eval.every:
-            raise SetupError(
-                "eval.every is not supported under torchrun (FSDP's forward is collective and "
-                "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
-                "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR")
-        if info.distributed and cfg.log.horizon_every:
-            raise SetupError(
-                "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
-                "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
-                "with: python scripts/grad_horizon.py --run RUN_DIR")
-        optimizer = make_optimizer(model.parameters(), cfg.optim)
-        reduce_sums = None
-        if info.distributed:
-            def reduce_sums(values: dict[str, float]) -> dict[str, float]:
-                return dist_utils.reduce_sums(values, device, info)
-        collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
-                              bptt_truncate=cfg.collector.bptt_truncate, device=device,
-                              seed=cfg.seed + 1000 * info.rank, reduce_sums=reduce_sums)
-        check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space,
-                    cfg.agent.target)
-    except BaseException:
-        envs.close()
-        raise
+    cleanup.callback(envs.close)
+    agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
+                               envs.single_action_space).to(device)
+    num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
+    model: torch.nn.Module = agent
+    if info.distributed:
+        d = cfg.distributed
+        model = dist_utils.wrap_fsdp(agent, device, wrap_modules=d.wrap_modules,
+                                     min_num_params=d.min_num_params, cpu_offload=d.cpu_offload,
+                                     mixed_precision=d.mixed_precision)
+    elif cfg.distributed.cpu_offload:
+        raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
+    if info.distributed and cfg.eval.every:
+        raise SetupError(
+            "eval.every is not supported under torchrun (FSDP's forward is collective and "
+            "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
+            "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR")
+    if info.distributed and cfg.log.horizon_every:
+        raise SetupError(
+            "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
+            "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
+            "with: python scripts/grad_horizon.py --run RUN_DIR")
+    optimizer = make_optimizer(model.parameters(), cfg.optim)
+    reduce_sums = None
+    if info.distributed:
+        def reduce_sums(values: dict[str, float]) -> dict[str, float]:
+            return dist_utils.reduce_sums(values, device, info)
+    collector = Collector(envs, model, num_steps=cfg.collector.num_steps, mode=cfg.collector.mode,
+                          bptt_truncate=cfg.collector.bptt_truncate, device=device,
+                          seed=cfg.seed + 1000 * info.rank, reduce_sums=reduce_sums)
+    check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space,
+                cfg.agent.target)
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
-    trainer = Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
-                      logger=None, info=info, device=device, lock=lock)
-    trainer.num_params = num_params
-    return trainer
+    return Trainer(cfg, run_dir=run_dir, collector=collector, model=model, optimizer=optimizer,
+                   logger=None, info=info, device=device, num_params=num_params, lock=lock)
 
 
 def _claim_new(cfg: Config) -> RunLock:
@@ -415,11 +411,11 @@ def _claim_new(cfg: Config) -> RunLock:
 
 def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device: torch.device) -> dict:
     """Facts about the run that the config does not spell out (wandb config ``run``)."""
-    per_rank = derived(cfg)["batch_size"]
+    per_rank = batch_size_per_rank(cfg)
     return {
         "num_params": num_params, "world_size": info.world_size, "device": str(device),
         "batch_size_per_rank": per_rank, "batch_size": per_rank * info.world_size,
-        "num_updates": math.ceil(cfg.total_env_steps / (per_rank * info.world_size)),
+        "num_updates": num_updates(cfg, world_size=info.world_size),
     }
 
 

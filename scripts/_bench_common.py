@@ -6,14 +6,15 @@
 * :func:`run_isolated` -- run one benchmark configuration in a fresh process: either a
   ``forkserver`` child (torch & co. imported once by the server, every configuration a
   new forked process) or ``python script --worker SPEC`` printing one JSON line.
-* grad comparison, machine description, markdown helpers.
+* grad comparison, machine description.
+
+Formatting and writing results into the docs: ``_bench_report.py``.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import multiprocessing as mp
 import os
 import platform
@@ -25,7 +26,6 @@ import sys
 import time
 import traceback
 import weakref
-from contextlib import contextmanager
 from typing import Any, Callable, Iterable
 
 import torch
@@ -39,28 +39,7 @@ GLIBC_NOTE = (
 WORKER_PREFIX = "BENCH_RESULT "
 
 
-# ----------------------------------------------------------------------------- formatting
-def fmt_bytes(n: float | None) -> str:
-    if n is None or (isinstance(n, float) and math.isnan(n)):
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
-
-
-def fmt_s(s: float | None) -> str:
-    if s is None or (isinstance(s, float) and math.isnan(s)):
-        return "-"
-    if s < 1e-3:
-        return f"{s * 1e6:.0f} us"
-    if s < 1:
-        return f"{s * 1e3:.1f} ms"
-    return f"{s:.2f} s"
-
-
+# ----------------------------------------------------------------------------- statistics
 def median(xs: Iterable[float]) -> float:
     xs = list(xs)
     return statistics.median(xs) if xs else float("nan")
@@ -422,30 +401,3 @@ def worker_cli(fn: Callable[[dict], dict], argv_spec: str) -> int:
     print(WORKER_PREFIX + json.dumps(result), flush=True)
     return 0 if "error" not in result else 1
 
-
-# ----------------------------------------------------------------------------- docs
-def update_marked_section(path: str, name: str, body: str) -> None:
-    """Replace ``<!-- BEGIN name -->...<!-- END name -->`` in ``path`` (append if absent)."""
-    begin, end = f"<!-- BEGIN {name} -->", f"<!-- END {name} -->"
-    block = f"{begin}\n{body.rstrip()}\n{end}"
-    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
-    if begin in text and end in text:
-        head, rest = text.split(begin, 1)
-        _, tail = rest.split(end, 1)
-        text = head + block + tail
-    else:
-        text = text.rstrip() + ("\n\n" if text else "") + block + "\n"
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
-
-
-@contextmanager
-def timer():
-    box = {}
-    t0 = time.perf_counter()
-    try:
-        yield box
-    finally:
-        box["s"] = time.perf_counter() - t0

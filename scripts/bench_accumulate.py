@@ -11,6 +11,7 @@ plus plain autograd as the gradient reference.
 Usage::
 
     python scripts/bench_accumulate.py            # 12.7M-parameter MLP, T = 256
+    python scripts/bench_accumulate.py --write-docs   # the same, and update docs/benchmarks.md
     python scripts/bench_accumulate.py --smoke
 """
 
@@ -31,13 +32,13 @@ import torch.nn.functional as F  # noqa: E402
 
 import rl_replay  # noqa: E402
 from _bench_common import (  # noqa: E402
-    GLIBC_NOTE, LiveTensorCensus, MemoryMeter, describe_machine, load_line, fmt_bytes, fmt_s, grad_diff,
-    grad_snapshot, median, run_isolated, set_threads, update_marked_section, worker_cli,
+    GLIBC_NOTE, LiveTensorCensus, MemoryMeter, describe_machine, load_line, grad_diff, grad_snapshot, median,
+    run_isolated, set_threads, worker_cli,
 )
-from bench_memory import MLPPolicy  # noqa: E402
+from _bench_policies import MLPPolicy  # noqa: E402
+from _bench_report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRELOAD = ["torch", "tensordict", "rl_replay", "_bench_common", "bench_memory"]
+PRELOAD = ["torch", "tensordict", "rl_replay", "_bench_common", "_bench_policies"]
 POLICY = dict(kind="mlp", obs=64, width=2048, layers=4, actions=8, batch=8)
 SMOKE_POLICY = dict(kind="mlp", obs=8, width=32, layers=3, actions=4, batch=4)
 METHODS = ("plain", "helper", "rl_replay")
@@ -200,19 +201,44 @@ def worker(spec: dict) -> dict:
     return result
 
 
+def report(results: dict[str, dict]) -> tuple[list[str], str, str]:
+    """(markdown table lines, summary line, gradient-check line) of the workers' results."""
+    h, rr = results["helper"], results["rl_replay"]
+    lines = ["| method | rollout fwd | backward (median) | backward runs | tensors alive after backward "
+             "| peak RSS growth in backward | grad max abs / rel diff vs plain |",
+             "|---|---:|---:|---|---:|---:|---:|"]
+    for m in METHODS:
+        r = results[m]
+        g = f"{r['grad_abs']:.1e} / {r['grad_rel']:.1e}" if "grad_abs" in r else "(reference)"
+        lines.append(f"| {m} | {fmt_s(r['fwd_s'])} | {fmt_s(r['bwd_s'])} | "
+                     f"{', '.join(fmt_s(b) for b in r['bwd_all'])} | {fmt_bytes(r['live_after_bwd_bytes'])} | "
+                     f"{fmt_bytes(r['rss_bwd_growth'])} | {g} |")
+    summary = (f"summary accumulate: backward time rl_replay/helper = {rr['bwd_s'] / h['bwd_s']:.2f}x "
+               f"({fmt_s(rr['bwd_s'])} vs {fmt_s(h['bwd_s'])}); peak RSS growth in backward "
+               f"rl_replay/helper = {rr['rss_bwd_growth'] / max(1, h['rss_bwd_growth']):.2f}x "
+               f"({fmt_bytes(rr['rss_bwd_growth'])} vs {fmt_bytes(h['rss_bwd_growth'])}; "
+               f"one fp32 gradient = {fmt_bytes(rr['param_bytes'])}); tensors alive after backward "
+               f"rl_replay {fmt_bytes(rr['live_after_bwd_bytes'])} vs helper {fmt_bytes(h['live_after_bwd_bytes'])}")
+    worst_abs = max(r["grad_abs"] for r in (h, rr))
+    worst_rel = max(r["grad_rel"] for r in (h, rr))
+    grad_line = (f"gradient check: worst abs diff {worst_abs:.3e}, worst rel diff {worst_rel:.3e} "
+                 "(helper and rl_replay vs plain autograd)")
+    return lines, summary, grad_line
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
-    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"),
-                    help="markdown file whose marked section gets the table ('' = none; never in --smoke)")
+    add_write_docs_argument(ap, "bench_accumulate")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)
+    refuse_smoke_docs(ap, args)
     cfg = SMOKE_POLICY if args.smoke else POLICY
     T = 8 if args.smoke else args.T
     reps = 1 if args.smoke else args.reps
@@ -242,35 +268,16 @@ def main(argv=None) -> int:
                   f"(all {', '.join(fmt_s(b) for b in r['bwd_all'])})  live after fwd "
                   f"{fmt_bytes(r['live_fwd_bytes']):>10}  live after bwd {fmt_bytes(r['live_after_bwd_bytes']):>10}  peak RSS growth: fwd {fmt_bytes(r['rss_fwd_growth'])}, "
                   f"bwd {fmt_bytes(r['rss_bwd_growth'])}{g}", flush=True)
-    h, rr = results["helper"], results["rl_replay"]
-    lines = ["| method | rollout fwd | backward (median) | backward runs | tensors alive after backward "
-             "| peak RSS growth in backward | grad max abs / rel diff vs plain |",
-             "|---|---:|---:|---|---:|---:|---:|"]
-    for m in METHODS:
-        r = results[m]
-        g = f"{r['grad_abs']:.1e} / {r['grad_rel']:.1e}" if "grad_abs" in r else "(reference)"
-        lines.append(f"| {m} | {fmt_s(r['fwd_s'])} | {fmt_s(r['bwd_s'])} | "
-                     f"{', '.join(fmt_s(b) for b in r['bwd_all'])} | {fmt_bytes(r['live_after_bwd_bytes'])} | "
-                     f"{fmt_bytes(r['rss_bwd_growth'])} | {g} |")
-    summary = (f"summary accumulate: backward time rl_replay/helper = {rr['bwd_s'] / h['bwd_s']:.2f}x "
-               f"({fmt_s(rr['bwd_s'])} vs {fmt_s(h['bwd_s'])}); peak RSS growth in backward "
-               f"rl_replay/helper = {rr['rss_bwd_growth'] / max(1, h['rss_bwd_growth']):.2f}x "
-               f"({fmt_bytes(rr['rss_bwd_growth'])} vs {fmt_bytes(h['rss_bwd_growth'])}; "
-               f"one fp32 gradient = {fmt_bytes(rr['param_bytes'])}); tensors alive after backward "
-               f"rl_replay {fmt_bytes(rr['live_after_bwd_bytes'])} vs helper {fmt_bytes(h['live_after_bwd_bytes'])}")
-    worst_abs = max(r["grad_abs"] for r in (h, rr))
-    worst_rel = max(r["grad_rel"] for r in (h, rr))
-    grad_line = (f"gradient check: worst abs diff {worst_abs:.3e}, worst rel diff {worst_rel:.3e} "
-                 "(helper and rl_replay vs plain autograd)")
+    lines, summary, grad_line = report(results)
     print()
     print("\n".join(lines))
     print()
     print(summary)
     print(grad_line)
-    if not args.smoke and args.docs:
+    if args.write_docs:
         head = (f"MLP {cfg} = {n / 1e6:.2f} M parameters, T = {T} blocks, {reps} runs per method\n\n")
-        update_marked_section(args.docs, "bench_accumulate",
-                              head + "\n".join(lines) + f"\n\n    {summary}\n    {grad_line}\n")
+        write_section(args.write_docs, "bench_accumulate",
+                      head + "\n".join(lines) + f"\n\n    {summary}\n    {grad_line}\n")
     print(GLIBC_NOTE)
     print(f"wall time {time.perf_counter() - t_start:.0f} s; {load_line()}")
     return 0

@@ -15,6 +15,7 @@ and compared.
 Usage::
 
     python scripts/bench_learning.py                 # N = 8, T = 32 (configs/default.yaml)
+    python scripts/bench_learning.py --write-docs    # the same, and update docs/benchmarks.md
     python scripts/bench_learning.py --smoke
 """
 
@@ -34,9 +35,9 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from _bench_common import (  # noqa: E402
-    describe_machine, grad_diff, grad_snapshot, load_line, run_isolated, set_threads,
-    update_marked_section, worker_cli,
+    describe_machine, grad_diff, grad_snapshot, load_line, run_isolated, set_threads, worker_cli,
 )
+from _bench_report import add_write_docs_argument, refuse_smoke_docs, write_section  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -184,6 +185,16 @@ def worker(spec: dict) -> dict:
             trainer.logger.close()
 
 
+def docs_section(args, rep: dict, bat: dict, summary: str, grad_line: str) -> str:
+    """The marked docs section: the settings, a table of both methods and the summary lines."""
+    table = ("| method | env steps/s | median update | env steps timed |\n|---|---:|---:|---:|\n" + "".join(
+        f"| {m} | {r['steps_per_s']:.0f} | {r['median_update_s'] * 1e3:.1f} ms | {r['env_steps']} |\n"
+        for m, r in (("rl_replay trainer", rep), ("batched (no-grad rollout + batched recompute)", bat))))
+    head = (f"CartPole-v1, MLPAgent (hidden 64, 64), N = {args.num_envs}, T = {args.num_steps}, "
+            f"{args.updates} timed updates after 1 warm-up\n\n")
+    return head + table + f"\n    {summary}\n    {grad_line}\n"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-envs", type=int, default=8)
@@ -192,13 +203,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
-    ap.add_argument("--docs", default=os.path.join(ROOT, "docs", "benchmarks.md"),
-                    help="markdown file whose marked section gets the results ('' = none; never in --smoke)")
+    add_write_docs_argument(ap, "bench_learning")
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)
+    refuse_smoke_docs(ap, args)
     if args.smoke:
         args.num_envs, args.num_steps, args.updates = 2, 8, 3
     print(describe_machine(), f"| {args.threads} thread(s), launcher {args.launcher}", flush=True)
@@ -226,13 +237,8 @@ def main(argv=None) -> int:
                f"{rep['steps_per_s'] / bat['steps_per_s']:.2f}")
     print(grad_line)
     print(summary)
-    if not args.smoke and args.docs:
-        table = ("| method | env steps/s | median update | env steps timed |\n|---|---:|---:|---:|\n" + "".join(
-            f"| {m} | {r['steps_per_s']:.0f} | {r['median_update_s'] * 1e3:.1f} ms | {r['env_steps']} |\n"
-            for m, r in (("rl_replay trainer", rep), ("batched (no-grad rollout + batched recompute)", bat))))
-        head = (f"CartPole-v1, MLPAgent (hidden 64, 64), N = {args.num_envs}, T = {args.num_steps}, "
-                f"{args.updates} timed updates after 1 warm-up\n\n")
-        update_marked_section(args.docs, "bench_learning", head + table + f"\n    {summary}\n    {grad_line}\n")
+    if args.write_docs:
+        write_section(args.write_docs, "bench_learning", docs_section(args, rep, bat, summary, grad_line))
     print(f"wall time {time.perf_counter() - t_start:.0f} s; {load_line()}")
     return 0
 

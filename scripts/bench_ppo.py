@@ -51,12 +51,10 @@ import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from _bench_common import (  # noqa: E402
-    GLIBC_NOTE, MemoryMeter, describe_machine, fmt_bytes, fmt_s, grad_diff, run_isolated, set_threads,
-    update_marked_section, worker_cli,
+    GLIBC_NOTE, MemoryMeter, describe_machine, grad_diff, run_isolated, set_threads, worker_cli,
 )
+from _bench_report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common"]
 FULL = dict(obs=64, encoder=[1024, 1024, 1024], hidden=512, actions=8, envs=16, epochs=4, minibatches=4)
 SMOKE = dict(obs=8, encoder=[32, 32], hidden=16, actions=4, envs=8, epochs=2, minibatches=2)
@@ -88,8 +86,8 @@ def build(spec: dict, T: int):
 def build_from_config(spec: dict, T: int):
     """(cfg, agent, optimizer, rollout) with a shipped config's agent, envs and PPO settings."""
     from rl_replay.agent import build_agent
-    from rl_replay.collector import make_vector_env
     from rl_replay.config import load_config
+    from rl_replay.environment import make_vector_env
     from rl_replay.trainer import make_optimizer
 
     overrides = [f"collector.num_steps={T}", "log.wandb_mode=disabled"]
@@ -262,6 +260,21 @@ def grad_check(spec: dict, T: int) -> tuple[float, float]:
     return worst
 
 
+# ============================================================================ report
+def docs_section(rows: list[tuple[int, dict, dict]], check_T: int, worst: tuple[float, float]) -> str:
+    """The marked docs section: one row per T (plain and rl_replay results) and the gradient check."""
+    body = ["| T | plain peak RSS growth | rl_replay peak RSS growth | rl_replay block inputs "
+            "| plain update | rl_replay update | time ratio |", "|---|---|---|---|---|---|---|"]
+    for T, plain, rep in rows:
+        body.append(f"| {T} | {fmt_bytes(plain['peak_rss_growth'])} | {fmt_bytes(rep['peak_rss_growth'])} | "
+                    f"{fmt_bytes(rep['block_input_bytes'])} | {fmt_s(plain['seconds'])} | "
+                    f"{fmt_s(rep['seconds'])} | {rep['seconds'] / plain['seconds']:.2f}x |")
+    body.append("")
+    body.append(f"Gradient check (every minibatch of one epoch, T={check_T}): worst abs diff "
+                f"{worst[0]:.1e}, worst rel diff {worst[1]:.1e}. {describe_machine()}")
+    return "\n".join(body)
+
+
 # ============================================================================ main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -271,13 +284,14 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", nargs="+", default=["plain", "rl_replay"])
     parser.add_argument("--epochs", type=int, help="override the 4 epochs (peak memory is one minibatch's)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
-    parser.add_argument("--write-docs", action="store_true", help="update the section in docs/benchmarks.md")
+    add_write_docs_argument(parser, "bench_ppo")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)
     if args.write_docs and args.config:
         parser.error("--write-docs updates the GRU table of docs/benchmarks.md; it does not take --config")
+    refuse_smoke_docs(parser, args)
     policy = SMOKE if args.smoke else FULL
     if args.smoke:
         Ts = [8, 16]
@@ -338,16 +352,7 @@ def main(argv=None) -> int:
                           f"({d / per_step:.2f}x the block inputs)")
     print(GLIBC_NOTE)
     if args.write_docs and rows:
-        body = ["| T | plain peak RSS growth | rl_replay peak RSS growth | rl_replay block inputs "
-                "| plain update | rl_replay update | time ratio |", "|---|---|---|---|---|---|---|"]
-        for T, plain, rep in rows:
-            body.append(f"| {T} | {fmt_bytes(plain['peak_rss_growth'])} | {fmt_bytes(rep['peak_rss_growth'])} | "
-                        f"{fmt_bytes(rep['block_input_bytes'])} | {fmt_s(plain['seconds'])} | "
-                        f"{fmt_s(rep['seconds'])} | {rep['seconds'] / plain['seconds']:.2f}x |")
-        body.append("")
-        body.append(f"Gradient check (every minibatch of one epoch, T={check_T}): worst abs diff "
-                    f"{worst[0]:.1e}, worst rel diff {worst[1]:.1e}. {describe_machine()}")
-        update_marked_section(os.path.join(ROOT, "docs", "benchmarks.md"), "bench_ppo", "\n".join(body))
+        write_section(args.write_docs, "bench_ppo", docs_section(rows, check_T, worst))
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

@@ -74,7 +74,7 @@ def make_env_fn(env_id: str, kwargs: dict):
 def build_callback(metrics_path: Path, window: int = 100):
     from stable_baselines3.common.callbacks import BaseCallback
 
-    from rl_replay.logger import peak_memory
+    from rl_replay.memory_stats import update_memory
 
     class MetricsCallback(BaseCallback):
         """Per-iteration records in the trainer's metrics.jsonl format."""
@@ -109,7 +109,7 @@ def build_callback(metrics_path: Path, window: int = 100):
                 record["rollout/return_recent"] = float(np.mean(self.recent))
             if self.judged:
                 record["rollout/success_rate"] = self.success / self.judged
-            record.update(peak_memory(self.model.device))
+            record.update(update_memory(self.model.device))
             record["time/steps_per_sec"] = (self.num_timesteps - self.last_steps) / (now - self.last_time)
             self.file.write(json.dumps(record) + "\n")
             self.last_time, self.last_steps = now, self.num_timesteps

@@ -124,7 +124,7 @@ TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
     echo "- training run: ${TRAIN_LINE:-no summary line}"
     echo
 } > "$RESULTS"
-BENCH=(scripts/bench_memory.py --json "$OUTDIR/bench_memory.json" --docs "$RESULTS" --plot-dir "$OUTDIR")
+BENCH=(scripts/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
 if [ $DRY -eq 1 ]; then
     step "bench_memory (CPU, tiny)" 180 "$PY" "${BENCH[@]}" --device cpu --policy tiny_gru \
         --T 8 --methods plain rl_replay --reps 0

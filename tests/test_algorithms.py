@@ -16,7 +16,8 @@ from tensordict import TensorDict
 from rl_replay import config as config_module
 from rl_replay.agent import build_agent
 from rl_replay.algorithms import A2C, PPO, REGISTRY, REINFORCE, Algorithm, UpdateResult, make_algorithm
-from rl_replay.collector import Collector, make_vector_env
+from rl_replay.collector import Collector
+from rl_replay.environment import make_vector_env
 from rl_replay.config import Config, LossConfig, load_config
 from rl_replay.distributed import DistInfo
 

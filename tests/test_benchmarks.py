@@ -101,3 +101,41 @@ def test_bench_ppo_with_a_shipped_config():
         for method in ("plain", "rl_replay"):
             assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
     assert "ERROR" not in out and "summary T=16: time rl_replay/plain" in out
+
+
+def docs_bytes() -> dict[str, bytes]:
+    """The committed docs/ files a benchmark could write (the markdown and its plots)."""
+    return {p.name: p.read_bytes() for p in sorted((ROOT / "docs").iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_plain_runs_leave_the_committed_docs_alone(tmp_path):
+    """Without --write-docs a (non-smoke) run prints its tables and writes nothing into docs/."""
+    before = docs_bytes()
+    out = run_script("bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay",
+                     "--reps", "0")
+    assert "| 8 | rl_replay |" in out and "updated section" not in out
+    out = run_script("bench_learning.py", "--num-envs", "2", "--num-steps", "8", "--updates", "2")
+    assert "summary learning:" in out and "updated section" not in out
+    assert docs_bytes() == before
+
+
+@pytest.mark.slow
+def test_write_docs_updates_only_its_marked_section(tmp_path):
+    docs = tmp_path / "bench.md"
+    docs.write_text("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\nold\n<!-- END bench_memory tiny_gru -->\n\nafter\n")
+    before = docs_bytes()
+    out = run_script("bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay",
+                     "--reps", "0", "--write-docs", str(docs))
+    assert f"updated section 'bench_memory tiny_gru' of {docs}" in out
+    text = docs.read_text()
+    assert text.startswith("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\n**tiny_gru**") and "old" not in text
+    assert text.endswith("<!-- END bench_memory tiny_gru -->\n\nafter\n")
+    assert "| 8 | rl_replay |" in text and "summary tiny_gru:" in text
+    assert docs_bytes() == before
+
+
+def test_smoke_results_are_never_written_to_the_docs():
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "drop --write-docs" in proc.stderr

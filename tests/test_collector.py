@@ -22,8 +22,9 @@ from rl_replay.algorithms.a2c import A2C
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
-from rl_replay.collector import Collector, make_vector_env
+from rl_replay.collector import Collector
 from rl_replay.config import LossConfig
+from rl_replay.environment import make_vector_env
 from rl_replay.envs.chain import ChainEnv
 from rl_replay.losses import a2c_loss, total_loss
 from rl_replay.sequence import block_inputs

@@ -12,10 +12,11 @@ import yaml
 from rl_replay.config import (
     AgentConfig,
     Config,
+    batch_size_per_rank,
     config_from_dict,
     config_to_dict,
-    derived,
     load_config,
+    num_updates,
     save_config,
     validate,
 )
@@ -435,14 +436,19 @@ def test_config_to_dict_is_a_deep_copy_and_round_trips():
 # ----------------------------------------------------------------------------- derived
 
 
-def test_derived_sizes():
-    assert derived(Config()) == {"batch_size": 8 * 5, "num_updates": 12500}  # 500000 / 40
-    cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=25", "total_env_steps=1000"])
-    assert derived(cfg) == {"batch_size": 100, "num_updates": 10}  # exact division
-    cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=25", "total_env_steps=1001"])
-    assert derived(cfg)["num_updates"] == 11  # rounds up
+def test_batch_size_and_num_updates_count_every_rank():
+    assert batch_size_per_rank(Config()) == 8 * 5
+    assert num_updates(Config(), world_size=1) == 12500  # 500000 / 40
+    cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=32", "total_env_steps=1024"])
+    assert batch_size_per_rank(cfg) == 128
+    assert num_updates(cfg, world_size=1) == 8  # exact division
+    assert num_updates(cfg, world_size=2) == 4  # every rank runs 4 envs: an update takes 256 steps
+    assert num_updates(cfg, world_size=3) == 3  # 1024 / 384 rounds up
+    cfg = load_config(overrides=["env.num_envs=4", "collector.num_steps=32", "total_env_steps=1025"])
+    assert num_updates(cfg, world_size=2) == 5  # rounds up
     mem = load_config(CONFIG_DIR / "memory_gru.yaml")
-    assert derived(mem) == {"batch_size": 32 * 66, "num_updates": -(-2_000_000 // (32 * 66))}
+    assert batch_size_per_rank(mem) == 32 * 66
+    assert num_updates(mem, world_size=4) == -(-2_000_000 // (4 * 32 * 66))
 
 
 def test_pocartpole_yaml_wrappers_rescale_observations_and_keep_raw_returns():

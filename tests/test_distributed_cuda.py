@@ -34,10 +34,11 @@ def offload_parity_worker(rank: int, world_size: int, out_dir: str, device_type:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Collector, make_vector_env
+    from rl_replay.collector import Collector
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
     from rl_replay.algorithms.a2c import A2C
+    from rl_replay.environment import make_vector_env
     from rl_replay.losses import total_loss
 
     backend = "nccl" if device_type == "cuda" else "gloo"

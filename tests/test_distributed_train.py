@@ -134,10 +134,11 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Collector, make_vector_env
+    from rl_replay.collector import Collector
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
     from rl_replay.algorithms.a2c import A2C
+    from rl_replay.environment import make_vector_env
     from rl_replay.losses import total_loss
 
     info, device = init_from_env("cpu", "gloo")
@@ -366,7 +367,7 @@ if "test_dist/NaNOnRankOne-v0" not in gym.registry:
 
 def _nan_worker(rank: int, world_size: int, run_dir: str, out_dir: str, mode: str) -> None:
     from rl_replay.config import load_config
-    from rl_replay.guards import NonFiniteError
+    from rl_replay.errors import NonFiniteError
     from rl_replay.trainer import build
 
     cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
@@ -447,7 +448,7 @@ def _signal_worker(rank: int, world_size: int, run_dir: str, out_dir: str) -> No
 
     from rl_replay.checkpoint import load_checkpoint
     from rl_replay.config import load_config
-    from rl_replay.interrupt import TrainingInterrupted
+    from rl_replay.errors import TrainingInterrupted
     from rl_replay.trainer import build
 
     cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",

@@ -19,8 +19,9 @@ from tensordict import TensorDict
 import rl_replay.algorithms.ppo as ppo_module
 from rl_replay.agent import build_agent
 from rl_replay.algorithms.ppo import PPO
-from rl_replay.collector import Collector, make_vector_env
+from rl_replay.collector import Collector
 from rl_replay.config import load_config
+from rl_replay.environment import make_vector_env
 from rl_replay.losses import gae_targets, ppo_loss, total_loss
 
 GRU = ("gru", {"hidden_size": 16, "encoder_sizes": [16]})

@@ -19,13 +19,11 @@ import pytest
 import torch
 
 from rl_replay.checkpoint import (
-    CheckpointError, checkpoint_path, load_checkpoint, load_latest, previous_checkpoint_path,
-    save_checkpoint,
+    checkpoint_path, load_checkpoint, load_latest, previous_checkpoint_path, save_checkpoint,
 )
 from rl_replay.config import Config, load_config
-from rl_replay.errors import SetupError
-from rl_replay.guards import NonFiniteError, SkipBudget, check_parameters, check_update
-from rl_replay.run_dir import RunDirError
+from rl_replay.errors import CheckpointError, NonFiniteError, RunDirError, SetupError
+from rl_replay.guards import SkipBudget, check_parameters, check_update
 from rl_replay.trainer import build
 
 REPO = Path(__file__).resolve().parents[1]

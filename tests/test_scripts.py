@@ -14,8 +14,8 @@ import pytest
 
 from rl_replay.agent import build_agent
 from rl_replay.checkpoint import load_checkpoint
-from rl_replay.collector import make_vector_env
 from rl_replay.config import load_config
+from rl_replay.environment import make_vector_env
 from rl_replay.evaluate import evaluate
 from rl_replay.trainer import build
 

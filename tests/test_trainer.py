@@ -95,6 +95,43 @@ def test_build_errors_before_run_dir(tmp_path, monkeypatch, override, match):
     assert list(tmp_path.iterdir()) == []  # nothing written anywhere (not even runs/ or wandb/)
 
 
+@pytest.mark.parametrize("fails", ["contract", "logger", "rng"])
+def test_failed_build_closes_envs_and_releases_the_run_dir(tmp_path, monkeypatch, fails):
+    """Whatever step of build() fails, the envs made so far are closed and the run
+    directory's lock is released; a resume then succeeds in the same process."""
+    import fcntl
+
+    import rl_replay.trainer as trainer_module
+    from rl_replay.run_dir import LOCK_NAME
+
+    build(tiny_cfg(tmp_path / "run", 1)).train()
+    made = []
+
+    def recording_make_vector_env(*args, **kwargs):
+        made.append(real_make(*args, **kwargs))
+        return made[-1]
+
+    def broken(*args, **kwargs):
+        raise SetupError(f"{fails} broken on purpose")
+
+    real_make = trainer_module.make_vector_env
+    monkeypatch.setattr(trainer_module, "make_vector_env", recording_make_vector_env)
+    target = {"contract": "check_agent", "logger": "RunLogger", "rng": "restore_trainer_rng"}[fails]
+    monkeypatch.setattr(trainer_module, target, broken)
+    with pytest.raises(SetupError, match=f"{fails} broken on purpose"):
+        build(resume=tmp_path / "run", overrides=("total_env_steps=32",))
+    assert len(made) == 1 and made[0].closed
+    fd = os.open(tmp_path / "run" / LOCK_NAME, os.O_RDWR)
+    try:  # a flock of another open file: refused (BlockingIOError) while the failed build holds it
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    monkeypatch.undo()
+    resumed = build(resume=tmp_path / "run", overrides=("total_env_steps=32",))
+    resumed.train()
+    assert resumed.update == 2
+
+
 def test_resume_without_checkpoint(tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         build(resume=tmp_path / "nothing")
