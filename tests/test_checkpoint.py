@@ -1,0 +1,201 @@
+"""rl_replay/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
+
+Covers the file format (a header with the payload's sha256 and size), verified loading and
+the one-line error for an empty, truncated, corrupt, unreadable or foreign file, the
+fallback to ``checkpoint.prev.pt``, a failed write that leaves the old checkpoint and no
+temporary file, the refusal to save non-finite weights, the removal of stale temporaries,
+and RNG capture/restore of every stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import rl_replay.checkpoint as checkpoint_module
+from rl_replay.checkpoint import (
+    CheckpointError, checkpoint_path, load_checkpoint, load_latest, non_finite_tensors, previous_checkpoint_path,
+    remove_stale_temporaries, save_checkpoint,
+)
+from rl_replay.errors import SetupError
+
+
+# ------------------------------------------------------------------ checkpoint integrity
+def _payload(value):
+    return {"agent": {"w": torch.full((3,), float(value))}, "update": 1 if value != value else int(value)}
+
+
+def test_checkpoint_checksum_truncation_and_previous(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(_payload(1), path)
+    save_checkpoint(_payload(2), path)
+    assert load_checkpoint(path)["update"] == 2
+    assert load_checkpoint(previous_checkpoint_path(tmp_path))["update"] == 1  # kept
+    assert list(tmp_path.glob(".*")) == []  # no temporary left behind
+
+    good = path.read_bytes()
+    flipped = bytearray(good)
+    flipped[-20] ^= 0x01  # one bit inside the payload
+    for name, data, message in (
+        ("flipped", bytes(flipped), "is corrupt: its sha256 checksum does not match"),
+        ("truncated", good[: len(good) // 2], "is truncated"),
+        ("empty", b"", r"is empty \(0 bytes\)"),
+    ):
+        path.write_bytes(data)
+        with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(path))} {message}") as info:
+            load_checkpoint(path)
+        assert "\n" not in str(info.value), name
+        state, used, warning = load_latest(tmp_path)  # falls back to the previous one
+        assert state["update"] == 1 and used == previous_checkpoint_path(tmp_path)
+        assert str(path) in warning and "previous checkpoint" in warning
+
+
+def test_save_refuses_non_finite_weights(tmp_path):
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(_payload(1), path)
+    before = path.read_bytes()
+    with pytest.raises(CheckpointError, match=r"refusing to write .*agent weights w are not finite"):
+        save_checkpoint(_payload(float("nan")), path)
+    assert path.read_bytes() == before and not previous_checkpoint_path(tmp_path).exists()
+
+
+def test_file_is_a_header_with_the_payloads_checksum_and_size_then_the_payload(tmp_path):
+    payload = {**_payload(3), "rng": {"numpy": np.random.get_state()}, "nested": [1, (2, "x")]}
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(payload, path)
+    header, body = path.read_bytes().split(b"\n", 1)
+    match = re.fullmatch(rb"RLREPLAY-CHECKPOINT 1 sha256=([0-9a-f]{64}) size=(\d+)", header)
+    assert match, header
+    assert match.group(1).decode() == hashlib.sha256(body).hexdigest() and int(match.group(2)) == len(body)
+    state = load_checkpoint(tmp_path)  # a run directory: its checkpoint.pt
+    assert state["update"] == 3 and state["nested"] == [1, (2, "x")]
+    assert torch.equal(state["agent"]["w"], payload["agent"]["w"])
+    assert np.array_equal(state["rng"]["numpy"][1], payload["rng"]["numpy"][1])
+
+
+def test_other_names_keep_their_previous_file_beside_them(tmp_path):
+    path = tmp_path / "best.pt"
+    save_checkpoint(_payload(1), path)
+    save_checkpoint(_payload(2), path)
+    assert load_checkpoint(tmp_path / "best.prev.pt")["update"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.prev.pt", "best.pt"]
+
+
+@pytest.mark.parametrize("data, message", [
+    (b"RLREPLAY-CHECKPOINT 1 sha256=abc\n" + b"x" * 10, r"is corrupt: its header is unreadable"),
+    (b"RLREPLAY-CHECKPOINT 1 sha256=abc size=ten\n", r"is corrupt: its header is unreadable"),
+    (b"not a checkpoint at all", r"cannot be read \(\w+: .+\)\.$"),
+], ids=["header_without_size", "size_not_a_number", "no_header_not_torch"])
+def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, data, message):
+    path = tmp_path / "checkpoint.pt"
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(path))} {message}") as info:
+        load_checkpoint(path)
+    assert "\n" not in str(info.value)
+    assert isinstance(info.value, SetupError)  # the scripts print it as one line, exit code 2
+
+
+def test_legacy_files_load_unverified_and_foreign_ones_are_refused(tmp_path):
+    legacy = tmp_path / "legacy.pt"
+    torch.save(_payload(4), legacy)  # a bare torch.save, from before the header
+    assert load_checkpoint(legacy)["update"] == 4
+    foreign = tmp_path / "foreign.pt"
+    save_checkpoint({"agent": {}}, foreign)
+    torch.save({"model": 1}, foreign)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(foreign))} is not an rl_replay checkpoint\.$"):
+        load_checkpoint(foreign)
+    with pytest.raises(FileNotFoundError, match=rf"no checkpoint at {re.escape(str(tmp_path / 'missing.pt'))}"):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+def test_load_latest_prefers_the_latest_and_falls_back_only_when_it_is_missing_or_damaged(tmp_path):
+    save_checkpoint(_payload(1), checkpoint_path(tmp_path))
+    save_checkpoint(_payload(2), checkpoint_path(tmp_path))
+    state, used, warning = load_latest(tmp_path)
+    assert (state["update"], used, warning) == (2, checkpoint_path(tmp_path), None)
+
+    checkpoint_path(tmp_path).unlink()
+    state, used, warning = load_latest(tmp_path)
+    assert state["update"] == 1 and used == previous_checkpoint_path(tmp_path)
+    assert warning == (f"no checkpoint at {checkpoint_path(tmp_path)} Resuming from the previous checkpoint "
+                       f"{previous_checkpoint_path(tmp_path)} (update 1).")
+
+    # Both damaged: the latest file's error, not the previous one's.
+    checkpoint_path(tmp_path).write_bytes(b"")
+    previous_checkpoint_path(tmp_path).write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match=rf"checkpoint {re.escape(str(checkpoint_path(tmp_path)))} is empty"):
+        load_latest(tmp_path)
+    previous_checkpoint_path(tmp_path).unlink()
+    with pytest.raises(CheckpointError, match=r"is empty"):
+        load_latest(tmp_path)
+
+
+def test_a_failed_write_keeps_the_old_checkpoint_and_leaves_no_temporary(tmp_path, monkeypatch):
+    path = checkpoint_path(tmp_path)
+    save_checkpoint(_payload(1), path)
+    before = path.read_bytes()
+    real_replace = os.replace
+
+    def replace(src, dst):
+        if os.fspath(dst) == os.fspath(path):
+            raise OSError("disk full")  # the rename of the new file fails
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    with pytest.raises(OSError, match="disk full"):
+        save_checkpoint(_payload(2), path)
+    assert path.read_bytes() == before and load_checkpoint(path)["update"] == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.prev.pt", "checkpoint.pt"]
+
+
+def test_non_finite_tensors_names_floating_tensors_holding_nan_or_inf():
+    state = {"ok": torch.ones(2), "nan": torch.tensor([0.0, float("nan")]), "int": torch.tensor([1, 2]),
+             "inf": torch.tensor([float("-inf")], dtype=torch.float64), "step": 3}
+    assert non_finite_tensors(state) == ["nan", "inf"]
+
+
+def test_save_names_at_most_four_non_finite_weights(tmp_path):
+    agent = {f"w{i}": torch.tensor([float("inf")]) for i in range(6)}
+    with pytest.raises(CheckpointError, match=r"agent weights w0, w1, w2, w3 \.\.\. are not finite; the previous "
+                                              r"checkpoint is kept\.$"):
+        save_checkpoint({"agent": agent, "update": 1}, tmp_path / "checkpoint.pt")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remove_stale_temporaries_removes_only_temporaries(tmp_path):
+    stale = [".checkpoint.pt.abc123.tmp", ".checkpoint.pt.abc123.tmp.prev", ".config.yaml.x1.tmp",
+             "metrics.jsonl.tmp"]
+    kept = ["checkpoint.pt", "checkpoint.prev.pt", "config.yaml", "metrics.jsonl", ".lock"]
+    for name in stale + kept:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_stale_temporaries(tmp_path)
+    assert sorted(p.name for p in removed) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(kept)
+
+
+# ------------------------------------------------------------------ RNG capture / restore
+def _draws(device):
+    import random
+
+    return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
+            torch.rand(3, device=device).tolist())
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                             reason="needs CUDA")]),
+])
+def test_one_rng_helper_restores_every_stream(device):
+    from rl_replay.checkpoint import capture_rng, restore_rng
+
+    rng = capture_rng(device)
+    assert ("cuda" in rng) == (device == "cuda")
+    expected = _draws(device)
+    _draws(device)  # move every stream on
+    restore_rng(rng, device)
+    assert _draws(device) == expected

@@ -1,0 +1,137 @@
+"""rl_replay/contract.py: ``check_agent``, the Agent contract checked with one forward.
+
+Every violation is one line, a SetupError starting ``agent <target>:``: a forward that does
+not return a TensorDict, lacks ``value`` or ``state``, returns ``value`` not of shape
+``(N,)`` or a ``state`` not of batch size ``[N]``, a ``distribution()`` that needs a key the
+forward did not return, logits wider or narrower than the action space, samples that do
+not fit it, a ``log_prob`` not of shape ``(N,)``, and a forward that changes a buffer or a
+parameter. A conforming agent passes for each action-space kind, and the check leaves the
+RNG streams as they were. (Through ``build()``, before a run directory exists:
+tests/test_safety.py.)
+"""
+
+from __future__ import annotations
+
+import gymnasium as gym
+import numpy as np
+import pytest
+import torch
+from tensordict import TensorDict
+from torch import nn
+
+from rl_replay.agent import ActionHead, Agent
+from rl_replay.contract import check_agent
+from rl_replay.errors import SetupError
+
+OBS = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
+N = 3
+TARGET = "my_pkg.agents:Probe"
+
+
+class Probe(Agent):
+    """A conforming actor-critic; ``edit`` changes its outputs, ``dist_fn`` its distribution,
+    ``mutate`` ('buffer' / 'parameter') what its forward changes, ``noisy`` draws random numbers."""
+
+    def __init__(self, action_space, edit=None, dist_fn=None, mutate=None, noisy=False, norm=False):
+        super().__init__(OBS, action_space)
+        self.body = nn.Sequential(nn.Linear(self.obs_dim, 8), nn.BatchNorm1d(8).eval() if norm else nn.Identity())
+        self.head = ActionHead(action_space, 8)
+        self.critic = nn.Linear(8, 1)
+        self.register_buffer("steps", torch.zeros(()))
+        self.edit, self.dist_fn, self.mutate, self.noisy = edit, dist_fn, mutate, noisy
+
+    def forward(self, observation, state, is_first):
+        x = torch.tanh(self.body(self.flatten_observation(observation)))
+        if self.noisy:
+            x = x + 0.01 * torch.randn_like(x)
+        if self.mutate == "buffer":
+            self.steps += 1
+        elif self.mutate == "parameter":
+            with torch.no_grad():
+                self.critic.bias.add_(1.0)
+        out = TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=x.shape[:1])
+        return out if self.edit is None else self.edit(out)
+
+    def distribution(self, outputs):
+        return super().distribution(outputs) if self.dist_fn is None else self.dist_fn(outputs)
+
+
+def inputs_for(agent):
+    """The first block's inputs, as the collector's probe_inputs() gives them."""
+    return TensorDict(observation=torch.rand(N, 4) * 2 - 1, state=agent.initial_state(N),
+                      is_first=torch.ones(N, dtype=torch.bool), batch_size=[N])
+
+
+def check(agent, action_space=None, inputs=None):
+    inputs = inputs_for(agent) if inputs is None else inputs
+    check_agent(agent, agent, inputs, agent.action_space if action_space is None else action_space, TARGET)
+
+
+def renamed(out):
+    out["distribution"] = out.pop("dist")
+    return out
+
+
+def set_entry(key, value):
+    def edit(out):
+        out[key] = value
+        return out
+    return edit
+
+
+D2, D3 = gym.spaces.Discrete(2), gym.spaces.Discrete(3)
+MD = gym.spaces.MultiDiscrete([2, 3])
+BOX2, BOX3 = gym.spaces.Box(-1, 1, (2,), np.float32), gym.spaces.Box(-1, 1, (3,), np.float32)
+
+VIOLATIONS = {  # id: (agent, action space checked against, message after "agent TARGET: ")
+    "not_a_tensordict": (lambda: Probe(D2, edit=lambda out: (out["value"],)), None,
+                         r"forward\(\) must return a TensorDict, got tuple\."),
+    "no_value": (lambda: Probe(D2, edit=lambda out: out.exclude("value")), None,
+                 r"forward\(\) returned keys \['dist', 'state'\] without 'value' \(expected 'dist', 'value' and "
+                 r"'state'\)\."),
+    "no_state": (lambda: Probe(D2, edit=lambda out: out.exclude("state")), None,
+                 r"forward\(\) returned keys \['dist', 'value'\] without 'state'"),
+    "column_value": (lambda: Probe(D2, edit=lambda out: set_entry("value", out["value"].unsqueeze(-1))(out)), None,
+                     r"forward\(\) returned 'value' of shape \(3, 1\); expected \(3,\), one value per env"),
+    "state_a_tensor": (lambda: Probe(D2, edit=set_entry("state", torch.zeros(N))), None,
+                       r"forward\(\) returned 'state' Tensor; expected a TensorDict of batch size \[3\]"),
+    "state_batch_nx2": (lambda: Probe(D2, edit=set_entry("state", TensorDict(h=torch.zeros(N, 2), batch_size=[N, 2]))),
+                        None, r"forward\(\) returned 'state' \(3, 2\); expected a TensorDict of batch size \[3\]"),
+    "dist_renamed": (lambda: Probe(D2, edit=renamed), None,
+                     r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', 'state', "
+                     r"'value'\]\.$"),
+    "narrow_logits": (lambda: Probe(D2), D3,
+                      r"its action distribution has 2 logits but the action space Discrete\(3\) has 3 actions\.$"),
+    "multi_discrete_widths": (lambda: Probe(MD), gym.spaces.MultiDiscrete([3, 3]),
+                              r"its action distribution has logits of widths \[2, 3\] but the action space "
+                              r"MultiDiscrete\(\[3 3\]\) needs \[3, 3\]\.$"),
+    "box_actions": (lambda: Probe(BOX2), BOX3, r"sampled actions of shape \(3, 2\) do not fit the action space Box"),
+    "rows": (lambda: Probe(D2, dist_fn=lambda out: torch.distributions.Categorical(logits=out["dist", "logits"][:1])),
+             None, r"actions sampled from its distribution have shape \(1,\); expected one row per env \(3, \.\.\.\)"),
+    "log_prob_per_dim": (lambda: Probe(BOX2, dist_fn=lambda out: torch.distributions.Normal(
+                             out["dist", "loc"], out["dist", "scale"])), None,
+                         r"its distribution's log_prob has shape \(3, 2\); expected \(3,\)\.$"),
+    "buffer_changed": (lambda: Probe(D2, mutate="buffer"), None,
+                       r"forward\(\) changed its buffer 'steps'; a replay block runs the forward twice, so it must "
+                       r"not modify parameters or buffers \(put BatchNorm in eval mode or use LayerNorm\)\.$"),
+    "parameter_changed": (lambda: Probe(D2, mutate="parameter"), None,
+                          r"forward\(\) changed its parameter 'critic\.bias'"),
+}
+
+
+@pytest.mark.parametrize("make, space, message", VIOLATIONS.values(), ids=VIOLATIONS.keys())
+def test_each_violation_is_a_one_line_setup_error_naming_the_agent(make, space, message):
+    torch.manual_seed(0)
+    with pytest.raises(SetupError, match=rf"^agent {TARGET}: {message}") as info:
+        check(make(), space)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("space", [D2, MD, BOX2], ids=["discrete", "multi_discrete", "box"])
+def test_a_conforming_agent_passes_and_the_rng_streams_are_left_as_they_were(space):
+    agent = Probe(space, noisy=True, norm=True)  # BatchNorm in eval mode changes nothing
+    inputs = inputs_for(agent)
+    before = torch.get_rng_state()
+    check(agent, inputs=inputs)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert agent.steps.item() == 0
