@@ -18,8 +18,9 @@ import pytest
 import torch
 
 import rl_replay.checkpoint as checkpoint_module
+from rl_replay.errors import CheckpointError
 from rl_replay.checkpoint import (
-    CheckpointError, checkpoint_path, load_checkpoint, load_latest, non_finite_tensors, previous_checkpoint_path,
+    checkpoint_path, load_checkpoint, load_latest, non_finite_tensors, previous_checkpoint_path,
     remove_stale_temporaries, save_checkpoint,
 )
 from rl_replay.errors import SetupError
