@@ -48,6 +48,15 @@ def add_write_docs_argument(parser: argparse.ArgumentParser, section: str) -> No
              "with the results; without it nothing but --json / --plot-dir output is written")
 
 
+def add_worker_arguments(parser: argparse.ArgumentParser, section: str) -> None:
+    """The flags every worker-launching benchmark shares: ``--launcher``, ``--write-docs``,
+    ``--smoke`` and the hidden ``--worker`` (how the launcher starts a measurement)."""
+    parser.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
+    add_write_docs_argument(parser, section)
+    parser.add_argument("--smoke", action="store_true", help="tiny settings that test the script (seconds)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+
+
 def refuse_smoke_docs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--smoke numbers are a test of the script, not results: never documented."""
     if getattr(args, "smoke", False) and args.write_docs:

@@ -36,7 +36,7 @@ from _bench_common import (  # noqa: E402
     run_isolated, set_threads, worker_cli,
 )
 from _bench_policies import MLPPolicy  # noqa: E402
-from _bench_report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
+from _bench_report import add_worker_arguments, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
 
 PRELOAD = ["torch", "tensordict", "rl_replay", "_bench_common", "_bench_policies"]
 POLICY = dict(kind="mlp", obs=64, width=2048, layers=4, actions=8, batch=8)
@@ -231,10 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--T", type=int, default=256)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
-    add_write_docs_argument(ap, "bench_accumulate")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_worker_arguments(ap, "bench_accumulate")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)

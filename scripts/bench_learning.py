@@ -37,7 +37,7 @@ from tensordict import TensorDict  # noqa: E402
 from _bench_common import (  # noqa: E402
     describe_machine, grad_diff, grad_snapshot, load_line, run_isolated, set_threads, worker_cli,
 )
-from _bench_report import add_write_docs_argument, refuse_smoke_docs, write_section  # noqa: E402
+from _bench_report import add_worker_arguments, refuse_smoke_docs, write_section  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -202,10 +202,7 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
-    add_write_docs_argument(ap, "bench_learning")
-    ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    add_worker_arguments(ap, "bench_learning")
     args = ap.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)

@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from tensordict import TensorDict
 
-from _policies import GRUPolicy, MLPPolicy, step_loss  # noqa: F401  (also used as _dist.X)
+from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
 
 OK = "ok"
@@ -89,18 +89,6 @@ def rank_data(r: int, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(1000 + r))
 
 
-def gru_loss(model, obs, h0, acc=None):
-    h, loss = h0, 0.0
-    for t in range(obs.shape[0]):
-        if acc is None:
-            logits, value, h = model(observation=obs[t], h=h)
-        else:
-            logits, value, h = replay(model, acc, TensorDict(observation=obs[t], h=h))
-        loss = loss + step_loss(logits, value)
-    return loss + h.square().sum()
-
-
-# ------------------------------------------------------------------ FSDP1 parity
 def _fsdp(module, wrap, **kwargs):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from tensordict import TensorDict
+
+from rl_replay import replay
 
 
 class MLPPolicy(nn.Module):
@@ -47,3 +50,30 @@ class GRUPolicy(nn.Module):
 
 def step_loss(logits, value):
     return logits.logsumexp(-1).mean() + 0.5 * value.square().mean()
+
+
+class LinearPolicy(nn.Module):
+    """One linear layer called with keyword inputs (extra keywords are ignored)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, observation=None, **kwargs):
+        return self.lin(observation)
+
+
+def gru_loss(model, obs, h0, acc=None):
+    """A GRUPolicy stepped over ``obs`` (plain autograd, or replay blocks into ``acc``); the
+    summed step losses plus the final state's square."""
+    h, loss = h0, 0.0
+    for t in range(obs.shape[0]):
+        if acc is None:
+            logits, value, h = model(observation=obs[t], h=h)
+        else:
+            logits, value, h = replay(model, acc, TensorDict(observation=obs[t], h=h))
+        loss = loss + step_loss(logits, value)
+    return loss + h.square().sum()
+
+
+# ------------------------------------------------------------------ FSDP1 parity

@@ -145,3 +145,18 @@ def scenario_results(per_rank: list, group: str, name: str) -> list:
         if isinstance(res, dict) and "error" in res:
             pytest.fail(f"rank {rank} failed in scenario {name!r}:\n{res['error']}", pytrace=False)
     return results
+
+
+@pytest.fixture
+def policy():
+    """A seeded one-layer policy (``_policies.LinearPolicy``) for engine tests."""
+    from _policies import LinearPolicy
+
+    torch.manual_seed(0)
+    return LinearPolicy()
+
+
+@pytest.fixture
+def x():
+    """A (2, 4) observation for ``policy``."""
+    return torch.randn(2, 4)

@@ -15,31 +15,11 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-from _policies import GRUPolicy, MLPPolicy, step_loss
+from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
-
-
-class Policy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-
-    def forward(self, observation=None, **kwargs):
-        return self.lin(observation)
-
-
-@pytest.fixture
-def policy():
-    torch.manual_seed(0)
-    return Policy()
-
-
-@pytest.fixture
-def x():
-    return torch.randn(2, 4)
 
 
 # ------------------------------------------------------------------------- counters
@@ -219,21 +199,11 @@ def test_absorb_path_finalises_once_per_backward_of_a_retained_graph(absorb_path
     reference = copy.deepcopy(policy)
     obs, h0 = torch.randn(5, 3, 5), torch.randn(3, 12)
 
-    def loss_of(model, acc):
-        h, loss = h0, 0.0
-        for t in range(5):
-            if acc is None:
-                logits, value, h = model(observation=obs[t], h=h)
-            else:
-                logits, value, h = replay(model, acc, TensorDict(observation=obs[t], h=h))
-            loss = loss + step_loss(logits, value)
-        return loss + h.square().sum()
-
-    ref_loss = loss_of(reference, None)
+    ref_loss = gru_loss(reference, obs, h0)
     ref_loss.backward(retain_graph=True)
     ref_loss.backward()
     acc = GradientAccumulator()
-    loss = loss_of(policy, acc)
+    loss = gru_loss(policy, obs, h0, acc)
     loss.backward(retain_graph=True)
     assert acc.backward_passes == 1
     loss.backward()

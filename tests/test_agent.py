@@ -157,6 +157,10 @@ def test_an_own_package_called_agents_is_not_renamed(tmp_path, monkeypatch):
     (tmp_path / "agents" / "__init__.py").write_text("")
     (tmp_path / "agents" / "mine.py").write_text("from rl_replay.agents.mlp import MLPAgent as Mine\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    # Another test may have imported a different top-level 'agents' (e.g. through a
+    # namespace package on sys.path): this test's own package must be the one found.
+    for name in [m for m in sys.modules if m == "agents" or m.startswith("agents.")]:
+        monkeypatch.delitem(sys.modules, name)
     try:
         assert load_agent_class("agents.mine:Mine") is MLPAgent
         assert canonical_agent_target("agents.mine:Mine") == "agents.mine:Mine"

@@ -12,15 +12,6 @@ from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward,
 
 
 
-class Policy(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(4, 3)
-
-    def forward(self, observation=None, **kwargs):
-        return self.lin(observation)
-
-
 def grads_of(module):
     return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
 
@@ -31,17 +22,6 @@ def same_grads(module, before) -> bool:
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(after, before)
     )
-
-
-@pytest.fixture
-def policy():
-    torch.manual_seed(0)
-    return Policy()
-
-
-@pytest.fixture
-def x():
-    return torch.randn(2, 4)
 
 
 def test_misuse_raises_the_engines_replay_error_with_its_prefix(x):
