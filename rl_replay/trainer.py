@@ -136,7 +136,7 @@ class Trainer:
         if every and self.update % every == 0:
             t0 = time.perf_counter()
             metrics.update(episode_horizon(self.collector.agent, self.collector.policy, result.rollout.data,
-                                           self.collector.bptt_truncate))
+                                           self.collector.bptt_truncate, block_steps=cfg.ppo.block_steps))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
         if every and (self.update % every == 0 or self.update == self.num_updates):
