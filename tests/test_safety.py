@@ -283,6 +283,10 @@ def test_env_non_finite_output_is_named(tmp_path, bad, what):
     ("WideLogitsAgent", r"has 3 logits but the action space Discrete\(2\) has 2 actions"),
     ("NarrowLogitsAgent", r"has 1 logits but the action space Discrete\(2\) has 2 actions"),
     ("BatchNormAgent", r"forward\(\) changed its buffer 'body.1.running_mean', .*num_batches_tracked.*eval mode"),
+    ("WideStateAgent", r"forward\(\) returned state 'h' of shape \(2, 16\) but initial_state\(\) gives \(2, 8\)"),
+    ("NoResetAgent", r"with is_first set .* outputs \[.*'state.h'.*\] depend on the incoming state: .*Agent.reset_state"),
+    ("DistributionObjectAgent", r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its "
+                                r"parameters instead"),
 ])
 def test_agent_contract_errors_before_the_run_dir(tmp_path, monkeypatch, agent, pattern):
     monkeypatch.syspath_prepend(str(TESTS))
