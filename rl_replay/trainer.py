@@ -151,6 +151,7 @@ class Trainer:
         exactly), and so is the agent's training mode. One process only (refused under
         torchrun by :func:`build`): FSDP's forward is collective and episode lengths differ.
         """
+        from rl_replay.env_state import pool_statistics, vector_statistics
         from rl_replay.evaluate import evaluate
 
         cfg = self.cfg
@@ -163,6 +164,7 @@ class Trainer:
                 num_envs=min(cfg.eval.episodes, cfg.env.num_envs), deterministic=cfg.eval.deterministic,
                 env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, device=self.device,
                 env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
+                env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
             )
         np.random.set_state(np_state)
         random.setstate(py_state)
