@@ -6,7 +6,8 @@ and log-probabilities at the end):
 
 * ``plain``:   plain autograd (every activation kept), one backward;
 * ``replay``:  the public loop, ``rl_replay.replay(agent, acc, TensorDict(...))`` per step,
-  one backward (which recomputes every block);
+  one backward (which recomputes every block); with ``--block-steps k`` (k > 1) the same
+  loop in multi-step blocks, ``rl_replay.replay_steps`` over k stored steps at a time;
 * ``nograd``:  the forward alone under ``torch.no_grad`` (the cost of the extra forward a
   replay does in its backward).
 
@@ -18,6 +19,7 @@ plain and replay are compared (bit-identical expected). Times are medians over
     python scripts/bench_overhead.py                      # LRU of memory_1024.yaml, T 1026, B 16
     python scripts/bench_overhead.py --config configs/memory_256.yaml --T 258 --batch 16
     python scripts/bench_overhead.py --all                # the shipped agents, as a table
+    python scripts/bench_overhead.py --all --block-steps 1 16   # one-step and 16-step blocks
 """
 
 from __future__ import annotations
@@ -101,6 +103,25 @@ def run_replay(agent, obs, B):
     total.backward()
 
 
+def run_replay_steps(agent, obs, B, k):
+    """The same loop in multi-step blocks of k steps (rl_replay.replay_steps)."""
+    import rl_replay
+
+    acc = rl_replay.GradientAccumulator()
+    state = agent.initial_state(B)
+    stacked = torch.stack(obs)
+    is_first = torch.zeros(len(obs), B, dtype=torch.bool)
+    total = 0.0
+    for t0 in range(0, len(obs), k):
+        t1 = min(len(obs), t0 + k)
+        heads, state = rl_replay.replay_steps(
+            agent, acc, TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]),
+            state)
+        for i in range(t1 - t0):  # the same per-step loss terms as the other loops
+            total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long))
+    total.backward()
+
+
 @torch.no_grad()
 def run_nograd(agent, obs, B):
     state = agent.initial_state(B)
@@ -113,21 +134,22 @@ def grads(agent):
     return [None if p.grad is None else p.grad.clone() for p in agent.parameters()]
 
 
-def measure(config: str, T: int, B: int, repeats: int, overrides=()) -> dict:
+def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1) -> dict:
     agent, convert, space = build(config, tuple(overrides))
     obs = make_inputs(convert, space, T, B)
+    replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps))
     # Parity first (and warm-up).
     run_plain(agent, obs, B)
     g_plain = grads(agent)
     agent.zero_grad(set_to_none=True)
-    run_replay(agent, obs, B)
+    replayed(agent, obs, B)
     g_replay = grads(agent)
     agent.zero_grad(set_to_none=True)
     identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                     for a, b in zip(g_plain, g_replay))
     times = {"plain": [], "replay": [], "nograd": []}
     for _ in range(repeats):
-        for name, fn in (("plain", run_plain), ("replay", run_replay), ("nograd", run_nograd)):
+        for name, fn in (("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)):
             t0 = time.perf_counter()
             fn(agent, obs, B)
             times[name].append(time.perf_counter() - t0)
@@ -136,7 +158,8 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=()) -> dict:
     ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
     return {
-        "config": config, "T": T, "batch": B, "repeats": repeats, "identical_grads": identical,
+        "config": config, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
+        "identical_grads": identical,
         "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
         "replay_over_plain": statistics.median(ratios),
         "replay_over_plain_min": min(ratios), "replay_over_plain_max": max(ratios),
@@ -146,12 +169,12 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=()) -> dict:
 
 
 def table(rows: list[dict], labels: list[str]) -> str:
-    lines = ["| agent | T | batch | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
+    lines = ["| agent | T | batch | steps per block | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
              "(median, min-max) | floor / plain | overhead ms/block | grads identical |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in zip(labels, rows):
         lines.append(
-            f"| {label} | {r['T']} | {r['batch']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
+            f"| {label} | {r['T']} | {r['batch']} | {r['block_steps']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
             f"{r['nograd_ms_per_step']:.3f} | {r['replay_over_plain']:.2f}x ({r['replay_over_plain_min']:.2f}-"
             f"{r['replay_over_plain_max']:.2f}) | {r['floor_over_plain']:.2f}x | {r['overhead_ms_per_block']:.3f} | "
             f"{'yes' if r['identical_grads'] else 'NO'} |")
@@ -165,6 +188,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--block-steps", type=int, nargs="+", default=[1],
+                    help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)")
     ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. agent.kwargs.hidden_size=64")
@@ -174,13 +199,15 @@ def main(argv=None) -> int:
         specs = [(label, cfg, T) for label, cfg, T in SHIPPED]
     else:
         specs = [(args.config, args.config, args.T)]
-    rows = []
+    rows, labels = [], []
     for label, cfg, T in specs:
         overrides = list(args.overrides)
         if "lstm" in label.lower():
             overrides.append("agent.target=lstm")
-        rows.append(measure(cfg, T, args.batch, args.repeats, overrides))
-    print(json.dumps(rows, indent=1) if args.json else table(rows, [s[0] for s in specs]))
+        for k in args.block_steps:
+            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k))
+            labels.append(label)
+    print(json.dumps(rows, indent=1) if args.json else table(rows, labels))
     return 0 if all(r["identical_grads"] for r in rows) else 1
 
 
