@@ -27,13 +27,15 @@ def evaluate(
     video_dir: str | None = None,
     env_imports: tuple[str, ...] | list[str] = (),
     env_wrappers: tuple[dict, ...] | list[dict] = (),
+    env_observation_keys: tuple[str, ...] | list[str] = (),
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
     ``deterministic`` takes the distribution's mode instead of sampling.
     ``video_dir`` records the first env's episodes with gymnasium's RecordVideo
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
-    ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``.
+    ``env_imports``, ``env_wrappers`` and ``env_observation_keys`` are the run's ``env.imports``,
+    ``env.wrappers`` and ``env.observation_keys``.
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
@@ -43,13 +45,15 @@ def evaluate(
 
         # One env, every episode recorded (RecordVideo needs rgb_array rendering).
         env = make_env(env_id, imports=env_imports, wrappers=env_wrappers, kwargs=kwargs,
-                       max_episode_steps=max_episode_steps, render_mode="rgb_array")
+                       max_episode_steps=max_episode_steps, render_mode="rgb_array",
+                       observation_keys=env_observation_keys)
         recorded = RecordVideo(env, video_dir, episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
         vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
         vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps,
-                                     imports=env_imports, wrappers=env_wrappers)
+                                     imports=env_imports, wrappers=env_wrappers,
+                                     observation_keys=env_observation_keys)
     device = torch.device(device)
     to_tensor = obs_converter(vector_env.single_observation_space, device)
     was_training = agent.training

@@ -163,6 +163,7 @@ class Trainer:
                 num_envs=min(cfg.eval.episodes, cfg.env.num_envs), deterministic=cfg.eval.deterministic,
                 env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, device=self.device,
                 env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
+                env_observation_keys=cfg.env.observation_keys,
             )
         np.random.set_state(np_state)
         random.setstate(py_state)
@@ -199,7 +200,7 @@ class Trainer:
 # for them (pickled envs would even silently replace the newly made ones).
 RESUME_FIXED_KEYS = (
     "seed", "env.id", "env.num_envs", "env.vectorization", "env.kwargs", "env.max_episode_steps",
-    "agent.target", "agent.kwargs", "optim.name",
+    "env.observation_keys", "agent.target", "agent.kwargs", "optim.name",
 )
 
 
@@ -362,7 +363,7 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
         envs = make_vector_env(
             cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
             kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-            imports=cfg.env.imports, wrappers=cfg.env.wrappers,
+            imports=cfg.env.imports, wrappers=cfg.env.wrappers, observation_keys=cfg.env.observation_keys,
         )
     cleanup.callback(envs.close)
     agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
