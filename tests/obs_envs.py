@@ -81,7 +81,7 @@ class MissionObsEnv(_CountingEnv):
 
     def __init__(self, length: int = 5, text_only: bool = False):
         super().__init__(length)
-        spaces = {"mission": gym.spaces.Text(16)}
+        spaces = {"mission": gym.spaces.Text(32, charset="abcdefghijklmnopqrstuvwxyz ")}
         if not text_only:
             spaces = {"image": gym.spaces.Box(0, 255, (7, 7, 3), np.uint8), "direction": gym.spaces.Discrete(4),
                       **spaces}
