@@ -53,8 +53,8 @@ def test_atari_pong_lstm_trains_two_updates(tmp_path):
     train_two_updates(tmp_path, "configs/atari_pong_lstm.yaml")
 
 
-@pytest.mark.parametrize("config", ["configs/memory_gym_mortar_mayhem_grid.yaml",
-                                    "configs/memory_gym_mystery_path_grid.yaml"])
+@pytest.mark.parametrize("config", ["configs/memorygym_mortar_mayhem_grid.yaml",
+                                    "configs/memorygym_mystery_path_grid.yaml"])
 def test_memory_gym_trains_two_updates(tmp_path, config):
     pytest.importorskip("memory_gym")
     train_two_updates(tmp_path, config)
