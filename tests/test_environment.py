@@ -3,6 +3,7 @@ observation space the converter supports, trained end to end with the reference 
 
 from __future__ import annotations
 
+import pickle
 
 import gymnasium as gym
 import numpy as np
@@ -306,6 +307,8 @@ def test_observation_keys_select_without_a_warning(fresh_warnings, capsys):
     envs = make_vector_env("test/MissionObs-v0", 2, observation_keys=["image"])
     assert list(envs.single_observation_space.spaces) == ["image"]
     assert set(envs.reset(seed=0)[0]) == {"image"}
+    # The selection pickles (gymnasium's FilterObservation holds a lambda): checkpoints keep the envs.
+    assert list(pickle.loads(pickle.dumps(envs.envs[0])).observation_space.spaces) == ["image"]
     envs.close()
     assert capsys.readouterr().err == ""
 
