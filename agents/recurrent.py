@@ -64,13 +64,12 @@ class RecurrentAgent(Agent):
         self.separate_critic = separate_critic
         self.skip = skip
         encoder_sizes = list(encoder_sizes)
-        self._encoder = (encoder, encoder_kwargs)
-        self.encoder, self.cell, width = self._trunk(encoder_sizes, make_cell)
+        self.encoder, self.cell, width = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
         features = width if skip else 0
         if separate_critic:
             # The critic's own encoder and cell: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
-            self.critic_encoder, self.critic_cell, _ = self._trunk(encoder_sizes, make_cell)
+            self.critic_encoder, self.critic_cell, _ = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
         head_sizes = list(head_sizes)
         in_features = hidden_size + features
         last = head_sizes[-1] if head_sizes else in_features
@@ -79,9 +78,9 @@ class RecurrentAgent(Agent):
         self.head = ActionHead(action_space, last)
         self.value = value_head(last)
 
-    def _trunk(self, encoder_sizes, make_cell) -> tuple[nn.Module, nn.Module, int]:
+    def _trunk(self, name: str, encoder_sizes, options: dict | None,
+               make_cell) -> tuple[nn.Module, nn.Module, int]:
         """``(encoder, cell, encoder output width)``."""
-        name, options = self._encoder
         encoder, width = make_encoder(self, name, encoder_sizes, self.activation, options)
         return encoder, make_cell(width, self.hidden_size), width
 
