@@ -211,9 +211,11 @@ def _dotted(data: dict[str, Any], key: str) -> Any:
 
 
 def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> None:
-    now = config_to_dict(cfg)
+    now, defaults = config_to_dict(cfg), config_to_dict(Config())
     for key in RESUME_FIXED_KEYS:
         ours, theirs = _dotted(now, key), _dotted(saved, key)
+        if theirs is None and _dotted(defaults, key) is not None:
+            theirs = _dotted(defaults, key)  # a checkpoint written before the key existed
         if key == "agent.target":  # 'gru' and an older run's 'agents.gru:GRUAgent' are one class
             ours, theirs = canonical_agent_target(ours), canonical_agent_target(theirs)
         if ours != theirs:

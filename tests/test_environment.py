@@ -348,3 +348,21 @@ def test_minigrid_like_dict_trains_with_the_text_dropped(tmp_path, fresh_warning
                                           "eval.episodes=2"))
     obs = trainer.collector._obs
     assert set(obs.keys()) == {"image", "direction"} and obs["image"].dtype == torch.uint8
+
+
+def test_observation_keys_cannot_change_on_resume_and_older_checkpoints_resume(tmp_path):
+    from rl_replay.config import config_to_dict
+    from rl_replay.trainer import _check_resume_config
+
+    run = tmp_path / "run"
+    build(small_cfg(run, "env.id=test/MissionObs-v0", "env.imports=[obs_envs]", "env.observation_keys=[image, direction]",
+                    "checkpoint.every=0")).train()
+    with pytest.raises(SetupError, match=r"cannot resume .* with env.observation_keys=\['image'\]"):
+        build(resume=run, overrides=("env.observation_keys=[image]",))
+    # A checkpoint written before env.observation_keys existed holds no such key: it means the default.
+    cfg = small_cfg(run, "env.id=test/MissionObs-v0")
+    saved = config_to_dict(cfg)
+    del saved["env"]["observation_keys"]
+    _check_resume_config(cfg, saved, run)
+    with pytest.raises(SetupError, match="env.observation_keys"):
+        _check_resume_config(small_cfg(run, "env.id=test/MissionObs-v0", "env.observation_keys=[image]"), saved, run)

@@ -28,10 +28,16 @@ def train_two_updates(tmp_path, config: str, *overrides: str) -> subprocess.Comp
     return out
 
 
-def test_minigrid_memory_s7_trains_two_updates(tmp_path):
+def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path):
     pytest.importorskip("minigrid")
     out = train_two_updates(tmp_path, "configs/minigrid_memory_s7.yaml")
     assert "dropping the observation keys" not in out.stderr  # env.observation_keys chose them
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
+    ev = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "run"), "--episodes", "3"], cwd=REPO,
+                        env=env, capture_output=True, text=True, timeout=300)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 3 and 0 <= result["success_rate"] <= 1  # SuccessOnReward's flag
 
 
 def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path):
