@@ -42,7 +42,7 @@ class GRUAgent(RecurrentAgent):
         chrono_t_max: instead, chrono initialisation (see :mod:`rl_replay.agents.chrono`): the update
             gate's bias per unit is ``log(U[1, chrono_t_max - 1])``, so the units' memory
             times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
-        separate_critic, head_sizes, activation, skip: see
+        separate_critic, head_sizes, activation, skip, encoder, encoder_kwargs: see
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own GRU keeps
             its state in ``state["h_critic"]``.
     """
@@ -52,11 +52,12 @@ class GRUAgent(RecurrentAgent):
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
                  update_gate_bias: float = 0.0, chrono_t_max: float | None = None,
                  separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
-                 skip: bool = False):
+                 skip: bool = False, encoder: str = "mlp", encoder_kwargs: dict | None = None):
         if chrono_t_max is not None and update_gate_bias:
             raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
         super().__init__(observation_space, action_space, hidden_size=hidden_size, encoder_sizes=encoder_sizes,
                          separate_critic=separate_critic, head_sizes=head_sizes, activation=activation, skip=skip,
+                         encoder=encoder, encoder_kwargs=encoder_kwargs,
                          make_cell=functools.partial(gru_cell, update_gate_bias=update_gate_bias,
                                                      chrono_t_max=chrono_t_max))
 

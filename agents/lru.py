@@ -17,13 +17,14 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from rl_replay.agents.encoders import make_encoder, takes_raw_observation
 from rl_replay.agents.mlp import mlp
 from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 
 
 class LRUAgent(Agent):
-    """Encoder MLP -> LRU (state ``x``, plus ``x_im`` if complex) -> MLP readout -> heads.
+    """Encoder (MLP or CNN) -> LRU (state ``x``, plus ``x_im`` if complex) -> MLP readout -> heads.
 
     Args:
         hidden_size: number of diagonal recurrent units (complex units when complex).
@@ -42,6 +43,11 @@ class LRUAgent(Agent):
             into the state from the start (a reservoir the readout can learn to read without
             any gradient reaching the write); at 0 nothing is written until ``B`` is learned,
             so remembering an early observation needs gradient that reaches it.
+        encoder: ``mlp``, or a convolutional encoder (``nature_cnn``, ``impala_cnn``,
+            ``grid_cnn``; :mod:`rl_replay.agents.encoders`) whose linear layers are
+            ``encoder_sizes``; uint8 frames are converted inside forward.
+        encoder_kwargs: options of a convolutional encoder (``channels``, ``image_key``,
+            ``image_scale``; see :class:`~rl_replay.agents.encoders.ConvEncoder`).
 
     ``encoder_sizes=()`` feeds the observation itself to ``B`` (no bias before the
     recurrence): a zero observation writes nothing, so units with ``|lambda|`` near 1 do not
@@ -53,7 +59,8 @@ class LRUAgent(Agent):
 
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(64,),
                  readout_sizes=(128,), r_min: float = 0.9, r_max: float = 0.999,
-                 max_phase: float = math.pi / 10, normalize: bool = True, input_scale: float = 1.0):
+                 max_phase: float = math.pi / 10, normalize: bool = True, input_scale: float = 1.0,
+                 encoder: str = "mlp", encoder_kwargs: dict | None = None):
         super().__init__(observation_space, action_space)
         if not (isinstance(hidden_size, int) and hidden_size > 0):
             raise SetupError(f"LRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
@@ -67,8 +74,7 @@ class LRUAgent(Agent):
         self.hidden_size = hidden_size
         self.complex = max_phase > 0
         self.normalize = bool(normalize)
-        self.encoder = mlp(self.obs_dim, encoder_sizes)
-        width = encoder_sizes[-1] if encoder_sizes else self.obs_dim
+        self.encoder, width = make_encoder(self, encoder, encoder_sizes, options=encoder_kwargs)
 
         # Ring init of |lambda|^2 in [r_min^2, r_max^2] (uniform in area, as in the paper).
         u1, u2 = torch.rand(hidden_size, dtype=torch.float64), torch.rand(hidden_size, dtype=torch.float64)
@@ -102,7 +108,8 @@ class LRUAgent(Agent):
         return TensorDict(x=zeros, batch_size=[batch_size])
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        u = self.encoder(observation.flatten(1))  # (N, width)
+        # A CNN reads the block's observation itself (uint8 images stay uint8 until its forward).
+        u = self.encoder(observation if takes_raw_observation(self.encoder) else observation.flatten(1))  # (N, width)
         modulus = torch.exp(-torch.exp(self.nu_log))  # (H,)
         scale = torch.exp(self.gamma_log) if self.normalize else 1.0
         x = self.reset_state(state["x"], is_first)  # (N, H): the real part

@@ -39,7 +39,7 @@ class LSTMAgent(RecurrentAgent):
             :mod:`rl_replay.agents.chrono`): forget bias ``log(U[1, chrono_t_max - 1])`` per unit and
             input-gate bias its negative, so memory times spread over ``[2, chrono_t_max]``
             and the cell does not fill its memory with every input.
-        separate_critic, head_sizes, activation, skip: see
+        separate_critic, head_sizes, activation, skip, encoder, encoder_kwargs: see
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own LSTM keeps
             its state in ``state["h_critic"]``, ``state["c_critic"]``.
     """
@@ -49,9 +49,10 @@ class LSTMAgent(RecurrentAgent):
     def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
                  forget_bias: float = 1.0, chrono_t_max: float | None = None,
                  separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
-                 skip: bool = False):
+                 skip: bool = False, encoder: str = "mlp", encoder_kwargs: dict | None = None):
         super().__init__(observation_space, action_space, hidden_size=hidden_size, encoder_sizes=encoder_sizes,
                          separate_critic=separate_critic, head_sizes=head_sizes, activation=activation, skip=skip,
+                         encoder=encoder, encoder_kwargs=encoder_kwargs,
                          make_cell=functools.partial(lstm_cell, forget_bias=forget_bias, chrono_t_max=chrono_t_max))
 
     def cell_step(self, cell, inputs, state):

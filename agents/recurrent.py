@@ -1,5 +1,5 @@
-"""What the GRU and LSTM agents share: encoder -> cell -> actor and critic heads, with an
-optional critic of its own (second encoder and cell) and an optional skip path."""
+"""What the GRU and LSTM agents share: encoder (MLP or CNN) -> cell -> actor and critic heads,
+with an optional critic of its own (second encoder and cell) and an optional skip path."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.agent import ActionHead, Agent, value_head
+from rl_replay.agents.encoders import make_encoder, takes_raw_observation
 from rl_replay.agents.mlp import mlp
 from rl_replay.errors import SetupError
 
@@ -24,7 +25,7 @@ def activation_class(name: str, agent_name: str) -> type[nn.Module]:
 
 
 class RecurrentAgent(Agent):
-    """Encoder MLP -> recurrent cell -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
+    """Encoder (MLP or CNN) -> recurrent cell -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
 
     A subclass names its cell's state tensors in :attr:`state_keys` (the first is the
     cell's output, read by the heads), passes a ``make_cell(in_features, hidden_size)``
@@ -42,6 +43,12 @@ class RecurrentAgent(Agent):
             A gated cell's state is a leaky average of past inputs, so without the skip a
             reactive task sees the present only through that lag; with it the state only
             has to carry what the present observation lacks.
+        encoder: ``mlp`` (the flattened observation through ``encoder_sizes``) or a
+            convolutional encoder, ``nature_cnn``, ``impala_cnn`` or ``grid_cnn``
+            (:mod:`rl_replay.agents.encoders`): the image through the convolutions, then the
+            linear layers ``encoder_sizes``; uint8 frames are converted inside forward.
+        encoder_kwargs: options of a convolutional encoder (``channels``, ``image_key``,
+            ``image_scale``; see :class:`~rl_replay.agents.encoders.ConvEncoder`).
     """
 
     #: the cell's state tensors in ``state``; the first is its output
@@ -49,19 +56,20 @@ class RecurrentAgent(Agent):
 
     def __init__(self, observation_space, action_space, *, hidden_size: int, encoder_sizes,
                  separate_critic: bool, head_sizes, activation: str, skip: bool,
-                 make_cell: Callable[[int, int], nn.Module]):
+                 make_cell: Callable[[int, int], nn.Module], encoder: str = "mlp",
+                 encoder_kwargs: dict | None = None):
         super().__init__(observation_space, action_space)
         self.activation = activation_class(activation, type(self).__name__)
         self.hidden_size = hidden_size
         self.separate_critic = separate_critic
         self.skip = skip
         encoder_sizes = list(encoder_sizes)
-        features = (encoder_sizes[-1] if encoder_sizes else self.obs_dim) if skip else 0
-        self.encoder, self.cell = self._trunk(encoder_sizes, make_cell)
+        self.encoder, self.cell, width = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
+        features = width if skip else 0
         if separate_critic:
             # The critic's own encoder and cell: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
-            self.critic_encoder, self.critic_cell = self._trunk(encoder_sizes, make_cell)
+            self.critic_encoder, self.critic_cell, _ = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
         head_sizes = list(head_sizes)
         in_features = hidden_size + features
         last = head_sizes[-1] if head_sizes else in_features
@@ -70,9 +78,11 @@ class RecurrentAgent(Agent):
         self.head = ActionHead(action_space, last)
         self.value = value_head(last)
 
-    def _trunk(self, encoder_sizes, make_cell) -> tuple[nn.Module, nn.Module]:
-        encoder = mlp(self.obs_dim, encoder_sizes, self.activation)
-        return encoder, make_cell(encoder_sizes[-1] if encoder_sizes else self.obs_dim, self.hidden_size)
+    def _trunk(self, name: str, encoder_sizes, options: dict | None,
+               make_cell) -> tuple[nn.Module, nn.Module, int]:
+        """``(encoder, cell, encoder output width)``."""
+        encoder, width = make_encoder(self, name, encoder_sizes, self.activation, options)
+        return encoder, make_cell(width, self.hidden_size), width
 
     def cell_step(self, cell: nn.Module, inputs: torch.Tensor,
                   state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -94,7 +104,8 @@ class RecurrentAgent(Agent):
         return torch.cat([new[0], e], dim=-1) if self.skip else new[0]
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        x = self.flatten_observation(observation)
+        # A CNN reads the block's observation itself (uint8 images stay uint8 until its forward).
+        x = observation if takes_raw_observation(self.encoder) else self.flatten_observation(observation)
         next_state: dict[str, torch.Tensor] = {}
         actor_in = self._run(self.encoder, self.cell, x, state, is_first, "", next_state)
         if self.separate_critic:

@@ -232,7 +232,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
             )
         probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-                                imports=cfg.env.imports, wrappers=cfg.env.wrappers)
+                                imports=cfg.env.imports, wrappers=cfg.env.wrappers,
+                                observation_keys=cfg.env.observation_keys)
         agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
                             probe.single_action_space)
         probe.close()
@@ -257,6 +258,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed,
         env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, video_dir=args.video,
         env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers, env_statistics=env_statistics,
+        env_observation_keys=cfg.env.observation_keys,
     )
     print(f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
           f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "

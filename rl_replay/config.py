@@ -75,6 +75,9 @@ class EnvConfig:
     """modules imported before the env is made, e.g. [popgym, my_pkg.envs] (they register ids)"""
     wrappers: list[dict[str, Any]] = field(default_factory=list)
     """gymnasium wrappers applied to each sub-env in order: [{target: module:Class, kwargs: {...}}]"""
+    observation_keys: list[str] = field(default_factory=list)
+    """keys of a Dict observation to keep, e.g. [image, direction] (empty = every key that holds tensors;
+    the others, such as MiniGrid's mission text, are dropped with a warning)"""
 
 
 @dataclass
@@ -468,6 +471,7 @@ def validate(cfg: Config) -> Config:
         _check_target("agent.target", cfg.agent.target,
                       "(expected a built-in name such as 'gru', or 'module:Class')")
     _check_str_list("env.imports", cfg.env.imports)
+    _check_str_list("env.observation_keys", cfg.env.observation_keys)
     _check_str_list("log.tags", cfg.log.tags)
     for i, spec in enumerate(cfg.env.wrappers):
         key = f"env.wrappers[{i}]"

@@ -4,6 +4,8 @@
 module is imported first, which registers the id). ``env.imports`` names modules to import
 before the env is made (e.g. ``popgym``), and ``env.wrappers`` lists gymnasium wrappers
 applied to each sub-env in order, each ``{target: "module:Class", kwargs: {...}}``.
+Last, a Dict observation keeps the keys ``env.observation_keys`` names; without that key its
+non-tensor keys (MiniGrid's ``mission`` text) are dropped with a warning naming them.
 Every mistake is a one-line :class:`~rl_replay.errors.SetupError` raised before anything
 is built.
 """
@@ -11,6 +13,7 @@ is built.
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -18,10 +21,11 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.errors import SetupError
+from rl_replay.spaces import usable_keys
 from rl_replay.targets import import_module, resolve, split_env_id
 
-__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "make_env", "make_vector_env",
-           "env_episode_return"]
+__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "observation_filter", "make_env",
+           "make_vector_env", "env_episode_return"]
 
 # info key of the episode statistics recorded beneath the configured wrappers (see make_vector_env).
 RAW_EPISODE_KEY = "env_episode"
@@ -69,6 +73,41 @@ def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env]
     return wrappers
 
 
+class SelectKeys(gym.ObservationWrapper):
+    """Keeps the ``keys`` of a Dict observation (gymnasium's ``FilterObservation`` holds a
+    lambda, which would keep the envs out of the checkpoint's pickle)."""
+
+    def __init__(self, env: gym.Env, keys: Sequence[str]):
+        super().__init__(env)
+        self.keys = list(keys)
+        self.observation_space = gym.spaces.Dict({k: env.observation_space[k] for k in self.keys})
+
+    def observation(self, observation):
+        return {k: observation[k] for k in self.keys}
+
+
+# The drop warnings already printed: a run makes its envs again for every evaluation.
+_WARNED: set[str] = set()
+
+
+def observation_filter(space: gym.Space, observation_keys: Sequence[str] = ()) -> Callable[[gym.Env], gym.Env] | None:
+    """The wrapper that keeps ``observation_keys`` of a Dict observation ``space`` (or, without
+    them, its tensor keys, with one warning line on stderr naming the others, once per process);
+    None when nothing is to be dropped."""
+    selection = usable_keys(space, list(observation_keys))
+    if selection is None:
+        return None
+    kept, dropped = selection
+    if dropped and not observation_keys:
+        kinds = ", ".join(f"{k}: {type(space[k]).__name__}" for k in dropped)
+        line = (f"warning: dropping the observation keys {dropped} ({kinds}), which hold no tensors; "
+                f"keeping {kept}. Set env.observation_keys to choose the keys.")
+        if line not in _WARNED:
+            _WARNED.add(line)
+            print(line, file=sys.stderr, flush=True)
+    return functools.partial(SelectKeys, keys=kept)
+
+
 def _make_kwargs(kwargs: Mapping[str, Any] | None, max_episode_steps: int | None) -> dict[str, Any]:
     out = dict(kwargs or {})
     if max_episode_steps is not None:
@@ -98,9 +137,10 @@ def make_env(
     kwargs: Mapping[str, Any] | None = None,
     max_episode_steps: int | None = None,
     render_mode: str | None = None,
+    observation_keys: Sequence[str] = (),
 ) -> gym.Env:
-    """One wrapped env (evaluation videos); the same ids, imports and wrappers as training
-    (with the same episode statistics beneath them as :func:`make_vector_env`)."""
+    """One wrapped env (evaluation videos); the same ids, imports, wrappers and observation keys
+    as training (with the same episode statistics beneath them as :func:`make_vector_env`)."""
     env_id = resolve_env_id(env_id, imports)
     loaded = load_wrappers(wrappers)
     make_kwargs = _make_kwargs(kwargs, max_episode_steps)
@@ -110,7 +150,9 @@ def make_env(
         env = gym.make(env_id, **make_kwargs)
     except TypeError as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
-    return _apply(_record_env_episodes(env) if loaded else env, loaded, wrappers)
+    env = _apply(_record_env_episodes(env) if loaded else env, loaded, wrappers)
+    select = observation_filter(env.observation_space, observation_keys)
+    return env if select is None else select(env)
 
 
 def make_vector_env(
@@ -122,8 +164,10 @@ def make_vector_env(
     max_episode_steps: int | None = None,
     imports: Sequence[str] = (),
     wrappers: Sequence[Mapping[str, Any]] = (),
+    observation_keys: Sequence[str] = (),
 ) -> gym.vector.VectorEnv:
-    """Build ``num_envs`` copies of ``env_id``, each wrapped by ``wrappers`` in order.
+    """Build ``num_envs`` copies of ``env_id``, each wrapped by ``wrappers`` in order, then by
+    the selection of a Dict observation's keys (:func:`observation_filter`).
 
     With wrappers, each sub-env first gets a ``RecordEpisodeStatistics`` beneath them, so the
     env's own episode return is still known when a wrapper rescales rewards (``NormalizeReward``);
@@ -133,17 +177,21 @@ def make_vector_env(
     """
     env_id = resolve_env_id(env_id, imports)
     loaded = load_wrappers(wrappers)
-    if loaded:
-        # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
-        # not a traceback from inside a vector env (or an async worker process).
-        try:
-            probe = gym.make(env_id, **_make_kwargs(kwargs, max_episode_steps))
-        except TypeError as exc:
-            raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
-        _apply(probe, loaded, wrappers).close()
+    # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
+    # not a traceback from inside a vector env (or an async worker process); its observation
+    # space says which Dict keys each sub-env keeps.
+    try:
+        probe = gym.make(env_id, **_make_kwargs(kwargs, max_episode_steps))
+    except TypeError as exc:
+        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+    probe = _apply(probe, loaded, wrappers)
+    probe.close()
+    select = observation_filter(probe.observation_space, observation_keys)
     try:
         if loaded:
             loaded = [_record_env_episodes, *loaded]
+        if select is not None:
+            loaded = [*loaded, select]
         return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization,
                             wrappers=loaded, **_make_kwargs(kwargs, max_episode_steps))
     except TypeError as exc:

@@ -30,16 +30,18 @@ def evaluate(
     env_imports: tuple[str, ...] | list[str] = (),
     env_wrappers: tuple[dict, ...] | list[dict] = (),
     env_statistics: list[dict] | None = None,
+    env_observation_keys: tuple[str, ...] | list[str] = (),
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
     ``deterministic`` takes the distribution's mode instead of sampling.
     ``video_dir`` records the first env's episodes with gymnasium's RecordVideo
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
-    ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``;
-    ``env_statistics`` (:func:`rl_replay.env_state.training_statistics`) are the training run's
-    wrapper statistics (``NormalizeObservation``...): every env gets them, frozen, so the agent
-    sees inputs scaled as in training. None leaves the wrappers' own (fresh) statistics.
+    ``env_imports``, ``env_wrappers`` and ``env_observation_keys`` are the run's ``env.imports``,
+    ``env.wrappers`` and ``env.observation_keys``; ``env_statistics``
+    (:func:`rl_replay.env_state.training_statistics`) are the training run's wrapper statistics
+    (``NormalizeObservation``...): every env gets them, frozen, so the agent sees inputs scaled
+    as in training. None leaves the wrappers' own (fresh) statistics.
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
@@ -49,13 +51,15 @@ def evaluate(
 
         # One env, every episode recorded (RecordVideo needs rgb_array rendering).
         env = make_env(env_id, imports=env_imports, wrappers=env_wrappers, kwargs=kwargs,
-                       max_episode_steps=max_episode_steps, render_mode="rgb_array")
+                       max_episode_steps=max_episode_steps, render_mode="rgb_array",
+                       observation_keys=env_observation_keys)
         recorded = RecordVideo(env, video_dir, episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
         vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
         vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps,
-                                     imports=env_imports, wrappers=env_wrappers)
+                                     imports=env_imports, wrappers=env_wrappers,
+                                     observation_keys=env_observation_keys)
     if env_statistics is not None:
         try:
             for env in vector_env.envs:

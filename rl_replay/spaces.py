@@ -28,7 +28,8 @@ from tensordict import TensorDict
 
 from rl_replay.errors import SetupError
 
-__all__ = ["obs_converter", "flat_size", "flatten", "check_observation_space", "leaf_keys", "leaf_scales"]
+__all__ = ["obs_converter", "flat_size", "flatten", "check_observation_space", "leaf_keys", "leaf_scales",
+           "usable_keys"]
 
 Converter = Callable[[Any], "torch.Tensor | TensorDict"]
 
@@ -52,9 +53,56 @@ def check_observation_space(space: gym.Space, who: str = "rl_replay") -> None:
                               gym.spaces.MultiBinary)):
         raise SetupError(
             f"{who} cannot handle observation space {space}: supported are Box, Discrete, "
-            "MultiDiscrete, MultiBinary and Dict/Tuple of those. Add a wrapper in env.wrappers "
-            "(e.g. {target: gymnasium.wrappers:FlattenObservation}) or one of your own."
+            "MultiDiscrete, MultiBinary and Dict/Tuple of those. Add a wrapper in env.wrappers that "
+            f"makes arrays of it ({_WRAPPER_HINT}) or one of your own."
         )
+
+
+# Wrappers named when an observation space holds nothing a tensor can carry.
+_WRAPPER_HINT = ("for MiniGrid {target: minigrid.wrappers:ImgObsWrapper}; a Dict's non-tensor keys are dropped "
+                 "by themselves, or chosen with env.observation_keys")
+
+
+def _is_usable(space: gym.Space) -> bool:
+    try:
+        check_observation_space(space)
+    except SetupError:
+        return False
+    return True
+
+
+def usable_keys(space: gym.Space, selected: list[str] | None = None) -> tuple[list[str], list[str]] | None:
+    """The top-level Dict keys to keep, and those dropped: ``(kept, dropped)``.
+
+    ``selected`` (``env.observation_keys``) keeps exactly those keys; without it every key
+    whose subspace converts to tensors is kept and the others (MiniGrid's ``mission`` text)
+    are dropped. None when the space needs no selection. SetupError for a selection of keys
+    the space lacks or cannot convert, a selection on a space that is not a Dict, and a space
+    with nothing usable.
+    """
+    is_dict = isinstance(space, gym.spaces.Dict)
+    if selected:
+        if not is_dict:
+            raise SetupError(f"env.observation_keys {selected} selects keys of a Dict observation, but the "
+                             f"observation space is {space}; remove env.observation_keys.")
+        keys = [str(k) for k in space.spaces]
+        missing = [k for k in selected if k not in keys]
+        if missing:
+            raise SetupError(f"env.observation_keys: {missing} not in the observation space's keys {keys}.")
+        bad = [k for k in selected if not _is_usable(space.spaces[k])]
+        if bad:
+            raise SetupError(f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "
+                             f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}.")
+        return list(selected), [k for k in keys if k not in selected]
+    if _is_usable(space):
+        return None
+    if is_dict:
+        kept = [str(k) for k, sub in space.spaces.items() if _is_usable(sub)]
+        dropped = [str(k) for k in space.spaces if str(k) not in kept]
+        if kept:
+            return kept, dropped
+    raise SetupError(f"the observation space {space} holds nothing rl_replay can turn into tensors; add a wrapper "
+                     f"in env.wrappers that makes arrays of it ({_WRAPPER_HINT}).")
 
 
 def obs_converter(space: gym.Space, device: torch.device | str = "cpu") -> Converter:

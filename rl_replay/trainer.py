@@ -165,6 +165,7 @@ class Trainer:
                 env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, device=self.device,
                 env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
                 env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
+                env_observation_keys=cfg.env.observation_keys,
             )
         np.random.set_state(np_state)
         random.setstate(py_state)
@@ -201,7 +202,7 @@ class Trainer:
 # for them (pickled envs would even silently replace the newly made ones).
 RESUME_FIXED_KEYS = (
     "seed", "env.id", "env.num_envs", "env.vectorization", "env.kwargs", "env.max_episode_steps",
-    "agent.target", "agent.kwargs", "optim.name",
+    "env.observation_keys", "agent.target", "agent.kwargs", "optim.name",
 )
 
 
@@ -212,9 +213,11 @@ def _dotted(data: dict[str, Any], key: str) -> Any:
 
 
 def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> None:
-    now = config_to_dict(cfg)
+    now, defaults = config_to_dict(cfg), config_to_dict(Config())
     for key in RESUME_FIXED_KEYS:
         ours, theirs = _dotted(now, key), _dotted(saved, key)
+        if theirs is None and _dotted(defaults, key) is not None:
+            theirs = _dotted(defaults, key)  # a checkpoint written before the key existed
         if key == "agent.target":  # 'gru' and an older run's 'agents.gru:GRUAgent' are one class
             ours, theirs = canonical_agent_target(ours), canonical_agent_target(theirs)
         if ours != theirs:
@@ -364,7 +367,7 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
         envs = make_vector_env(
             cfg.env.id, cfg.env.num_envs, vectorization=cfg.env.vectorization,
             kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-            imports=cfg.env.imports, wrappers=cfg.env.wrappers,
+            imports=cfg.env.imports, wrappers=cfg.env.wrappers, observation_keys=cfg.env.observation_keys,
         )
     cleanup.callback(envs.close)
     agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,

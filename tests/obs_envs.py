@@ -1,4 +1,4 @@
-"""Small envs with Dict, Tuple and uint8-image observations for the tests (registered on import).
+"""Small envs with Dict, Tuple, uint8-image and text observations for the tests (registered on import).
 
 Each episode lasts ``length`` steps; the reward is 1 when the action equals the parity of
 the step counter, so there is something to learn and episodes end inside a rollout.
@@ -63,17 +63,39 @@ class TupleObsEnv(_CountingEnv):
 
 
 class ImageObsEnv(_CountingEnv):
-    """``Box(0, 255, (8, 8, 3), dtype)`` images; ``dtype`` uint8 (default) or float32."""
+    """``Box(0, 255, shape, dtype)`` images; ``dtype`` uint8 (default) or float32, ``shape``
+    (8, 8, 3) by default (any image layout: (H, W), (H, W, C), (C, H, W), (S, H, W, C))."""
 
-    def __init__(self, length: int = 5, dtype: str = "uint8"):
+    def __init__(self, length: int = 5, dtype: str = "uint8", shape=(8, 8, 3)):
         super().__init__(length)
-        self.observation_space = gym.spaces.Box(0, 255, (8, 8, 3), np.dtype(dtype))
+        self.observation_space = gym.spaces.Box(0, 255, tuple(shape), np.dtype(dtype))
 
     def _obs(self):
-        img = self.np_random.integers(0, 256, (8, 8, 3))
+        img = self.np_random.integers(0, 256, self.observation_space.shape)
         return img.astype(self.observation_space.dtype)
 
 
-for _name, _cls in (("DictObs", "DictObsEnv"), ("TupleObs", "TupleObsEnv"), ("ImageObs", "ImageObsEnv")):
+class MissionObsEnv(_CountingEnv):
+    """MiniGrid's layout: ``Dict(image: Box(0, 255, (7, 7, 3), uint8), direction: Discrete(4),
+    mission: Text)``; ``text_only`` keeps the mission alone (nothing a tensor can hold)."""
+
+    def __init__(self, length: int = 5, text_only: bool = False):
+        super().__init__(length)
+        spaces = {"mission": gym.spaces.Text(32, charset="abcdefghijklmnopqrstuvwxyz ")}
+        if not text_only:
+            spaces = {"image": gym.spaces.Box(0, 255, (7, 7, 3), np.uint8), "direction": gym.spaces.Discrete(4),
+                      **spaces}
+        self.observation_space = gym.spaces.Dict(spaces)
+
+    def _obs(self):
+        obs = {"mission": "get the ball"}
+        if "image" in self.observation_space.spaces:
+            obs["image"] = self.np_random.integers(0, 11, (7, 7, 3)).astype(np.uint8)
+            obs["direction"] = self._t % 4
+        return obs
+
+
+for _name, _cls in (("DictObs", "DictObsEnv"), ("TupleObs", "TupleObsEnv"), ("ImageObs", "ImageObsEnv"),
+                    ("MissionObs", "MissionObsEnv")):
     if f"test/{_name}-v0" not in gym.registry:
         gym.register(id=f"test/{_name}-v0", entry_point=f"obs_envs:{_cls}")

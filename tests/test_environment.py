@@ -3,6 +3,7 @@ observation space the converter supports, trained end to end with the reference 
 
 from __future__ import annotations
 
+import pickle
 
 import gymnasium as gym
 import numpy as np
@@ -279,3 +280,89 @@ def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
     result = evaluate(agent, "CartPole-v1", episodes=4, num_envs=2, deterministic=False,
                       env_wrappers=[{"target": t} for t in wrappers])
     assert result["return_mean"] == result["episode_length"]
+
+
+# ------------------------------------------------------------------ Dict keys without tensors
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The drop warning is printed once per process; each test starts with none printed."""
+    from rl_replay import environment
+
+    monkeypatch.setattr(environment, "_WARNED", set())
+
+
+def test_text_keys_are_dropped_with_one_warning_line(fresh_warnings, capsys):
+    for _ in range(2):  # a run makes its envs again for every evaluation: still one line
+        envs = make_vector_env("test/MissionObs-v0", 2)
+        assert list(envs.single_observation_space.spaces) == ["direction", "image"]  # Dict sorts its keys
+        obs, _ = envs.reset(seed=0)
+        assert set(obs) == {"image", "direction"} and obs["image"].dtype == np.uint8
+        envs.close()
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == ["warning: dropping the observation keys ['mission'] (mission: Text), which hold no tensors; "
+                     "keeping ['direction', 'image']. Set env.observation_keys to choose the keys."]
+
+
+def test_observation_keys_select_without_a_warning(fresh_warnings, capsys):
+    envs = make_vector_env("test/MissionObs-v0", 2, observation_keys=["image"])
+    assert list(envs.single_observation_space.spaces) == ["image"]
+    assert set(envs.reset(seed=0)[0]) == {"image"}
+    # The selection pickles (gymnasium's FilterObservation holds a lambda): checkpoints keep the envs.
+    assert list(pickle.loads(pickle.dumps(envs.envs[0])).observation_space.spaces) == ["image"]
+    envs.close()
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("env_id, kwargs, keys, message", [
+    ("test/MissionObs-v0", {}, ["image", "nope"], r"^env.observation_keys: \['nope'\] not in the observation "
+                                                  r"space's keys \['direction', 'image', 'mission'\]\.$"),
+    ("test/MissionObs-v0", {}, ["mission"], r"^env.observation_keys: \['mission'\] are not tensor spaces "
+                                            r".*choose among \['direction', 'image'\]\.$"),
+    ("CartPole-v1", {}, ["image"], r"^env.observation_keys \['image'\] selects keys of a Dict observation.*remove"),
+    ("test/MissionObs-v0", {"text_only": True}, [], r"holds nothing rl_replay can turn into tensors; add a wrapper "
+                                                    r"in env.wrappers .*minigrid.wrappers:ImgObsWrapper"),
+], ids=["unknown_key", "text_key", "not_a_dict", "nothing_usable"])
+def test_bad_observation_keys_are_refused_before_the_run(tmp_path, env_id, kwargs, keys, message):
+    with pytest.raises(SetupError, match=message) as info:
+        make_vector_env(env_id, 1, observation_keys=keys, kwargs=kwargs)
+    assert "\n" not in str(info.value)
+    overrides = [f"env.id={env_id}", "env.imports=[obs_envs]", f"env.observation_keys=[{', '.join(keys)}]"]
+    if kwargs:
+        overrides.append("env.kwargs={text_only: true}")
+    with pytest.raises(SetupError, match=message):
+        build(small_cfg(tmp_path / "run", *overrides))
+    assert not (tmp_path / "run").exists()
+
+
+def test_observation_keys_must_be_strings():
+    with pytest.raises(ValueError, match=r"config key 'env.observation_keys\[0\]'"):
+        load_config(None, ["env.observation_keys=[1]"])
+
+
+@pytest.mark.parametrize("encoder", ["grid_cnn", "mlp"])
+def test_minigrid_like_dict_trains_with_the_text_dropped(tmp_path, fresh_warnings, encoder):
+    kwargs = "{hidden_size: 8, encoder: grid_cnn, encoder_sizes: [], encoder_kwargs: {image_scale: 0.1}}" \
+        if encoder == "grid_cnn" else "{hidden_size: 8, encoder_sizes: [8]}"
+    trainer = train_two_updates(small_cfg(tmp_path / "run", "env.id=test/MissionObs-v0", "env.imports=[obs_envs]",
+                                          "agent.target=gru", f"agent.kwargs={kwargs}", "eval.every=1",
+                                          "eval.episodes=2"))
+    obs = trainer.collector._obs
+    assert set(obs.keys()) == {"image", "direction"} and obs["image"].dtype == torch.uint8
+
+
+def test_observation_keys_cannot_change_on_resume_and_older_checkpoints_resume(tmp_path):
+    from rl_replay.config import config_to_dict
+    from rl_replay.trainer import _check_resume_config
+
+    run = tmp_path / "run"
+    build(small_cfg(run, "env.id=test/MissionObs-v0", "env.imports=[obs_envs]", "env.observation_keys=[image, direction]",
+                    "checkpoint.every=0")).train()
+    with pytest.raises(SetupError, match=r"cannot resume .* with env.observation_keys=\['image'\]"):
+        build(resume=run, overrides=("env.observation_keys=[image]",))
+    # A checkpoint written before env.observation_keys existed holds no such key: it means the default.
+    cfg = small_cfg(run, "env.id=test/MissionObs-v0")
+    saved = config_to_dict(cfg)
+    del saved["env"]["observation_keys"]
+    _check_resume_config(cfg, saved, run)
+    with pytest.raises(SetupError, match="env.observation_keys"):
+        _check_resume_config(small_cfg(run, "env.id=test/MissionObs-v0", "env.observation_keys=[image]"), saved, run)
