@@ -138,10 +138,12 @@ class PPOConfig:
     """clip the value update around the collected value"""
     target_kl: float | None = None
     """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
-    block_steps: int = 1
+    block_steps: int = 16
     """steps of a minibatch sequence per replay block (rl_replay.engine.replay_steps): the same
     gradients for every value; the per-block machinery is paid once per block, and one
-    block's steps of activations are alive at the backward's peak"""
+    block's steps of activations are alive at the backward's peak. 16: the memory_1024 update
+    at 0.97x plain autograd's time (1 step per block: 1.6x; docs/benchmarks.md). Under FSDP
+    each step is recomputed once more (a no-grad pass first): use 1 there"""
 
 
 @dataclass

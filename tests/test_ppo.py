@@ -179,7 +179,8 @@ def test_target_kl_stops_the_epochs():
 
 
 # ------------------------------------------------------------------ memory
-def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkeypatch):
+@pytest.mark.parametrize("block_steps", [1, 16])
+def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkeypatch, block_steps):
     accumulators: list[weakref.ref] = []
     alive_at_start: list[int] = []
 
@@ -194,7 +195,8 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
     monkeypatch.setattr(ppo_module, "GradientAccumulator", Tracked)
     saved = {}
     for T in (16, 32, 64):
-        cfg, envs, model, collector = make_setup(num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2"))
+        cfg, envs, model, collector = make_setup(num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2",
+                                                                 f"ppo.block_steps={block_steps}"))
         algo = PPO(cfg, collector, model, torch.optim.Adam(model.parameters(), lr=1e-3))
         saved[T] = algo.update().metrics["memory/replay_saved_bytes"]
         envs.close()
@@ -202,10 +204,10 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
     # Each minibatch's blocks (and the accumulator their graph holds) are gone before the next.
     assert len(alive_at_start) == 3 * 2 * 2 and alive_at_start == [0] * 12
     assert all(r() is None for r in accumulators)
-    # Block inputs per step of a 2-env minibatch: observation (2 x 4 float32), h (2 x 16 float32),
-    # is_first (2 bool).
-    per_step = 2 * 4 * 4 + 2 * 16 * 4 + 2
-    assert saved == {T: T * per_step for T in (16, 32, 64)}
+    # Block inputs of a 2-env minibatch: per step observation (2 x 4 float32) and is_first
+    # (2 bool); per block the state it starts from, h (2 x 16 float32).
+    per_step, per_block = 2 * 4 * 4 + 2, 2 * 16 * 4
+    assert saved == {T: T * per_step + (T // block_steps) * per_block for T in (16, 32, 64)}
 
 
 # ------------------------------------------------------------------ config
