@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -143,7 +144,9 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         metrics = trainer.train()
         if info.is_main and metrics:
-            shown = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("rollout/return", "train/loss"))}
+            # A NaN here only means that no episode ended in the last update: leave it out.
+            shown = {k: round(v, 3) for k, v in metrics.items()
+                     if k.startswith(("rollout/return", "train/loss")) and math.isfinite(v)}
             print(f"finished {trainer.update} updates, {trainer.env_steps} env steps: {shown}", file=sys.stderr)
     except TrainingInterrupted as exc:
         code = exc.exit_code

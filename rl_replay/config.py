@@ -727,6 +727,8 @@ def num_updates(cfg: Config, *, world_size: int) -> int:
     """Updates a run takes: ``ceil(total_env_steps / (num_envs * num_steps * world_size))``.
 
     Every rank runs ``env.num_envs`` envs, so an update consumes ``world_size`` times the
-    per-rank batch.
+    per-rank batch. Exact in ``fixed`` mode; in ``episode`` mode an update takes as many
+    steps as its longest episode (at most the cap), so this is only the fewest updates the
+    trainer may need: it keeps updating until ``total_env_steps`` are reached.
     """
     return math.ceil(cfg.total_env_steps / (batch_size_per_rank(cfg) * world_size))

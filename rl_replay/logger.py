@@ -292,6 +292,8 @@ class RunLogger:
         if self._wandb is not None:
             self._pending.append(row)
         if self._bar is not None:
+            if env_steps > self._bar.total:  # the last update overshoots; tqdm drops a total it passed
+                self._bar.total = env_steps
             self._bar.update(env_steps - self._last_steps)
             post = {}
             if record.get("rollout/return_recent") is not None:

@@ -79,7 +79,9 @@ class Trainer:
         self.lock = lock
         self.update = 0
         self.env_steps = 0  # summed over all ranks
-        self.num_updates = num_updates(cfg, world_size=info.world_size)
+        # Known in advance only in fixed mode; in episode mode an update takes as many steps
+        # as its longest episode, so the run goes on until the step budget is reached.
+        self.num_updates = num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
         self.num_params = num_params
@@ -90,7 +92,7 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> dict[str, float]:
-        """Train until ``total_env_steps``; returns the last update's metrics.
+        """Train until ``total_env_steps`` are reached (see :attr:`finished`); returns the last update's metrics.
 
         On SIGINT / SIGTERM the current update is finished, a checkpoint written and
         :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
@@ -100,16 +102,16 @@ class Trainer:
         metrics: dict[str, float] = {}
         try:
             with StopOnSignal(announce=self.info.is_main) as signals:
-                while self.update < self.num_updates:
+                while not self.finished:
                     metrics = self.step()
-                    if self.update % self.cfg.log.log_every == 0 or self.update == self.num_updates:
+                    if self.update % self.cfg.log.log_every == 0 or self.finished:
                         self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
                     every = self.cfg.checkpoint.every
-                    saved = (every and self.update % every == 0) or self.update == self.num_updates
+                    saved = (every and self.update % every == 0) or self.finished
                     if saved:
                         self.save()
                     signum = signals.requested(self.info, self.device)
-                    if signum and self.update < self.num_updates:
+                    if signum and not self.finished:
                         if not saved:
                             self.save()
                         raise TrainingInterrupted(signum, self.update, self.last_checkpoint, str(self.run_dir))
@@ -117,12 +119,28 @@ class Trainer:
             self.close()
         return metrics
 
+    @property
+    def finished(self) -> bool:
+        """Whether the run has taken its ``total_env_steps`` (over all ranks).
+
+        In fixed mode that is after ``num_updates`` updates; in episode mode, whose updates
+        are as long as their episodes, after however many updates reach the budget. The
+        last update may overshoot it by less than one update's steps, never fall short.
+        """
+        return self.env_steps >= self.cfg.total_env_steps
+
+    def budget_used(self) -> float:
+        """The fraction of the run done before the next update, in [0, 1): the lr schedule's clock."""
+        if self.num_updates is not None:
+            return self.update / self.num_updates
+        return self.env_steps / self.cfg.total_env_steps
+
     def step(self) -> dict[str, float]:
         """One update of ``cfg.loss.algorithm`` (collect, then optimise), with its metrics."""
         cfg = self.cfg
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
-                group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
+                group["lr"] = cfg.optim.lr * (1.0 - self.budget_used())
         self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update()
@@ -139,7 +157,7 @@ class Trainer:
                                            self.collector.bptt_truncate))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
-        if every and (self.update % every == 0 or self.update == self.num_updates):
+        if every and (self.update % every == 0 or self.finished):
             metrics.update(self.evaluate())
         return metrics
 
@@ -415,7 +433,8 @@ def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device:
     return {
         "num_params": num_params, "world_size": info.world_size, "device": str(device),
         "batch_size_per_rank": per_rank, "batch_size": per_rank * info.world_size,
-        "num_updates": num_updates(cfg, world_size=info.world_size),
+        # None in episode mode: the number of updates depends on the episodes' lengths.
+        "num_updates": num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None,
     }
 
 
