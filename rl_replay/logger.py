@@ -32,7 +32,8 @@ from urllib.parse import urlparse
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "RunLogger", "truncate_metrics", "read_metrics", "resolve_wandb_mode", "wandb_preflight", "summarize",
+    "RunLogger", "truncate_metrics", "read_metrics", "unsent_wandb_id", "resolve_wandb_mode", "wandb_preflight",
+    "summarize",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -126,6 +127,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
     return records
+
+
+def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
+    """The wandb id of a run in ``run_dir`` that never sent a row (None if there is none).
+
+    A run restarted from update 0 (stopped before its first checkpoint) continues that
+    wandb run instead of leaving an empty one beside a new one.
+    """
+    try:
+        mark = json.loads((Path(run_dir) / WANDB_MARK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return mark.get("wandb_id") if mark.get("update") == 0 else None
 
 
 def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
@@ -230,6 +244,8 @@ class RunLogger:
                 job_type="train", settings=settings,
             )
             self.wandb_id = self._wandb.id
+            if not (self.run_dir / WANDB_MARK_NAME).exists():
+                self._write_mark(0)  # the run's id, so that a restart before any row keeps it
             # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
@@ -257,10 +273,13 @@ class RunLogger:
         if rows:
             last = int(rows[-1]["update"])
             self._wandb.summary.update(summarize([r for r in self._records if r["update"] <= last]))
-            mark = self.run_dir / WANDB_MARK_NAME
-            tmp = mark.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"update": int(rows[-1]["update"]), "wandb_id": self.wandb_id}))
-            os.replace(tmp, mark)
+            self._write_mark(last)
+
+    def _write_mark(self, update: int) -> None:
+        mark = self.run_dir / WANDB_MARK_NAME
+        tmp = mark.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"update": update, "wandb_id": self.wandb_id}))
+        os.replace(tmp, mark)
 
     def _resend(self, start_update: int) -> None:
         """On resume: rows up to the checkpoint that wandb may not have (a kill right after a

@@ -25,7 +25,7 @@ from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
 from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
-from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
+from rl_replay.checkpoint import remove_stale_temporaries
 from rl_replay.collector import Collector
 from rl_replay.config import (Config, batch_size_per_rank, config_to_dict, load_config, num_updates,
                               save_config)
@@ -34,11 +34,11 @@ from rl_replay.environment import make_vector_env
 from rl_replay.errors import SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
-from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, wandb_preflight
+from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
 from rl_replay.memory_stats import begin_update
 from rl_replay.metrics import pool_update_metrics
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
-from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
+from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
 
 __all__ = ["Trainer", "build", "make_optimizer", "RESUME_FIXED_KEYS"]
 
@@ -267,12 +267,15 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
 
     Everything that can be misconfigured is checked before anything is written: a fresh
     run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
-    into the new objects before its ``config.yaml`` is rewritten. A failure releases what
-    was taken until then (the run directory's lock, the envs, the logger); the returned
-    trainer holds them until :meth:`Trainer.close`.
+    into the new objects before its ``config.yaml`` is rewritten; one that stopped before its
+    first checkpoint restarts in place from update 0 (a warning says how many logged updates
+    that redoes). A failure releases what was taken until then (the run directory's lock, the
+    envs, the logger); the returned trainer holds them until :meth:`Trainer.close`.
     """
+    restart = False
     if resume is not None:
         resume = Path(resume)
+        restart = resume_kind(resume) == "restart"
         cfg = _resume_config(resume, overrides)
     assert cfg is not None
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
@@ -288,7 +291,8 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         if resume is not None:
             # Refuse a run that is still being written before reading anything.
             lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
-            state, ckpt = _read_resume_state(cfg, resume, info)
+            if not restart:
+                state, ckpt = _read_resume_state(cfg, resume, info)
         trainer = _build_objects(cfg, info, device, lock, cleanup)
         if state is not None:
             _load_resume_state(trainer, state, ckpt, resume)
@@ -296,9 +300,15 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         if resume is None:
             trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
             trainer.run_dir = Path(_broadcast_obj(str(lock.run_dir) if lock else None, info))
+        elif restart and info.is_main:
+            print(f"warning: {resume} has no checkpoint: the run stopped before its first one "
+                  f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
+                  file=sys.stderr, flush=True)
         trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
-        _write_run_dir(trainer.cfg, trainer.run_dir, state, info)
-        trainer.logger = _open_logger(trainer, state, wandb_mode)
+        cut_to = state["update"] if state is not None else 0 if restart else None
+        _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
+        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None
+        trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
         cleanup.callback(trainer.logger.close)
         if state is not None:
             restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
@@ -307,9 +317,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
 
 
 def _resume_config(resume: Path, overrides: tuple[str, ...]) -> Config:
-    """The saved config of the run in ``resume`` with ``overrides``; refuses a run without checkpoint."""
-    if not (checkpoint_path(resume).exists() or previous_checkpoint_path(resume).exists()):
-        raise FileNotFoundError(f"cannot resume: no checkpoint at {checkpoint_path(resume)}")
+    """The saved config of the run in ``resume`` with ``overrides``."""
     cfg = load_config(resume / "config.yaml", overrides)
     return replace(cfg, run_dir=str(resume))
 
@@ -344,23 +352,25 @@ def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resu
     trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
 
 
-def _write_run_dir(cfg: Config, run_dir: Path, state: dict[str, Any] | None, info: dist_utils.DistInfo) -> None:
-    """Rank 0 writes ``config.yaml`` (a resume first cuts ``metrics.jsonl`` back to its checkpoint)."""
+def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo) -> None:
+    """Rank 0 writes ``config.yaml``; a resume first cuts ``metrics.jsonl`` back to update
+    ``cut_to`` (its checkpoint's, or 0 for a restart) and removes stale temporary files."""
     if info.is_main:
-        if state is not None:
+        if cut_to is not None:
             remove_stale_temporaries(run_dir)
-            truncate_metrics(run_dir / METRICS_NAME, state["update"])
+            truncate_metrics(run_dir / METRICS_NAME, cut_to)
         save_config(cfg, run_dir / "config.yaml")
     dist_utils.barrier(info)
 
 
-def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str) -> RunLogger:
-    """The run's logger, continuing a resumed run's wandb run and progress."""
+def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str,
+                 wandb_id: str | None) -> RunLogger:
+    """The run's logger, continuing a resumed run's wandb run (``wandb_id``) and progress."""
     cfg, info = trainer.cfg, trainer.info
     return RunLogger(
         trainer.run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
         wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
-        run_name=cfg.log.run_name or trainer.run_dir.name, wandb_id=state["wandb_id"] if state else None,
+        run_name=cfg.log.run_name or trainer.run_dir.name, wandb_id=wandb_id,
         group=cfg.log.group, tags=cfg.log.tags,
         extras=_run_extras(cfg, trainer.num_params, info, trainer.device),
         progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,

@@ -89,6 +89,44 @@ def test_fresh_run_refuses_a_directory_holding_a_run(finished_run, tmp_path):
     assert checkpoint_path(tmp_path / "empty").exists()
 
 
+def test_a_run_killed_before_its_first_checkpoint_restarts_in_place(tmp_path):
+    """kill -9 before the first checkpoint: a fresh run there points at --resume, and --resume
+    restarts the run from update 0 in the same directory and wandb run, saying how many logged
+    updates it redoes. Neither message sends the user back to the other."""
+    from rl_replay.logger import read_metrics
+
+    run = tmp_path / "run"
+    offline = {**ENV, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, "total_env_steps=100000000", "checkpoint.every=0",
+                             f"run_dir={run}"], cwd=tmp_path, env=offline, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_metrics(run, proc)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert not checkpoint_path(run).exists()
+    logged = read_metrics(run)[-1]["update"]
+    words = f"{logged} update{'' if logged == 1 else 's'} logged"
+
+    code, _, err = finish(start(TRAIN, *TINY, "total_env_steps=32", f"run_dir={run}", cwd=tmp_path))
+    line = one_error_line(err)
+    assert code == 2 and line == (
+        f"error: run directory {run} holds a run that stopped before its first checkpoint ({words}): "
+        f"restart it there from update 0 with --resume {run}, or start a new one with another run_dir=...")
+
+    proc = subprocess.Popen([sys.executable, TRAIN, "--resume", str(run), "total_env_steps=32"], cwd=tmp_path,
+                            env=offline, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, _, err = finish(proc)
+    assert code == 0, err
+    assert err.splitlines()[0] == (f"warning: {run} has no checkpoint: the run stopped before its first one "
+                                   f"({words}); restarting it there from update 0 with its config.yaml.")
+    assert [r["update"] for r in read_metrics(run)] == [1, 2]  # the lost updates were redone, not kept
+    assert load_checkpoint(run)["update"] == 2
+    ids = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1  # one wandb run: the restart continued the one that never got a row
+
+
 def test_default_run_dirs_are_unique_for_runs_started_together(tmp_path):
     procs = [start(TRAIN, *TINY, "total_env_steps=32", cwd=tmp_path) for _ in range(2)]
     results = [finish(p) for p in procs]

@@ -68,7 +68,8 @@ def test_train_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
         (["no_equals_sign"], r"error: Malformed override 'no_equals_sign'"),
         (["agent.target=rl_replay.agents.mlp:Nope"], r"error: agent\.target 'rl_replay\.agents\.mlp:Nope': module"),
         (["collector.num_steps=0"], r"error: Out of range value for config key 'collector\.num_steps'"),
-        (["--resume", "{tmp}/missing_run"], r"error: cannot resume: no checkpoint at "),
+        (["--resume", "{tmp}/missing_run"], r"error: cannot resume .*missing_run: no such directory\. Start a new "
+                                            r"run there with run_dir=.*missing_run$"),
     ],
     ids=["bad-type", "malformed", "agent", "range", "resume"],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,8 +133,8 @@ def test_failed_build_closes_envs_and_releases_the_run_dir(tmp_path, monkeypatch
     assert resumed.update == 2
 
 
-def test_resume_without_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+def test_resume_of_a_missing_run_directory(tmp_path):
+    with pytest.raises(SetupError, match=f"cannot resume {re.escape(str(tmp_path / 'nothing'))}: no such directory"):
         build(resume=tmp_path / "nothing")
 
 
