@@ -111,7 +111,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from rl_replay.config import load_config
-    from rl_replay.errors import CheckpointError, NonFiniteError, SetupError, TrainingInterrupted
+    from rl_replay.errors import CheckpointError, NonFiniteError, RunWriteError, SetupError, TrainingInterrupted
 
     if args.resume and args.config:
         print(f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
@@ -134,6 +134,9 @@ def train_main(argv: list[str] | None = None) -> int:
     except (SetupError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunWriteError as exc:  # the run directory was claimed, but its first files could not be written
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted while starting; no training happened.", file=sys.stderr)
         return 130
@@ -152,7 +155,7 @@ def train_main(argv: list[str] | None = None) -> int:
         code = exc.exit_code
         if info.is_main:
             print(f"{exc}\nto continue: {_resume_command(trainer.run_dir, info)}", file=sys.stderr)
-    except (NonFiniteError, CheckpointError) as exc:
+    except (NonFiniteError, CheckpointError, RunWriteError) as exc:
         if info.is_main or info.distributed:
             print(f"error: {exc}", file=sys.stderr)
         code = 1

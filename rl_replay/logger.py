@@ -327,7 +327,10 @@ class RunLogger:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # only after a failed write (lines are flushed as written), reported already
+                pass
             self._file = None
         if self._wandb is not None:
             if self._pending:

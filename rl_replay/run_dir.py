@@ -14,6 +14,7 @@ Every refusal is a :class:`~rl_replay.errors.RunDirError` (a ``SetupError``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
@@ -43,7 +44,10 @@ class RunLock:
         previous = _HELD.pop(key, None)
         if previous is not None:
             previous.release()
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only file system (EROFS), no permission, a full disk
+            raise _not_writable(self.run_dir, exc) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -68,6 +72,18 @@ class RunLock:
         fd, self._fd = self._fd, None
         _HELD.pop(str(self.path.resolve()), None)
         os.close(fd)  # closing the descriptor drops the flock
+
+
+def _not_writable(run_dir: Path, exc: OSError) -> RunDirError:
+    """One line for a run directory that cannot be written, naming its last checkpoint."""
+    code = errno.errorcode.get(exc.errno or 0)
+    latest = next((p for p in (checkpoint_path(run_dir), previous_checkpoint_path(run_dir)) if p.exists()), None)
+    kept = f"; its last checkpoint {latest} is unchanged" if latest else ""
+    return RunDirError(
+        f"cannot write {exc.filename or run_dir}: {exc.strerror or exc}{f' ({code})' if code else ''}{kept}. "
+        "A run directory must be writable: fix the file system or its permissions, or use another directory "
+        "(a run copied there resumes from it)."
+    )
 
 
 def _contents(run_dir: Path) -> list[str]:
@@ -133,7 +149,10 @@ def claim_fresh(run_dir: str | os.PathLike) -> RunLock:
         contents = _contents(run_dir)
         if contents:
             raise _not_empty(run_dir, contents)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _not_writable(run_dir, exc) from None
     lock = RunLock(run_dir)
     contents = _contents(run_dir)  # another fresh run may have won the race before our lock
     if contents:
@@ -150,12 +169,14 @@ def default_name(env_id: str) -> str:
 def claim_default(parent: str | os.PathLike, name: str) -> tuple[Path, RunLock]:
     """Create ``parent/name`` (or ``name-2``, ``name-3``... if taken) and lock it."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
     for i in range(1, 10_000):
         candidate = parent / (name if i == 1 else f"{name}-{i}")
         try:
+            parent.mkdir(parents=True, exist_ok=True)
             candidate.mkdir()  # atomic: exactly one process creates a given name
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise _not_writable(candidate, exc) from None
         return candidate, RunLock(candidate)
     raise RunDirError(f"no free run directory name {parent / name}-N; set run_dir=...")  # pragma: no cover

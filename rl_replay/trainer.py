@@ -25,13 +25,13 @@ from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
 from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
-from rl_replay.checkpoint import remove_stale_temporaries
+from rl_replay.checkpoint import checkpoint_path, remove_stale_temporaries
 from rl_replay.collector import Collector
 from rl_replay.config import (Config, batch_size_per_rank, config_to_dict, load_config, num_updates,
                               save_config)
 from rl_replay.contract import check_agent
 from rl_replay.environment import make_vector_env
-from rl_replay.errors import SetupError, TrainingInterrupted
+from rl_replay.errors import RunWriteError, SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
 from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
@@ -96,7 +96,9 @@ class Trainer:
 
         On SIGINT / SIGTERM the current update is finished, a checkpoint written and
         :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
-        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written).
+        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written),
+        a failed write into the run directory (disk full, read-only) with
+        :class:`~rl_replay.errors.RunWriteError`.
         The logger and the run directory's lock are released in every case.
         """
         metrics: dict[str, float] = {}
@@ -105,7 +107,8 @@ class Trainer:
                 while not self.finished:
                     metrics = self.step()
                     if self.update % self.cfg.log.log_every == 0 or self.finished:
-                        self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
+                        with self._writing(self.run_dir / METRICS_NAME):
+                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
                     every = self.cfg.checkpoint.every
                     saved = (every and self.update % every == 0) or self.finished
                     if saved:
@@ -195,10 +198,24 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        """Write the checkpoint (collective under FSDP); refuses non-finite weights."""
-        path = save_trainer(self)
+        """Write the checkpoint (collective under FSDP); refuses non-finite weights.
+
+        A failed write (:class:`~rl_replay.errors.RunWriteError`) leaves the previous
+        checkpoint in place.
+        """
+        with self._writing(checkpoint_path(self.run_dir)):
+            path = save_trainer(self)
         self.last_checkpoint = f"{path} (update {self.update})"
-        self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+        with self._writing(self.run_dir):
+            self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """Turn the ``OSError`` of a write to ``path`` (ENOSPC, EROFS...) into one line naming it."""
+        try:
+            yield
+        except OSError as exc:
+            raise RunWriteError(exc, path, self.last_checkpoint, str(self.run_dir)) from None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
@@ -306,9 +323,10 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
                   file=sys.stderr, flush=True)
         trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
         cut_to = state["update"] if state is not None else 0 if restart else None
-        _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
         wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None
-        trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
+        with trainer._writing(trainer.run_dir):
+            _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
+            trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
         cleanup.callback(trainer.logger.close)
         if state is not None:
             restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
