@@ -344,6 +344,19 @@ def test_total_env_steps_is_reached_in_every_mode_and_the_bar_ends_at_the_steps_
     assert [r["env_steps"] for r in read_metrics(tmp_path / "fixed")] == [16, 32, 48]
 
 
+def test_a_custom_agent_target_alone_gets_none_of_the_default_mlp_kwargs(tmp_path):
+    """default.yaml's agent.kwargs (hidden_sizes, for the MLP) are not passed to another target."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "agent.target=custom_agent_module:TinyAgent",
+         "total_env_steps=16", "env.num_envs=2", "collector.num_steps=8", "log.progress=false",
+         "log.wandb_mode=disabled", f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])})
+    assert proc.returncode == 0, proc.stderr
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert saved.agent.target == "custom_agent_module:TinyAgent" and saved.agent.kwargs == {}
+
+
 def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):
     from rl_replay.logger import truncate_metrics
 
