@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import difflib
 import inspect
 import json
 import math
@@ -88,6 +90,25 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].strip()
 
 
+def _missing_config(path: str) -> str:
+    """One line for a ``--config`` file that does not exist: the nearest name, and the configs
+    in its directory and in the shipped ``configs/``."""
+    given, shipped = Path(path), DEFAULT_CONFIG.parent
+    with contextlib.suppress(ValueError):
+        shipped = shipped.relative_to(Path.cwd())
+    dirs: list[Path] = []
+    for d in (given.parent, shipped):
+        if d.is_dir() and any(d.glob("*.yaml")) and all(d.resolve() != o.resolve() for o in dirs):
+            dirs.append(d)
+    files = [f for d in dirs for f in sorted(d.glob("*.yaml"))]
+    if not files:
+        return f"Config file not found: {path}"
+    close = difflib.get_close_matches(given.name, [f.name for f in files], n=1, cutoff=0.6)
+    hint = f" (did you mean {next(f for f in files if f.name == close[0])}?)" if close else ""
+    listing = "; ".join(f"{d}/: {', '.join(f.name for f in files if f.parent == d)}" for d in dirs)
+    return f"Config file not found: {path}{hint}. Configs in {listing}"
+
+
 def _resume_command(run_dir: Path, info) -> str:
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
     if info.distributed:
@@ -128,6 +149,8 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.resume:
             trainer = build(resume=args.resume, overrides=tuple(args.overrides))
         else:
+            if args.config and not Path(args.config).is_file():
+                raise FileNotFoundError(_missing_config(args.config))
             default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
             cfg = load_config(args.config or default, args.overrides)
             trainer = build(cfg)
