@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 from rl_replay.engine import (GradientAccumulator, ReplayError, StateWatch, checkpoint_fsdp_forward,
-                              keep_freed_memory, replay)
+                              keep_freed_memory, replay, replay_steps)
 
 __all__ = ["Agent", "GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
-           "keep_freed_memory", "replay"]
+           "keep_freed_memory", "replay", "replay_steps"]
 __version__ = "0.1.0"
 
 

@@ -7,14 +7,18 @@ A block's inputs are a TensorDict of batch size ``[N]`` (one row per environment
                  float32 for Discrete/MultiDiscrete), or a nested TensorDict ``[N]``
                  for Dict/Tuple spaces (see :mod:`rl_replay.spaces`)
 ``state``        TensorDict ``[N]`` with the recurrent state (empty if stateless)
-``is_first``     ``(N,)`` bool: the observation starts a new episode. Recurrent
-                 agents zero their state here, *inside* the block, so collection
-                 and replay run the same code and no gradient crosses episodes.
+``is_first``     ``(N,)`` ``torch.bool`` on the policy's device: the observation
+                 starts a new episode. Recurrent agents zero their state here,
+                 *inside* the block (:meth:`Agent.reset_state`), so collection and
+                 replay run the same code and no gradient crosses episodes.
 ==============  ===============================================================
 
 ``forward`` returns a TensorDict ``[N]`` with ``dist`` (the action distribution's
-parameters, e.g. ``logits``), ``value`` ``(N,)`` and the next ``state``.
+*parameters* as tensors, e.g. a TensorDict with ``logits``: not a ``torch.distributions``
+object, since a replay block's outputs must be tensors), ``value`` ``(N,)`` and the next
+``state`` (the keys, shapes and dtypes of :meth:`Agent.initial_state`'s).
 :meth:`Agent.distribution` turns ``dist`` into a ``torch.distributions`` object.
+:func:`rl_replay.contract.check_agent` checks all of this once before a run starts.
 """
 
 from __future__ import annotations
@@ -178,6 +182,31 @@ class Agent(nn.Module):
         return TensorDict({}, batch_size=[batch_size], device=None)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        """One timestep of the policy for ``N`` envs (one replay block).
+
+        Args:
+            observation: ``(N, *obs_shape)`` (float32; uint8 images stay uint8, Discrete
+                observations are one-hot float32), or a TensorDict ``[N]`` for Dict/Tuple spaces.
+            state: TensorDict ``[N]``, the previous step's returned state (at the start:
+                :meth:`initial_state`).
+            is_first: ``(N,)`` ``torch.bool`` on the policy's device, True where the
+                observation starts a new episode. A recurrent agent must reset its state
+                there before using it (``h = self.reset_state(state["h"], is_first)``), or
+                memory and gradient cross episode boundaries.
+
+        Returns:
+            TensorDict ``[N]`` with
+
+            * ``dist``: the action distribution's parameters as tensors, e.g.
+              ``self.head(x)`` (a TensorDict with ``logits``, or ``loc`` and ``scale``);
+              never a ``torch.distributions`` object (:meth:`distribution` builds that);
+            * ``value``: ``(N,)`` float, the critic's value (``critic(x).squeeze(-1)``);
+            * ``state``: the next state, with the keys, shapes and dtypes of
+              :meth:`initial_state` (an empty TensorDict ``[N]`` for a stateless agent).
+
+        It must not modify parameters or buffers (a block's forward runs twice: once
+        to collect, once again in backward).
+        """
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
@@ -186,7 +215,10 @@ class Agent(nn.Module):
 
     @staticmethod
     def reset_state(state: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
-        """Zero ``state`` rows where an episode starts (the gradient to the old state is 0)."""
+        """Zero ``state`` rows where an episode starts (the gradient to the old state is 0).
+
+        ``state`` is ``(N, ...)``, ``is_first`` the ``(N,)`` bool of :meth:`forward`.
+        """
         keep = (~is_first).to(state.dtype)
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
 

@@ -240,6 +240,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     from rl_replay.agent import build_agent
     from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
     from rl_replay.config import load_config
+    from rl_replay.env_state import training_statistics
     from rl_replay.environment import make_vector_env
     from rl_replay.errors import SetupError
     from rl_replay.evaluate import evaluate
@@ -272,6 +273,8 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     agent.load_state_dict(state["agent"])
+    collectors = state["collector"] if isinstance(state["collector"], list) else [state["collector"]]
+    env_statistics = training_statistics(collectors)  # NormalizeObservation's scale, as in training
     if args.video:
         try:
             import moviepy  # noqa: F401
@@ -282,7 +285,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         agent, cfg.env.id, episodes=args.episodes or cfg.eval.episodes,
         deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed,
         env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, video_dir=args.video,
-        env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
+        env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers, env_statistics=env_statistics,
     )
     print(f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
           f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "

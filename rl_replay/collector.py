@@ -10,7 +10,6 @@ output is exactly the bootstrap value ``V(final obs)`` a truncated step needs, s
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -25,6 +24,7 @@ from rl_replay.agent import Agent
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.environment import env_episode_return
+from rl_replay.env_state import pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.engine import replay
 from rl_replay.sequence import append_heads, block_inputs, stack_heads, truncate
 from rl_replay.spaces import obs_converter
@@ -237,26 +237,23 @@ class Collector:
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue collection exactly (sync envs are pickled)."""
+        """Everything needed to continue collection exactly (sync envs are pickled whole; the
+        wrappers' running statistics are also kept as arrays, for evaluation and async envs)."""
         state: dict[str, Any] = {
             "obs": self._obs, "state": None if self._state is None else self._state.to_dict(),
             "is_first": self._is_first, "autoreset": self._autoreset.copy(),
             "ep_return": self._ep_return.copy(), "ep_length": self._ep_length.copy(),
-            "envs": None,
+            "envs": None, "env_statistics": vector_statistics(self.envs),
         }
         if isinstance(self.envs, gym.vector.SyncVectorEnv):
             try:
                 # The sub-envs (with their RNGs) plus the vector env's own autoreset flags.
-                state["envs"] = pickle.dumps((self.envs.envs, self.envs._autoreset_envs))
-            except Exception as exc:  # pragma: no cover - depends on the env
-                warnings.warn(f"environments cannot be pickled ({exc}); resume will reset them")
-        elif not self._warned_unsaved_envs:
-            # Async sub-envs live in worker processes; their state cannot be read from here.
-            self._warned_unsaved_envs = True
-            warnings.warn("env.vectorization=async: the environments are not saved in checkpoints, so a resume "
-                          "starts fresh episodes and wrapper statistics (NormalizeReward, NormalizeObservation) "
-                          "start over; use env.vectorization=sync for runs that must resume exactly.",
-                          stacklevel=2)
+                state["envs"] = pickle_envs((self.envs.envs, self.envs._autoreset_envs))
+            except Exception as exc:  # depends on the env: a user's wrapper holding a lambda
+                if not self._warned_unsaved_envs:
+                    self._warned_unsaved_envs = True
+                    warnings.warn(f"environments cannot be pickled ({exc}); a resume starts fresh episodes "
+                                  "(with the saved wrapper statistics)", stacklevel=2)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -264,8 +261,18 @@ class Collector:
             # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
             self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])
         elif state.get("obs") is not None:
-            # The envs could not be restored: start fresh episodes instead of mixing.
+            # The envs could not be saved (async workers, an unpicklable wrapper): fresh
+            # episodes instead of mixing, scaled by the saved wrapper statistics.
+            if state.get("env_statistics"):
+                set_vector_statistics(self.envs, state["env_statistics"])
             self._reset(None)
+            if isinstance(self.envs, gym.vector.SyncVectorEnv):
+                why, fix = "the envs could not be pickled", "make the env's wrappers picklable"
+            else:
+                why, fix = "env.vectorization=async", "use env.vectorization=sync"
+            warnings.warn(f"the checkpoint holds no environment state ({why}): the resumed run starts fresh "
+                          "episodes with the saved wrapper statistics, so it does not continue exactly; "
+                          f"{fix} for runs that must resume exactly.", stacklevel=2)
             return
         # Checkpoints load onto the CPU; the policy may live on a GPU.
         def to(t):

@@ -137,6 +137,10 @@ class PPOConfig:
     """clip the value update around the collected value"""
     target_kl: float | None = None
     """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
+    block_steps: int = 1
+    """steps of a minibatch sequence per replay block (rl_replay.engine.replay_steps): the same
+    gradients for every value; the per-block machinery is paid once per block, and one
+    block's steps of activations are alive at the backward's peak"""
 
 
 @dataclass
@@ -276,6 +280,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "ppo.num_minibatches": (1, True, None, False),
     "ppo.clip_coef": (0, False, None, False),
     "ppo.target_kl": (0, False, None, False),
+    "ppo.block_steps": (1, True, None, False),
     "optim.lr": (0, False, None, False),
     "optim.max_grad_norm": (0, False, None, False),
     "optim.skip_nonfinite_updates": (0, True, None, False),

@@ -2,10 +2,14 @@
 
 :func:`check_agent` runs the agent's forward once (without grad) on the block inputs of a fresh
 env reset and checks what the collector and the losses rely on: ``value`` of shape
-``(N,)``, a ``state`` TensorDict of batch size ``[N]``, a distribution that
-:meth:`~rl_replay.Agent.distribution` can build whose samples fit the action space, and
-no change to the agent's buffers or parameters (the replay engine's own check, which
-catches BatchNorm in training mode). Every violation is a one-line
+``(N,)``, a ``state`` TensorDict of batch size ``[N]`` with the keys, shapes and dtypes of
+``initial_state`` (the next block takes it as its input), ``dist`` a TensorDict of
+distribution parameters (not a ``torch.distributions`` object), a distribution that
+:meth:`~rl_replay.Agent.distribution` can build whose samples fit the action space, no
+change to the agent's buffers or parameters (the replay engine's own check, which catches
+BatchNorm in training mode), and the reset: the same first block (``is_first`` set) run
+again on a perturbed incoming state must give the same outputs, else the agent carries
+memory (and gradient) across episode boundaries. Every violation is a one-line
 :class:`~rl_replay.errors.SetupError`.
 """
 
@@ -24,8 +28,21 @@ from rl_replay.engine import StateWatch
 __all__ = ["check_agent"]
 
 
+# The reset check: the incoming state is moved by standard normal noise (O(1), where a
+# recurrent state lives), and an output counts as depending on it if it moves by more than
+# this. A reset agent computes on the same reset state both times (the same RNG state too),
+# so its outputs agree to the bit or to rounding; 1e-4 is far above rounding in float32
+# and far below what an O(1) change of a state that is used does to the next state.
+RESET_TOLERANCE = 1e-4
+
+
 def _shape(t) -> str:
     return str(tuple(t.shape)) if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def _leaves(td: TensorDictBase) -> dict[str, torch.Tensor]:
+    return {".".join(k) if isinstance(k, tuple) else k: v
+            for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
 def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_space: gym.Space,
@@ -67,6 +84,12 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
             shown = tuple(state.batch_size) if isinstance(state, TensorDictBase) else type(state).__name__
             raise SetupError(f"{where}: forward() returned 'state' {shown}; expected a TensorDict of "
                              f"batch size [{n}] (an empty one for a stateless agent).")
+        if "dist" in keys and isinstance(out["dist"], torch.distributions.Distribution):
+            raise SetupError(
+                f"{where}: forward() returned 'dist' as a torch.distributions {type(out['dist']).__name__}; return "
+                "its parameters instead (a TensorDict such as self.head(x), e.g. TensorDict(logits=...)) and let "
+                "distribution() build the object: a replay block's outputs must be tensors.")
+        _check_state_structure(state, inputs["state"], where, wrapped=model is not policy)
         try:
             dist = policy.distribution(out)
         except KeyError as exc:
@@ -76,6 +99,52 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
             raise SetupError(f"{where}: distribution() needs key {missing} but forward() returned keys "
                              f"{keys}.") from None
         _check_distribution(dist, action_space, n, where)
+        _check_reset(model, inputs, where)
+
+
+def _check_state_structure(state: TensorDictBase, initial: TensorDictBase, where: str, wrapped: bool) -> None:
+    """The returned state has the keys, shapes and dtypes of ``initial_state`` (FSDP's mixed
+    precision may cast a floating state to another floating dtype)."""
+    ours, theirs = _leaves(state), _leaves(initial)
+    if sorted(ours) != sorted(theirs):
+        raise SetupError(f"{where}: forward() returned 'state' with keys {sorted(ours)} but initial_state() has "
+                         f"{sorted(theirs)}; the next block takes the returned state as its input, so return the "
+                         "same keys.")
+    for key, value in ours.items():
+        first = theirs[key]
+        if value.shape != first.shape:
+            raise SetupError(f"{where}: forward() returned state '{key}' of shape {_shape(value)} but initial_state() "
+                             f"gives {_shape(first)}; the next block takes the returned state as its input, so "
+                             "return the shapes of initial_state (or change initial_state).")
+        floats = value.is_floating_point() and first.is_floating_point()
+        if value.dtype != first.dtype and not (wrapped and floats):
+            raise SetupError(f"{where}: forward() returned state '{key}' of dtype {value.dtype} but initial_state() "
+                             f"gives {first.dtype}; return the dtypes of initial_state (or change initial_state).")
+
+
+def _check_reset(model: torch.nn.Module, inputs: TensorDictBase, where: str) -> None:
+    """With ``is_first`` set everywhere, outputs must not depend on the incoming state."""
+    state = inputs["state"]
+    floats = [(k, v) for k, v in state.items(include_nested=True, leaves_only=True) if v.is_floating_point()]
+    if not floats or not bool(inputs["is_first"].all()):
+        return
+    generator = torch.Generator().manual_seed(0)
+    perturbed = state.clone()
+    for key, value in floats:
+        noise = torch.randn(value.shape, generator=generator, dtype=torch.float32)
+        perturbed[key] = value + noise.to(value.device, value.dtype)
+    outputs = []
+    for incoming in (state, perturbed):
+        torch.manual_seed(0)  # the same random numbers for both (dropout, noisy layers)
+        outputs.append(_leaves(model(**inputs.clone(False).update({"state": incoming}))))
+    moved = sorted(key for key, value in outputs[0].items()
+             if value.is_floating_point() and not torch.allclose(value, outputs[1][key], rtol=RESET_TOLERANCE,
+                                                                 atol=RESET_TOLERANCE))
+    if moved:
+        raise SetupError(
+            f"{where}: with is_first set (every env starts an episode), forward()'s outputs {moved} depend on the "
+            "incoming state: reset it before using it, state = Agent.reset_state(state, is_first) (zeros where an "
+            "episode starts), or memory and gradient cross episode boundaries.")
 
 
 def _check_distribution(dist, space: gym.Space, n: int, where: str) -> None:

@@ -6,7 +6,9 @@ import numpy as np
 import torch
 
 from rl_replay.agent import Agent
+from rl_replay.env_state import apply_statistics
 from rl_replay.environment import env_episode_return, make_env, make_vector_env
+from rl_replay.errors import SetupError
 from rl_replay.spaces import obs_converter
 
 __all__ = ["evaluate", "log_evaluation"]
@@ -27,13 +29,17 @@ def evaluate(
     video_dir: str | None = None,
     env_imports: tuple[str, ...] | list[str] = (),
     env_wrappers: tuple[dict, ...] | list[dict] = (),
+    env_statistics: list[dict] | None = None,
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
     ``deterministic`` takes the distribution's mode instead of sampling.
     ``video_dir`` records the first env's episodes with gymnasium's RecordVideo
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
-    ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``.
+    ``env_imports`` and ``env_wrappers`` are the run's ``env.imports`` and ``env.wrappers``;
+    ``env_statistics`` (:func:`rl_replay.env_state.training_statistics`) are the training run's
+    wrapper statistics (``NormalizeObservation``...): every env gets them, frozen, so the agent
+    sees inputs scaled as in training. None leaves the wrappers' own (fresh) statistics.
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
@@ -50,6 +56,13 @@ def evaluate(
     else:
         vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps,
                                      imports=env_imports, wrappers=env_wrappers)
+    if env_statistics is not None:
+        try:
+            for env in vector_env.envs:
+                apply_statistics(env, env_statistics, freeze=True)
+        except SetupError:
+            vector_env.close()
+            raise
     device = torch.device(device)
     to_tensor = obs_converter(vector_env.single_observation_space, device)
     was_training = agent.training

@@ -54,7 +54,7 @@ def _float_leaves(observation) -> list[torch.Tensor]:
 
 
 def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
-                    bptt_truncate: int | None = None) -> dict[str, float]:
+                    bptt_truncate: int | None = None, block_steps: int = 1) -> dict[str, float]:
     """Gradient of an episode's last decision with respect to its first observation.
 
     Args:
@@ -62,6 +62,8 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
         policy: the :class:`~rl_replay.agent.Agent` (for ``initial_state`` and ``distribution``).
         data: a rollout's (T, N) data with ``observation``, ``is_first``, ``action`` and ``valid``.
         bptt_truncate: detach the recurrent state every K steps, as the update does.
+        block_steps: steps per replay block, as the update (``ppo.block_steps``); the
+            gradient does not depend on it, only the time it takes.
 
     Returns:
         ``{"horizon/grad_first_obs": norm, "horizon/steps": last_row - first_row}`` for the
@@ -96,7 +98,7 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
         # (dropout in the blocks must not move the training RNG streams). The first row's
         # block resets the state (is_first), so any start state will do.
         replayed = replay_sequence(model, policy, episode, policy.initial_state(1, device),
-                                   GradientAccumulator(), bptt_truncate)
+                                   GradientAccumulator(), bptt_truncate, block_steps=block_steps)
         replayed["log_prob"][-1].sum().backward()  # not autograd.grad(): replay blocks refuse it
     for p, g in zip(params, held):
         p.grad = g

@@ -32,8 +32,8 @@ from urllib.parse import urlparse
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "RunLogger", "truncate_metrics", "read_metrics", "unsent_wandb_id", "resolve_wandb_mode", "wandb_preflight",
-    "summarize",
+    "RunLogger", "RunSummary", "truncate_metrics", "read_metrics", "unsent_wandb_id", "resolve_wandb_mode",
+    "wandb_preflight", "summarize",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -160,25 +160,51 @@ def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
     os.replace(tmp, path)
 
 
+class RunSummary:
+    """:func:`summarize` of the records added so far, in constant memory: a run of a million
+    updates keeps no list of its rows (keeping them grew the trainer ~2 KiB per update)."""
+
+    def __init__(self) -> None:
+        self._best: float | None = None
+        self._success: float | None = None
+        self._sps_sum, self._sps_count = 0.0, 0
+        self._last: dict[str, Any] | None = None
+
+    def add(self, record: dict[str, Any]) -> None:
+        def finite(key):
+            value = record.get(key)
+            return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+        ret, success, sps = finite("rollout/return_mean"), finite("rollout/success_rate"), finite("time/steps_per_sec")
+        if ret is not None:
+            self._best = ret if self._best is None else max(self._best, ret)
+        if success is not None:
+            self._success = success
+        if sps is not None:
+            self._sps_sum += sps
+            self._sps_count += 1
+        self._last = record
+
+    def value(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        if self._best is not None:
+            out["summary/best_return"] = self._best
+        if self._success is not None:
+            out["summary/last_success_rate"] = self._success
+        if self._sps_count:
+            out["summary/mean_steps_per_sec"] = self._sps_sum / self._sps_count
+        if self._last is not None:
+            out["summary/updates"] = self._last["update"]
+            out["summary/env_steps"] = self._last["env_steps"]
+        return out
+
+
 def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
     """Run summaries from metrics records: best return, last success rate, mean steps/s."""
-    def finite(key):
-        return [r[key] for r in records if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-
-    out: dict[str, float] = {}
-    returns = finite("rollout/return_mean")
-    if returns:
-        out["summary/best_return"] = max(returns)
-    success = finite("rollout/success_rate")
-    if success:
-        out["summary/last_success_rate"] = success[-1]
-    sps = finite("time/steps_per_sec")
-    if sps:
-        out["summary/mean_steps_per_sec"] = sum(sps) / len(sps)
-    if records:
-        out["summary/updates"] = records[-1]["update"]
-        out["summary/env_steps"] = records[-1]["env_steps"]
-    return out
+    summary = RunSummary()
+    for record in records:
+        summary.add(record)
+    return summary.value()
 
 
 class RunLogger:
@@ -230,7 +256,10 @@ class RunLogger:
         if not is_main:
             return
         # The run's history so far (truncated to the checkpoint on resume) seeds the summaries.
-        self._records = [r for r in read_metrics(self.run_dir) if r.get("update", 0) <= start_update]
+        history = [r for r in read_metrics(self.run_dir) if r.get("update", 0) <= start_update]
+        self._summary = RunSummary()  # of the rows handed to wandb, i.e. covered by a checkpoint
+        for record in history:
+            self._summary.add(record)
         self._file = open(self.run_dir / METRICS_NAME, "a", buffering=1)
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
@@ -249,7 +278,7 @@ class RunLogger:
             # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
-            self._resend(start_update)
+            self._resend(history, start_update)
         if progress:
             from tqdm import tqdm
 
@@ -271,9 +300,8 @@ class RunLogger:
             sent = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
             self._wandb.log(sent, step=int(row["update"]))
         if rows:
-            last = int(rows[-1]["update"])
-            self._wandb.summary.update(summarize([r for r in self._records if r["update"] <= last]))
-            self._write_mark(last)
+            self._wandb.summary.update(self._summary.value())
+            self._write_mark(int(rows[-1]["update"]))
 
     def _write_mark(self, update: int) -> None:
         mark = self.run_dir / WANDB_MARK_NAME
@@ -281,12 +309,12 @@ class RunLogger:
         tmp.write_text(json.dumps({"update": update, "wandb_id": self.wandb_id}))
         os.replace(tmp, mark)
 
-    def _resend(self, start_update: int) -> None:
+    def _resend(self, history: list[dict[str, Any]], start_update: int) -> None:
         """On resume: rows up to the checkpoint that wandb may not have (a kill right after a
         checkpoint was written and before its rows were handed over). A row wandb already
         holds has the same step and values, and wandb ignores it."""
         mark = self._mark()
-        rows = [r for r in self._records if mark < r["update"] <= start_update]
+        rows = [r for r in history if mark < r["update"] <= start_update]
         self._send([{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows])
 
     def checkpointed(self, update: int) -> None:
@@ -296,6 +324,8 @@ class RunLogger:
             return
         ready = [row for row in self._pending if row["update"] <= update]
         self._pending = [row for row in self._pending if row["update"] > update]
+        for row in ready:
+            self._summary.add(row)
         self._send(ready)
 
     # ------------------------------------------------------------------ logging
@@ -307,7 +337,6 @@ class RunLogger:
         row = {"update": update, "env_steps": env_steps, **values}
         record = {"update": update, "env_steps": env_steps, **{k: _jsonable(v) for k, v in values.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._records.append(record)
         if self._wandb is not None:
             self._pending.append(row)
         if self._bar is not None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rl_replay.engine import GradientAccumulator, replay
+from rl_replay.engine import GradientAccumulator, replay, replay_steps
 
-__all__ = ["append_heads", "block_inputs", "replay_sequence", "stack_heads", "truncate"]
+__all__ = ["append_heads", "block_inputs", "block_spans", "replay_sequence", "stack_heads", "truncate"]
 
 
 def block_inputs(observation: torch.Tensor | TensorDict, state: TensorDict, is_first: torch.Tensor,
@@ -59,8 +59,23 @@ def stack_heads(columns: dict, T: int, N: int) -> TensorDict:
     return heads
 
 
+def block_spans(T: int, block_steps: int, bptt_truncate: int | None = None) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` rows of the multi-step blocks covering T steps: at most
+    ``block_steps`` each, and never across a ``bptt_truncate`` cut (a block ends at every
+    multiple of it), so the state is detached exactly where one-step blocks detach it."""
+    spans, start = [], 0
+    while start < T:
+        stop = min(T, start + block_steps)
+        if bptt_truncate:
+            stop = min(stop, (start // bptt_truncate + 1) * bptt_truncate)
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
 def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_state: TensorDict,
-                    accumulator: GradientAccumulator | None, bptt_truncate: int | None = None) -> TensorDict:
+                    accumulator: GradientAccumulator | None, bptt_truncate: int | None = None,
+                    block_steps: int = 1) -> TensorDict:
     """Re-run a stored (T, n) sequence step by step; returns ``log_prob``, ``entropy``, ``value``.
 
     Args:
@@ -74,6 +89,9 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
             against (``scripts/bench_ppo.py``).
         bptt_truncate: detach the state every K steps, as the collector does (counted
             from row 0).
+        block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`); the
+            gradients are the same for every value, the per-block machinery is paid once per
+            block, and one block's k steps of activations are alive at the backward's peak.
 
     Returns:
         TensorDict (T, n) whose entries are attached to autograd through the steps.
@@ -81,6 +99,19 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
     T, n = data.batch_size
     observation, is_first = data["observation"], data["is_first"]
     state = start_state
+    if accumulator is not None and block_steps > 1:
+        blocks = []
+        for start, stop in block_spans(T, block_steps, bptt_truncate):
+            steps = TensorDict(observation=observation[start:stop], is_first=is_first[start:stop],
+                               batch_size=[stop - start, n], device=None)
+            heads, state = replay_steps(model, accumulator, steps, state)
+            state = truncate(state, stop - 1, bptt_truncate)
+            blocks.append(heads)
+        heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        del blocks
+        dist = policy.distribution(heads)
+        return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                          value=heads["value"], batch_size=[T, n])
     columns: dict = {}
     for t in range(T):
         inputs = block_inputs(observation[t], state, is_first[t], n)

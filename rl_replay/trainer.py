@@ -157,7 +157,7 @@ class Trainer:
         if every and self.update % every == 0:
             t0 = time.perf_counter()
             metrics.update(episode_horizon(self.collector.agent, self.collector.policy, result.rollout.data,
-                                           self.collector.bptt_truncate))
+                                           self.collector.bptt_truncate, block_steps=cfg.ppo.block_steps))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
         if every and (self.update % every == 0 or self.finished):
@@ -172,6 +172,7 @@ class Trainer:
         exactly), and so is the agent's training mode. One process only (refused under
         torchrun by :func:`build`): FSDP's forward is collective and episode lengths differ.
         """
+        from rl_replay.env_state import pool_statistics, vector_statistics
         from rl_replay.evaluate import evaluate
 
         cfg = self.cfg
@@ -184,6 +185,7 @@ class Trainer:
                 num_envs=min(cfg.eval.episodes, cfg.env.num_envs), deterministic=cfg.eval.deterministic,
                 env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, device=self.device,
                 env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers,
+                env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
             )
         np.random.set_state(np_state)
         random.setstate(py_state)

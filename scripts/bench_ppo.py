@@ -28,6 +28,7 @@ Usage::
     python scripts/bench_ppo.py --T 128 512 --write-docs
     python scripts/bench_ppo.py --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
     python scripts/bench_ppo.py --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
+    python scripts/bench_ppo.py --config configs/memory_1024.yaml --epochs 1 --set ppo.block_steps=16
 
 ``--config CONFIG`` takes the agent, ``env.num_envs``, the PPO and loss settings and T
 (``collector.num_steps``, unless ``--T`` is given) from a shipped config, and the observation
@@ -93,6 +94,7 @@ def build_from_config(spec: dict, T: int):
     overrides = [f"collector.num_steps={T}", "log.wandb_mode=disabled"]
     if spec.get("epochs"):
         overrides.append(f"ppo.epochs={spec['epochs']}")
+    overrides += spec.get("overrides", [])
     cfg = load_config(spec["config"], overrides)
     if cfg.loss.algorithm != "ppo":
         raise SystemExit(f"bench_ppo: {spec['config']} trains with {cfg.loss.algorithm!r}, not ppo")
@@ -194,9 +196,9 @@ def _record_minibatch_forwards(records: list) -> None:
 
     real = ppo_module.replay_sequence
 
-    def recording(model, policy, data, start_state, accumulator, bptt_truncate=None):
+    def recording(model, policy, data, start_state, accumulator, bptt_truncate=None, **kwargs):
         heap0, rss0 = heap_in_use(), current_rss()
-        out = real(model, policy, data, start_state, accumulator, bptt_truncate)
+        out = real(model, policy, data, start_state, accumulator, bptt_truncate, **kwargs)
         heap1 = heap_in_use()
         records.append(dict(slab=sum(accumulator.slabs.used_bytes().values()),
                             heap=None if heap0 is None else heap1 - heap0,
@@ -283,6 +285,8 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="a shipped PPO config: its agent, envs and PPO settings (see above)")
     parser.add_argument("--methods", nargs="+", default=["plain", "rl_replay"])
     parser.add_argument("--epochs", type=int, help="override the 4 epochs (peak memory is one minibatch's)")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="with --config: config overrides, e.g. ppo.block_steps=16")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     add_write_docs_argument(parser, "bench_ppo")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -303,7 +307,9 @@ def main(argv=None) -> int:
         Ts = [load_config(args.config).collector.num_steps]
     else:
         Ts = [128, 512, 2048]
-    spec = {"policy": policy, "threads": 1, "config": args.config}
+    if args.set and not args.config:
+        parser.error("--set overrides a shipped config's keys: give --config too")
+    spec = {"policy": policy, "threads": 1, "config": args.config, "overrides": args.set}
     if args.epochs:
         spec["epochs"] = args.epochs
     set_threads(1)

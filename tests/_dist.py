@@ -27,7 +27,7 @@ import torch.nn as nn
 from tensordict import TensorDict
 
 from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
-from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
+from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_steps
 
 OK = "ok"
 
@@ -232,6 +232,43 @@ def _fsdp_gru_tensordict(rank: int, world: int) -> dict:
     return {"grads": grads, "expected": {n: p.grad.clone() for n, p in ref.named_parameters()}}
 
 
+class StateGRUPolicy(GRUPolicy):
+    """GRUPolicy in the multi-step calling convention: ``forward(observation, state)``."""
+
+    def forward(self, observation, state):
+        logits, value, h = super().forward(observation, state["h"])
+        return TensorDict(logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]),
+                          batch_size=h.shape[:1])
+
+
+def _fsdp_gru_steps(rank: int, world: int) -> dict:
+    """Multi-step blocks (replay_steps, 3 steps per block, the last block 2) under FSDP1:
+    k forwards of the root per block, k nested backwards per block in its backward."""
+    T, B, H, k = 8, 3, 12, 3
+    torch.manual_seed(3)
+    ref = StateGRUPolicy()
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear})
+    obs = [rank_data(r + 70, T, B, 5) for r in range(world)]
+
+    acc = GradientAccumulator()
+    state, loss = TensorDict(h=torch.zeros(B, H), batch_size=[B]), 0.0
+    for t0 in range(0, T, k):
+        steps = TensorDict(observation=obs[rank][t0:t0 + k], batch_size=[min(k, T - t0), B])
+        heads, state = replay_steps(model, acc, steps, state)
+        loss = loss + sum(step_loss(heads["logits"][i], heads["value"][i]) for i in range(heads.batch_size[0]))
+    (loss + state["h"].square().sum()).backward()
+    grads = _full_grads(model)
+    for r in range(world):
+        h, ref_loss = torch.zeros(B, H), 0.0
+        for t in range(T):
+            out = ref(observation=obs[r][t], state=TensorDict(h=h, batch_size=[B]))
+            h = out["state", "h"]
+            ref_loss = ref_loss + step_loss(out["logits"], out["value"])
+        ((ref_loss + h.square().sum()) / world).backward()
+    return {"grads": grads, "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
+            "blocks": acc.blocks_replayed}
+
+
 def fsdp_parity(rank: int, world: int) -> dict:
     return run_scenarios(
         {
@@ -239,6 +276,7 @@ def fsdp_parity(rank: int, world: int) -> dict:
             "mlp_root_only": lambda r, w: _fsdp_mlp(r, w, wrap=()),
             "gru": _fsdp_gru,
             "gru_tensordict": _fsdp_gru_tensordict,
+            "gru_steps": _fsdp_gru_steps,
         },
         rank,
         world,

@@ -74,3 +74,55 @@ class SlowAgent(_Base):
     def forward(self, observation, state, is_first):
         time.sleep(0.05)
         return super().forward(observation, state, is_first)
+
+
+class _GRUBase(_Base):
+    """A GRU agent whose state is ``h`` of width ``hidden`` (initial_state zeros)."""
+
+    def __init__(self, observation_space, action_space, hidden: int = 8):
+        super().__init__(observation_space, action_space, hidden)
+        self.hidden = hidden
+        self.cell = nn.GRUCell(hidden, hidden)
+
+    def initial_state(self, batch_size, device="cpu"):
+        return TensorDict(h=torch.zeros(batch_size, self.hidden, device=device), batch_size=[batch_size])
+
+    def step(self, observation, h):
+        h = self.cell(self.body(observation.flatten(1)), h)
+        return TensorDict(dist=self.head(h), value=self.critic(h).squeeze(-1), state=TensorDict(h=h, batch_size=h.shape[:1]),
+                          batch_size=observation.shape[:1])
+
+
+class ResetGRUAgent(_GRUBase):
+    """Conforming: resets h where an episode starts."""
+
+    def forward(self, observation, state, is_first):
+        return self.step(observation, self.reset_state(state["h"], is_first))
+
+
+class NoResetAgent(_GRUBase):
+    """Never resets its state at is_first: memory crosses episode boundaries."""
+
+    def forward(self, observation, state, is_first):
+        return self.step(observation, state["h"])
+
+
+class WideStateAgent(ResetGRUAgent):
+    """Returns a state twice as wide as initial_state (the replay's cell then gets the wrong width)."""
+
+    def forward(self, observation, state, is_first):
+        out = super().forward(observation, state, is_first)
+        out["state"] = TensorDict(h=out["state", "h"].repeat(1, 2), batch_size=out.batch_size)
+        return out
+
+
+class DistributionObjectAgent(_Base):
+    """Returns a torch.distributions object under 'dist' instead of its parameters."""
+
+    def forward(self, observation, state, is_first):
+        out = super().forward(observation, state, is_first)
+        out["dist"] = torch.distributions.Categorical(logits=out["dist", "logits"])
+        return out
+
+    def distribution(self, outputs):
+        return outputs["dist"]

@@ -139,3 +139,12 @@ def test_smoke_results_are_never_written_to_the_docs():
     proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "drop --write-docs" in proc.stderr
+
+
+def test_bench_soak_records_rss_and_slopes(tmp_path):
+    out = run_script("bench_soak.py", "--updates", "40", "--every", "10", "--json", str(tmp_path / "s.json"),
+                     "log.wandb_mode=disabled", timeout=300)
+    assert re.search(r"second half: RSS [+-]\d+\.\d+ KiB/update", out), out[-2000:]
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert [s["update"] for s in result["samples"]] == [1, 10, 20, 30, 40]
+    assert all(s["rss_kib"] > 0 for s in result["samples"])

@@ -135,3 +135,83 @@ def test_a_conforming_agent_passes_and_the_rng_streams_are_left_as_they_were(spa
     check(agent, inputs=inputs)
     assert torch.equal(torch.get_rng_state(), before)
     assert agent.steps.item() == 0
+
+
+# ------------------------------------------------------------------ state structure and reset
+class Recurrent(Probe):
+    """Probe with a state ``h`` (N, 4); ``reset`` zeroes it at is_first, ``returned`` edits the
+    state it returns."""
+
+    def __init__(self, action_space=D2, reset=True, returned=None, dropout=0.0):
+        super().__init__(action_space)
+        self.cell = nn.GRUCell(4, 4)
+        self.drop = nn.Dropout(dropout)
+        self.reset, self.returned = reset, returned
+
+    def initial_state(self, batch_size, device="cpu"):
+        return TensorDict(h=torch.zeros(batch_size, 4), batch_size=[batch_size])
+
+    def forward(self, observation, state, is_first):
+        h = self.reset_state(state["h"], is_first) if self.reset else state["h"]
+        h = self.cell(self.drop(observation), h)
+        out = super().forward(observation, state, is_first)
+        out["value"] = out["value"] + h.sum(-1)
+        out["state"] = TensorDict(h=h, batch_size=h.shape[:1])
+        return out if self.returned is None else self.returned(out)
+
+
+def with_state(**entries):
+    def edit(out):
+        out["state"] = TensorDict(entries, batch_size=[N])
+        return out
+    return edit
+
+
+STATE_VIOLATIONS = {
+    "wider": (Recurrent(returned=with_state(h=torch.zeros(N, 8))),
+              r"forward\(\) returned state 'h' of shape \(3, 8\) but initial_state\(\) gives \(3, 4\); the next block "
+              r"takes the returned state as its input"),
+    "extra_key": (Recurrent(returned=with_state(h=torch.zeros(N, 4), c=torch.zeros(N, 4))),
+                  r"forward\(\) returned 'state' with keys \['c', 'h'\] but initial_state\(\) has \['h'\]"),
+    "dtype": (Recurrent(returned=with_state(h=torch.zeros(N, 4, dtype=torch.float64))),
+              r"forward\(\) returned state 'h' of dtype torch.float64 but initial_state\(\) gives torch.float32"),
+    "no_reset": (Recurrent(reset=False),
+                 r"with is_first set \(every env starts an episode\), forward\(\)'s outputs \['state.h', 'value'\] "
+                 r"depend on the incoming state: reset it before using it, state = Agent.reset_state\(state, "
+                 r"is_first\)"),
+    "dist_object": (Probe(D2, edit=lambda out: set_entry("dist", torch.distributions.Categorical(
+                              logits=out["dist", "logits"]))(out), dist_fn=lambda out: out["dist"]),
+                    r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its parameters "
+                    r"instead \(a TensorDict such as self.head\(x\), e.g. TensorDict\(logits=...\)\)"),
+}
+
+
+@pytest.mark.parametrize("agent, message", STATE_VIOLATIONS.values(), ids=STATE_VIOLATIONS.keys())
+def test_state_structure_reset_and_dist_object_violations(agent, message):
+    with pytest.raises(SetupError, match=rf"^agent {TARGET}: {message}") as info:
+        check(agent)
+    assert "\n" not in str(info.value)
+
+
+def test_a_resetting_agent_passes_even_with_dropout_in_training_mode():
+    check(Recurrent(dropout=0.5).train())
+
+
+SHIPPED = {  # short name and kwargs: every shipped agent, recurrent variants included
+    "mlp": {}, "gru": {}, "gru-separate-critic-skip": {"separate_critic": True, "skip": True, "head_sizes": [8]},
+    "gru-chrono": {"chrono_t_max": 64}, "lstm": {}, "lstm-separate-critic": {"separate_critic": True},
+    "lru": {}, "lru-real": {"max_phase": 0.0}, "mingru": {},
+    "transformer": {"d_model": 16, "num_layers": 1, "num_heads": 2},
+}
+
+
+@pytest.mark.parametrize("space", [D2, BOX2], ids=["discrete", "box"])
+@pytest.mark.parametrize("name", SHIPPED, ids=SHIPPED.keys())
+def test_every_shipped_agent_passes(name, space):
+    from rl_replay.agent import build_agent
+
+    torch.manual_seed(0)
+    agent = build_agent(name.split("-")[0], SHIPPED[name], OBS, space)
+    inputs = TensorDict(observation=torch.rand(N, 4) * 2 - 1, state=agent.initial_state(N),
+                        is_first=torch.ones(N, dtype=torch.bool), batch_size=[N])
+    check_agent(agent, agent, inputs, space, name)

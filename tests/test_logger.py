@@ -249,3 +249,23 @@ def test_cuda_peak_is_reset_per_update():
     assert large["memory/peak_device_bytes"] >= 256 * 2**20
     assert small["memory/peak_device_bytes"] < large["memory/peak_device_bytes"] - 200 * 2**20
     assert small["memory/device_bytes"] <= small["memory/peak_device_bytes"]
+
+
+def test_logging_keeps_no_rows_in_memory(tmp_path):
+    # A million-update run must not grow with its rows (it kept ~2 KiB per row before).
+    import tracemalloc
+
+    logger = RunLogger(tmp_path, config={}, wandb_mode="disabled", progress=False)
+    row = {f"train/metric_{i}": float(i) for i in range(25)}
+    for update in range(1, 201):  # warm-up: file buffers, interned keys
+        logger.log(row, update=update, env_steps=update)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for update in range(201, 2201):
+        logger.log({k: v + update for k, v in row.items()}, update=update, env_steps=update)
+        if update % 50 == 0:
+            logger.checkpointed(update)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    logger.close()
+    assert grown < 64 * 1024, f"{grown / 1024:.0f} KiB retained by 2000 logged rows"

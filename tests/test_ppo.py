@@ -81,9 +81,12 @@ def plain_ppo_grads(agent, rollout, cfg) -> list[torch.Tensor]:
 
 
 # ------------------------------------------------------------------ gradient parity
+@pytest.mark.parametrize("block_steps", [1, 7], ids=["steps1", "steps7"])
 @pytest.mark.parametrize("agent", [GRU, MLP], ids=["gru", "mlp"])
-def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent):
-    cfg, envs, model, collector = make_setup(agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1"))
+def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent, block_steps):
+    # block_steps 7: 60 rows in blocks of 7 (the last of 4), episode starts inside blocks.
+    cfg, envs, model, collector = make_setup(agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1",
+                                                           f"ppo.block_steps={block_steps}"))
     reference = copy.deepcopy(model)
     recorder = GradRecorder(model.parameters())
     algo = PPO(cfg, collector, model, recorder)
@@ -127,8 +130,8 @@ def test_minibatches_hold_whole_sequences_from_the_stored_start_state(monkeypatc
     seen = []
     real = ppo_module.replay_sequence
 
-    def recording(model_, policy, data, start_state, acc, bptt):
-        out = real(model_, policy, data, start_state, acc, bptt)
+    def recording(model_, policy, data, start_state, acc, bptt, block_steps=1):
+        out = real(model_, policy, data, start_state, acc, bptt, block_steps=block_steps)
         seen.append((data.clone(), start_state.clone(), out["log_prob"].detach().clone()))
         return out
 
@@ -283,6 +286,11 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
         differs |= not torch.allclose(both[0], both[1], rtol=1e-3, atol=1e-5)
         mean[name] = torch.stack(both).mean(0)
     results["fsdp"] = dict(zip(names, recorder.grads[0]))
+    # The same rollout in multi-step blocks (7 steps, the last of 5): FSDP's stepwise path.
+    recorder7 = GradRecorder(model.parameters(), fsdp_model=model)
+    PPO(ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1", "ppo.block_steps=7"), collector, model,
+        recorder7, info=info, device=device).optimize(rollout)
+    results["fsdp_steps7"] = dict(zip(names, recorder7.grads[0]))
     results["mean"] = mean
     results["differs"] = differs
     results["boundaries"] = bool(rollout.data["terminated"].any() and rollout.data["truncated"].any())
@@ -311,6 +319,7 @@ def test_two_rank_fsdp_ppo_matches_single_process_gradient(tmp_path):
     assert r["differs"], "both ranks produced the same gradient: the parity check would be vacuous"
     assert r["boundaries"], "rank 0's rollout has no termination or no truncation"
     assert_grads_match(r["fsdp"], r["mean"], "ppo-fsdp", rtol=1e-5, atol=1e-6)
+    assert_grads_match(r["fsdp_steps7"], r["mean"], "ppo-fsdp", rtol=1e-5, atol=1e-6)
     assert r["epochs"] == {"null": [3.0, 3.0], "1.0e-9": [1.0, 1.0]}
 
 

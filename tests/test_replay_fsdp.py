@@ -67,6 +67,14 @@ def test_fsdp_tensordict_outputs(results):
         assert_grads_match(res["grads"], res["expected"], "fsdp")
 
 
+def test_fsdp_multi_step_blocks(results):
+    """replay_steps blocks under FSDP1 (3 steps per block): the same gradients as plain
+    autograd averaged over ranks, in 3 blocks."""
+    for res in _scenario(results, "gru_steps"):
+        assert res["blocks"] == 3
+        assert_grads_match(res["grads"], res["expected"], "fsdp")
+
+
 def test_fsdp_gru_clip_and_sgd_step(results):
     for res in _scenario(results, "gru"):
         assert_grads_match({"norm": res["norm"]}, {"norm": res["ref_norm"]}, "fsdp")

@@ -321,6 +321,10 @@ def test_env_non_finite_output_is_named(tmp_path, bad, what):
     ("WideLogitsAgent", r"has 3 logits but the action space Discrete\(2\) has 2 actions"),
     ("NarrowLogitsAgent", r"has 1 logits but the action space Discrete\(2\) has 2 actions"),
     ("BatchNormAgent", r"forward\(\) changed its buffer 'body.1.running_mean', .*num_batches_tracked.*eval mode"),
+    ("WideStateAgent", r"forward\(\) returned state 'h' of shape \(2, 16\) but initial_state\(\) gives \(2, 8\)"),
+    ("NoResetAgent", r"with is_first set .* outputs \[.*'state.h'.*\] depend on the incoming state: .*Agent.reset_state"),
+    ("DistributionObjectAgent", r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its "
+                                r"parameters instead"),
 ])
 def test_agent_contract_errors_before_the_run_dir(tmp_path, monkeypatch, agent, pattern):
     monkeypatch.syspath_prepend(str(TESTS))
@@ -473,8 +477,12 @@ def test_ctrl_c_to_the_process_group_with_async_env_workers(tmp_path):
     assert rc == 130, err
     assert "stopped by SIGINT" in err and "Traceback" not in err
     assert load_checkpoint(run)["update"] >= 1
-    # Its checkpoint cannot hold the worker processes' envs, and the user is told so.
-    assert "env.vectorization=async: the environments are not saved" in err
+    # Its checkpoint cannot hold the worker processes' envs; the resume says so in one line.
+    done = load_checkpoint(run)["env_steps"]  # resume to the same total: builds, restores, trains nothing
+    proc = subprocess.run([sys.executable, TRAIN, "--resume", str(run), f"total_env_steps={done}"], cwd=tmp_path,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert "the checkpoint holds no environment state (env.vectorization=async): the resumed run starts fresh " \
+        "episodes with the saved wrapper statistics" in proc.stderr, proc.stderr
 
 
 def test_second_sigint_exits_at_once(tmp_path):

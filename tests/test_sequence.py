@@ -12,12 +12,12 @@ from _reference import plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from agents.gru import GRUAgent
-from agents.lstm import LSTMAgent
-from agents.mlp import MLPAgent
 from rl_replay.agent import ActionHead
+from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.lstm import LSTMAgent
+from rl_replay.agents.mlp import MLPAgent
 from rl_replay.engine import GradientAccumulator
-from rl_replay.sequence import append_heads, replay_sequence, stack_heads, truncate
+from rl_replay.sequence import append_heads, block_spans, replay_sequence, stack_heads, truncate
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -56,15 +56,18 @@ def gradients(agent, data, start_state, run):
 
 @pytest.mark.parametrize("name", sorted(AGENTS))
 @pytest.mark.parametrize("bptt_truncate", [None, 1, 4])
-def test_replay_sequence_equals_plain_autograd(name, bptt_truncate):
+@pytest.mark.parametrize("block_steps", [1, 3, 5, T])
+def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps):
+    # block_steps 5 with cuts every 4 rows: blocks end at the cuts too (rows 0-4, 4-8, 8-12);
+    # episodes start inside blocks (rows 5 and 8).
     torch.manual_seed(0)
     agent = AGENTS[name]()
     data = sequence()
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
     acc = GradientAccumulator()
     replayed, got = gradients(agent, data, start_state,
-                              lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate))
-    assert acc.blocks_replayed == T
+                              lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate, block_steps))
+    assert acc.blocks_replayed == acc.num_blocks == len(block_spans(T, block_steps, bptt_truncate))
     plain, want = gradients(agent, data, start_state,
                             lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0])
     for key in ("log_prob", "entropy", "value"):
@@ -142,3 +145,11 @@ def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
     ref = torch.autograd.grad((w * (logp_ref + 0.1 * ent_ref)).sum(), feats, retain_graph=True)
     got = torch.autograd.grad((w * (logp + 0.1 * ent)).sum(), feats)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
+
+
+def test_block_spans_end_at_the_cuts():
+    assert block_spans(12, 5) == [(0, 5), (5, 10), (10, 12)]
+    assert block_spans(12, 5, 4) == [(0, 4), (4, 8), (8, 12)]
+    assert block_spans(10, 3, 4) == [(0, 3), (3, 4), (4, 7), (7, 8), (8, 10)]
+    assert block_spans(3, 8) == [(0, 3)]
+

@@ -111,7 +111,7 @@ class PPO(Algorithm):
         """
         acc = GradientAccumulator()
         new = replay_sequence(self.model, self.collector.policy, mb, start_state, acc,
-                              self.collector.bptt_truncate)
+                              self.collector.bptt_truncate, block_steps=self.cfg.ppo.block_steps)
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
         terms = self.loss(batch, self.cfg)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)

@@ -8,13 +8,15 @@ logging or the trainer, so it can be used alone::
 ==========================  ================================================================
 :func:`replay`              run ``model(**inputs)`` (a TensorDict) as one replay block
 :func:`checkpoint_fsdp_forward`  the same with keyword inputs (the seed helper's API)
+:func:`replay_steps`        k consecutive steps of a recurrent model as one block
 :class:`GradientAccumulator`  one rollout's parameter-gradient sum, counters and slabs
 :class:`StateWatch`         the "a block must not change its module" check, for reuse
 :class:`ReplayError`        misuse that would give wrong gradients
 :func:`keep_freed_memory`   glibc setting that lets blocks reuse freed gradient buffers
 ==========================  ================================================================
 
-Modules: ``replay`` (the autograd Function and the two entry points), ``accumulator``,
+Modules: ``replay`` (the autograd Function and the two entry points), ``steps``
+(multi-step blocks), ``accumulator``,
 ``storage`` (the slabs that hold saved inputs), ``allocator``, ``errors``.
 """
 
@@ -22,6 +24,7 @@ from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.allocator import keep_freed_memory
 from rl_replay.engine.errors import ReplayError
 from rl_replay.engine.replay import StateWatch, checkpoint_fsdp_forward, replay
+from rl_replay.engine.steps import replay_steps
 
 __all__ = ["GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
-           "keep_freed_memory", "replay"]
+           "keep_freed_memory", "replay", "replay_steps"]

@@ -411,12 +411,17 @@ def _flatten_td(td: Any, leaves: list) -> _TDSpec | None:
             if child is None:
                 return None
             entries.append((key, child))
-    signature = (tuple(entries), td.batch_size, td.device)
+    return _intern_spec(tuple(entries), td.batch_size, td.device)
+
+
+def _intern_spec(entries: tuple, batch_size: torch.Size, device) -> _TDSpec:
+    """The one :class:`_TDSpec` of this structure."""
+    signature = (entries, batch_size, device)
     spec = _SPECS.get(signature)
     if spec is None:
         if len(_SPECS) >= 1024:  # structures that change every block: do not grow
             _SPECS.clear()
-        spec = _SPECS[signature] = _TDSpec(signature[0], td.batch_size, td.device)
+        spec = _SPECS[signature] = _TDSpec(entries, batch_size, device)
     return spec
 
 
@@ -476,7 +481,10 @@ class _Site:
         self.interned: dict = {}
 
     def call(self, tensors: Sequence[torch.Tensor]):
-        return self.model(**self.layout.rebuild(tensors))
+        layout = self.layout
+        if type(layout) is _TDSpec or type(layout) is _KwargsLayout or type(layout) is _TreeLayout:
+            return self.model(**layout.rebuild(tensors))
+        return layout.call(self.model, tensors)  # a multi-step block (engine/steps.py)
 
     def matches(self, model, accumulator, layout, context_fn, device) -> bool:
         return (self.model is model and self.accumulator is accumulator
@@ -800,7 +808,8 @@ class _ReplayFunction(torch.autograd.Function):
         plan.check_versions(ctx.versions, "something between the forward and the backward", ctx)
         start = accumulator._begin_block(plan.params, plan.absorb)
         try:
-            input_grads = _recompute_and_backward(ctx, saved, requires_grad, grads)
+            recompute = getattr(site.layout, "recompute_and_backward", _recompute_and_backward)
+            input_grads = recompute(ctx, saved, requires_grad, grads)
         except BaseException:
             # The engine drops queued callbacks when a backward fails: put the gradients
             # already moved out of .grad (FSDP path) back now, so none is lost.
@@ -878,6 +887,12 @@ def _recompute_and_backward(block: _ReplayCtx, saved: Sequence[torch.Tensor],
             f"{block.num_outputs} in the forward; the model must be deterministic given its "
             "inputs, RNG and autocast state." + DEBUG_TIP
         )
+    _backward_from(block, flat, grads)
+    return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
+
+
+def _backward_from(block: _ReplayCtx, flat: Sequence[torch.Tensor], grads: Sequence) -> None:
+    """Back-propagate ``grads`` from the recomputed outputs ``flat`` (one nested backward)."""
     roots, root_grads = [], []
     for out, grad in zip(flat, grads):
         if grad is not None and out.requires_grad:
@@ -896,7 +911,6 @@ def _recompute_and_backward(block: _ReplayCtx, saved: Sequence[torch.Tensor],
         # the shapes compared above.
         _engine_run_backward(tuple(roots), tuple(root_grads), False, False, (), allow_unreachable=True,
                              accumulate_grad=True)
-    return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 
 # ----------------------------------------------------------------------- shared driver
