@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import dataclasses
+import difflib
 import inspect
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -87,6 +90,25 @@ def _override_key(override: str) -> str:
     return override.split("=", 1)[0].strip()
 
 
+def _missing_config(path: str) -> str:
+    """One line for a ``--config`` file that does not exist: the nearest name, and the configs
+    in its directory and in the shipped ``configs/``."""
+    given, shipped = Path(path), DEFAULT_CONFIG.parent
+    with contextlib.suppress(ValueError):
+        shipped = shipped.relative_to(Path.cwd())
+    dirs: list[Path] = []
+    for d in (given.parent, shipped):
+        if d.is_dir() and any(d.glob("*.yaml")) and all(d.resolve() != o.resolve() for o in dirs):
+            dirs.append(d)
+    files = [f for d in dirs for f in sorted(d.glob("*.yaml"))]
+    if not files:
+        return f"Config file not found: {path}"
+    close = difflib.get_close_matches(given.name, [f.name for f in files], n=1, cutoff=0.6)
+    hint = f" (did you mean {next(f for f in files if f.name == close[0])}?)" if close else ""
+    listing = "; ".join(f"{d}/: {', '.join(f.name for f in files if f.parent == d)}" for d in dirs)
+    return f"Config file not found: {path}{hint}. Configs in {listing}"
+
+
 def _resume_command(run_dir: Path, info) -> str:
     script = sys.argv[0] if sys.argv and sys.argv[0].endswith(".py") else None
     if info.distributed:
@@ -110,7 +132,7 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from rl_replay.config import load_config
-    from rl_replay.errors import CheckpointError, NonFiniteError, SetupError, TrainingInterrupted
+    from rl_replay.errors import CheckpointError, NonFiniteError, RunWriteError, SetupError, TrainingInterrupted
 
     if args.resume and args.config:
         print(f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
@@ -127,12 +149,17 @@ def train_main(argv: list[str] | None = None) -> int:
         if args.resume:
             trainer = build(resume=args.resume, overrides=tuple(args.overrides))
         else:
+            if args.config and not Path(args.config).is_file():
+                raise FileNotFoundError(_missing_config(args.config))
             default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
             cfg = load_config(args.config or default, args.overrides)
             trainer = build(cfg)
     except (SetupError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except RunWriteError as exc:  # the run directory was claimed, but its first files could not be written
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("error: interrupted while starting; no training happened.", file=sys.stderr)
         return 130
@@ -143,13 +170,15 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         metrics = trainer.train()
         if info.is_main and metrics:
-            shown = {k: round(v, 3) for k, v in metrics.items() if k.startswith(("rollout/return", "train/loss"))}
+            # A NaN here only means that no episode ended in the last update: leave it out.
+            shown = {k: round(v, 3) for k, v in metrics.items()
+                     if k.startswith(("rollout/return", "train/loss")) and math.isfinite(v)}
             print(f"finished {trainer.update} updates, {trainer.env_steps} env steps: {shown}", file=sys.stderr)
     except TrainingInterrupted as exc:
         code = exc.exit_code
         if info.is_main:
             print(f"{exc}\nto continue: {_resume_command(trainer.run_dir, info)}", file=sys.stderr)
-    except (NonFiniteError, CheckpointError) as exc:
+    except (NonFiniteError, CheckpointError, RunWriteError) as exc:
         if info.is_main or info.distributed:
             print(f"error: {exc}", file=sys.stderr)
         code = 1

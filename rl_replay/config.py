@@ -17,6 +17,7 @@ missing file). Sizes derived from the config are computed in one place each:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -30,7 +31,7 @@ from typing import Any
 
 import yaml
 
-from rl_replay.targets import is_short_name, parse_target
+from rl_replay.targets import canonical_target, is_short_name, parse_target
 
 __all__ = [
     "EnvConfig",
@@ -85,7 +86,8 @@ class AgentConfig:
     target: str = "mlp"
     """agent class: a built-in name (mlp, gru, lstm, lru, mingru, transformer) or ``module:Class``"""
     kwargs: dict[str, Any] = field(default_factory=dict)
-    """keyword arguments passed to the agent's constructor"""
+    """keyword arguments passed to the agent's constructor (a config file's kwargs go only to its own
+    target: overriding agent.target starts from {} plus the command line's agent.kwargs)"""
 
 
 @dataclass
@@ -679,6 +681,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a Config: dataclass defaults, then the YAML file (if any), then overrides.
 
+    An override of ``agent.target`` (to another class) drops the file's ``agent.kwargs``:
+    they were written for the file's target. ``agent.kwargs`` overrides still apply.
+
     Raises FileNotFoundError if ``path`` does not exist and ValueError for unknown keys,
     wrong types, invalid values and malformed overrides.
     """
@@ -695,9 +700,26 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
             except yaml.YAMLError as e:
                 raise ValueError(f"Cannot parse config file {path!r} as YAML: {e}") from None
         _merge_file(data, loaded, path)
+    loaded = copy.deepcopy(data)
     for ov in overrides:
         _apply_override(data, ov)
+    if not _same_agent(data["agent"]["target"], loaded["agent"]["target"]):
+        # The file's agent.kwargs were written for its agent.target (default.yaml's
+        # hidden_sizes for the MLP): another target gets only the command line's kwargs.
+        data = loaded
+        data["agent"]["kwargs"] = {}
+        for ov in overrides:
+            _apply_override(data, ov)
     return config_from_dict(data)
+
+
+def _same_agent(a: Any, b: Any) -> bool:
+    """Whether two ``agent.target`` values name one class (``gru`` and ``agents.gru:GRUAgent`` do)."""
+    if canonical_target(a) == canonical_target(b):
+        return True
+    from rl_replay.agent import canonical_agent_target  # the short names' table; imports torch
+
+    return canonical_agent_target(a) == canonical_agent_target(b)
 
 
 def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
@@ -738,6 +760,8 @@ def num_updates(cfg: Config, *, world_size: int) -> int:
     """Updates a run takes: ``ceil(total_env_steps / (num_envs * num_steps * world_size))``.
 
     Every rank runs ``env.num_envs`` envs, so an update consumes ``world_size`` times the
-    per-rank batch.
+    per-rank batch. Exact in ``fixed`` mode; in ``episode`` mode an update takes as many
+    steps as its longest episode (at most the cap), so this is only the fewest updates the
+    trainer may need: it keeps updating until ``total_env_steps`` are reached.
     """
     return math.ceil(cfg.total_env_steps / (batch_size_per_rank(cfg) * world_size))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,11 @@ __all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "observation
 
 # info key of the episode statistics recorded beneath the configured wrappers (see make_vector_env).
 RAW_EPISODE_KEY = "env_episode"
+
+# Wrapper bounds from a config are Python floats (float64), and a float32 Box casting them makes
+# gymnasium warn at every start (RescaleObservation's min_obs / max_obs): the cast is the point.
+warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered by casting",
+                        module=r"gymnasium\.spaces\.box")
 
 _REGISTER_HINT = (
     "A custom env must be registered (gymnasium.register(id=..., entry_point='pkg.mod:MyEnv')) "

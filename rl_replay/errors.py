@@ -10,12 +10,14 @@ exit with the code the README's table gives for it.
 
 from __future__ import annotations
 
+import errno
+import os
 import signal
 
 from rl_replay.engine.errors import ReplayError
 
 __all__ = ["ReplayError", "SetupError", "RunDirError", "CheckpointError", "NonFiniteError",
-           "TrainingInterrupted"]
+           "RunWriteError", "TrainingInterrupted"]
 
 
 class SetupError(ValueError):
@@ -44,6 +46,26 @@ class NonFiniteError(RuntimeError):
 
     Raised by the guards of :mod:`rl_replay.guards` and by the collector.
     """
+
+
+class RunWriteError(RuntimeError):
+    """Writing the run directory failed (disk full, read-only file system, quota, I/O error).
+
+    Raised by :class:`rl_replay.trainer.Trainer` for the ``OSError`` of a checkpoint or
+    metrics write; the message names the file, the reason and the last good checkpoint
+    (a failed checkpoint write never replaces it).
+    """
+
+    def __init__(self, exc: OSError, path: str | os.PathLike, last_checkpoint: str | None, run_dir: str) -> None:
+        self.path = exc.filename or os.fspath(path)  # a failed write() does not name its file
+        code = errno.errorcode.get(exc.errno or 0)
+        reason = f"{exc.strerror or exc}{f' ({code})' if code else ''}"
+        kept = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
+                else "no checkpoint was written yet")
+        super().__init__(
+            f"cannot write {self.path}: {reason}; {kept}. Free space or make the file system writable, "
+            f"then continue with --resume {run_dir}"
+        )
 
 
 class TrainingInterrupted(Exception):

@@ -32,8 +32,8 @@ from urllib.parse import urlparse
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "RunLogger", "RunSummary", "truncate_metrics", "read_metrics", "resolve_wandb_mode", "wandb_preflight",
-    "summarize",
+    "RunLogger", "RunSummary", "truncate_metrics", "read_metrics", "unsent_wandb_id", "resolve_wandb_mode",
+    "wandb_preflight", "summarize",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -127,6 +127,19 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue  # a line cut short by a kill
     return records
+
+
+def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
+    """The wandb id of a run in ``run_dir`` that never sent a row (None if there is none).
+
+    A run restarted from update 0 (stopped before its first checkpoint) continues that
+    wandb run instead of leaving an empty one beside a new one.
+    """
+    try:
+        mark = json.loads((Path(run_dir) / WANDB_MARK_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return mark.get("wandb_id") if mark.get("update") == 0 else None
 
 
 def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
@@ -260,6 +273,8 @@ class RunLogger:
                 job_type="train", settings=settings,
             )
             self.wandb_id = self._wandb.id
+            if not (self.run_dir / WANDB_MARK_NAME).exists():
+                self._write_mark(0)  # the run's id, so that a restart before any row keeps it
             # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
@@ -286,10 +301,13 @@ class RunLogger:
             self._wandb.log(sent, step=int(row["update"]))
         if rows:
             self._wandb.summary.update(self._summary.value())
-            mark = self.run_dir / WANDB_MARK_NAME
-            tmp = mark.with_suffix(".tmp")
-            tmp.write_text(json.dumps({"update": int(rows[-1]["update"]), "wandb_id": self.wandb_id}))
-            os.replace(tmp, mark)
+            self._write_mark(int(rows[-1]["update"]))
+
+    def _write_mark(self, update: int) -> None:
+        mark = self.run_dir / WANDB_MARK_NAME
+        tmp = mark.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"update": update, "wandb_id": self.wandb_id}))
+        os.replace(tmp, mark)
 
     def _resend(self, history: list[dict[str, Any]], start_update: int) -> None:
         """On resume: rows up to the checkpoint that wandb may not have (a kill right after a
@@ -322,6 +340,8 @@ class RunLogger:
         if self._wandb is not None:
             self._pending.append(row)
         if self._bar is not None:
+            if env_steps > self._bar.total:  # the last update overshoots; tqdm drops a total it passed
+                self._bar.total = env_steps
             self._bar.update(env_steps - self._last_steps)
             post = {}
             if record.get("rollout/return_recent") is not None:
@@ -336,7 +356,10 @@ class RunLogger:
         if self._bar is not None:
             self._bar.close()
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # only after a failed write (lines are flushed as written), reported already
+                pass
             self._file = None
         if self._wandb is not None:
             if self._pending:

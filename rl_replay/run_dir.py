@@ -6,20 +6,26 @@
 * :class:`RunLock` holds ``fcntl.flock`` on ``RUN_DIR/.lock`` for the life of the run. The
   operating system drops the lock when the process dies, so a killed run never leaves a
   stale lock behind; a second live process writing the same directory is refused.
+* A run that stopped before its first checkpoint is no dead end: ``--resume`` restarts it
+  in place from update 0 (:func:`resume_kind`), and a fresh run refused there says so.
 
 Every refusal is a :class:`~rl_replay.errors.RunDirError` (a ``SetupError``).
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import time
 from pathlib import Path
 
+from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path
 from rl_replay.errors import RunDirError
+from rl_replay.logger import read_metrics
 
-__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name"]
+__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name", "resume_kind",
+           "logged_updates"]
 
 LOCK_NAME = ".lock"
 
@@ -38,7 +44,10 @@ class RunLock:
         previous = _HELD.pop(key, None)
         if previous is not None:
             previous.release()
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only file system (EROFS), no permission, a full disk
+            raise _not_writable(self.run_dir, exc) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -65,16 +74,67 @@ class RunLock:
         os.close(fd)  # closing the descriptor drops the flock
 
 
+def _not_writable(run_dir: Path, exc: OSError) -> RunDirError:
+    """One line for a run directory that cannot be written, naming its last checkpoint."""
+    code = errno.errorcode.get(exc.errno or 0)
+    latest = next((p for p in (checkpoint_path(run_dir), previous_checkpoint_path(run_dir)) if p.exists()), None)
+    kept = f"; its last checkpoint {latest} is unchanged" if latest else ""
+    return RunDirError(
+        f"cannot write {exc.filename or run_dir}: {exc.strerror or exc}{f' ({code})' if code else ''}{kept}. "
+        "A run directory must be writable: fix the file system or its permissions, or use another directory "
+        "(a run copied there resumes from it)."
+    )
+
+
 def _contents(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK_NAME)
 
 
+def _has_checkpoint(run_dir: Path) -> bool:
+    return checkpoint_path(run_dir).exists() or previous_checkpoint_path(run_dir).exists()
+
+
+def logged_updates(run_dir: str | os.PathLike) -> str:
+    """How far a run's ``metrics.jsonl`` got, in words: ``"3 updates logged"``."""
+    records = read_metrics(run_dir)
+    last = records[-1]["update"] if records else 0
+    return f"{last} update{'' if last == 1 else 's'} logged"
+
+
 def _not_empty(run_dir: Path, contents: list[str]) -> RunDirError:
     shown = ", ".join(contents[:4]) + (" ..." if len(contents) > 4 else "")
+    if _has_checkpoint(run_dir):
+        return RunDirError(
+            f"run directory {run_dir} is not empty ({shown}): continue that run with --resume {run_dir}, "
+            "or start a new one with another run_dir=..."
+        )
+    if "config.yaml" in contents:
+        return RunDirError(
+            f"run directory {run_dir} holds a run that stopped before its first checkpoint "
+            f"({logged_updates(run_dir)}): restart it there from update 0 with --resume {run_dir}, "
+            "or start a new one with another run_dir=..."
+        )
     return RunDirError(
-        f"run directory {run_dir} is not empty ({shown}): continue that run with --resume {run_dir}, "
-        "or start a new one with another run_dir=..."
+        f"run directory {run_dir} is not empty ({shown}) and holds no run (no config.yaml): "
+        "start the new run with another run_dir=..."
     )
+
+
+def resume_kind(run_dir: str | os.PathLike) -> str:
+    """``"checkpoint"`` if the run in ``run_dir`` can continue from a checkpoint, ``"restart"``
+    if it stopped before its first one (it starts again from update 0 with its config.yaml).
+
+    Raises :class:`RunDirError` if ``run_dir`` holds no run, with the way to start one.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise RunDirError(f"cannot resume {run_dir}: no such directory. Start a new run there with "
+                          f"run_dir={run_dir}")
+    if not (run_dir / "config.yaml").is_file():
+        where = f"run_dir={run_dir}" if not _contents(run_dir) else "another run_dir=..."
+        raise RunDirError(f"cannot resume {run_dir}: it holds no run (no config.yaml). Start a new run "
+                          f"with {where}")
+    return "checkpoint" if _has_checkpoint(run_dir) else "restart"
 
 
 def claim_fresh(run_dir: str | os.PathLike) -> RunLock:
@@ -89,7 +149,10 @@ def claim_fresh(run_dir: str | os.PathLike) -> RunLock:
         contents = _contents(run_dir)
         if contents:
             raise _not_empty(run_dir, contents)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise _not_writable(run_dir, exc) from None
     lock = RunLock(run_dir)
     contents = _contents(run_dir)  # another fresh run may have won the race before our lock
     if contents:
@@ -106,12 +169,14 @@ def default_name(env_id: str) -> str:
 def claim_default(parent: str | os.PathLike, name: str) -> tuple[Path, RunLock]:
     """Create ``parent/name`` (or ``name-2``, ``name-3``... if taken) and lock it."""
     parent = Path(parent)
-    parent.mkdir(parents=True, exist_ok=True)
     for i in range(1, 10_000):
         candidate = parent / (name if i == 1 else f"{name}-{i}")
         try:
+            parent.mkdir(parents=True, exist_ok=True)
             candidate.mkdir()  # atomic: exactly one process creates a given name
         except FileExistsError:
             continue
+        except OSError as exc:
+            raise _not_writable(candidate, exc) from None
         return candidate, RunLock(candidate)
     raise RunDirError(f"no free run directory name {parent / name}-N; set run_dir=...")  # pragma: no cover

@@ -25,20 +25,20 @@ from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
 from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
-from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path, remove_stale_temporaries
+from rl_replay.checkpoint import checkpoint_path, remove_stale_temporaries
 from rl_replay.collector import Collector
 from rl_replay.config import (Config, batch_size_per_rank, config_to_dict, load_config, num_updates,
                               save_config)
 from rl_replay.contract import check_agent
 from rl_replay.environment import make_vector_env
-from rl_replay.errors import SetupError, TrainingInterrupted
+from rl_replay.errors import RunWriteError, SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
-from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, wandb_preflight
+from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
 from rl_replay.memory_stats import begin_update
 from rl_replay.metrics import pool_update_metrics
 from rl_replay.run_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng, save_trainer
-from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name
+from rl_replay.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
 
 __all__ = ["Trainer", "build", "make_optimizer", "RESUME_FIXED_KEYS"]
 
@@ -79,7 +79,9 @@ class Trainer:
         self.lock = lock
         self.update = 0
         self.env_steps = 0  # summed over all ranks
-        self.num_updates = num_updates(cfg, world_size=info.world_size)
+        # Known in advance only in fixed mode; in episode mode an update takes as many steps
+        # as its longest episode, so the run goes on until the step budget is reached.
+        self.num_updates = num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
         self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
         self.num_params = num_params
@@ -90,26 +92,29 @@ class Trainer:
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> dict[str, float]:
-        """Train until ``total_env_steps``; returns the last update's metrics.
+        """Train until ``total_env_steps`` are reached (see :attr:`finished`); returns the last update's metrics.
 
         On SIGINT / SIGTERM the current update is finished, a checkpoint written and
         :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
-        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written).
+        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written),
+        a failed write into the run directory (disk full, read-only) with
+        :class:`~rl_replay.errors.RunWriteError`.
         The logger and the run directory's lock are released in every case.
         """
         metrics: dict[str, float] = {}
         try:
             with StopOnSignal(announce=self.info.is_main) as signals:
-                while self.update < self.num_updates:
+                while not self.finished:
                     metrics = self.step()
-                    if self.update % self.cfg.log.log_every == 0 or self.update == self.num_updates:
-                        self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
+                    if self.update % self.cfg.log.log_every == 0 or self.finished:
+                        with self._writing(self.run_dir / METRICS_NAME):
+                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
                     every = self.cfg.checkpoint.every
-                    saved = (every and self.update % every == 0) or self.update == self.num_updates
+                    saved = (every and self.update % every == 0) or self.finished
                     if saved:
                         self.save()
                     signum = signals.requested(self.info, self.device)
-                    if signum and self.update < self.num_updates:
+                    if signum and not self.finished:
                         if not saved:
                             self.save()
                         raise TrainingInterrupted(signum, self.update, self.last_checkpoint, str(self.run_dir))
@@ -117,12 +122,28 @@ class Trainer:
             self.close()
         return metrics
 
+    @property
+    def finished(self) -> bool:
+        """Whether the run has taken its ``total_env_steps`` (over all ranks).
+
+        In fixed mode that is after ``num_updates`` updates; in episode mode, whose updates
+        are as long as their episodes, after however many updates reach the budget. The
+        last update may overshoot it by less than one update's steps, never fall short.
+        """
+        return self.env_steps >= self.cfg.total_env_steps
+
+    def budget_used(self) -> float:
+        """The fraction of the run done before the next update, in [0, 1): the lr schedule's clock."""
+        if self.num_updates is not None:
+            return self.update / self.num_updates
+        return self.env_steps / self.cfg.total_env_steps
+
     def step(self) -> dict[str, float]:
         """One update of ``cfg.loss.algorithm`` (collect, then optimise), with its metrics."""
         cfg = self.cfg
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
-                group["lr"] = cfg.optim.lr * (1.0 - self.update / self.num_updates)
+                group["lr"] = cfg.optim.lr * (1.0 - self.budget_used())
         self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update()
@@ -139,7 +160,7 @@ class Trainer:
                                            self.collector.bptt_truncate, block_steps=cfg.ppo.block_steps))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
-        if every and (self.update % every == 0 or self.update == self.num_updates):
+        if every and (self.update % every == 0 or self.finished):
             metrics.update(self.evaluate())
         return metrics
 
@@ -180,10 +201,24 @@ class Trainer:
 
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:
-        """Write the checkpoint (collective under FSDP); refuses non-finite weights."""
-        path = save_trainer(self)
+        """Write the checkpoint (collective under FSDP); refuses non-finite weights.
+
+        A failed write (:class:`~rl_replay.errors.RunWriteError`) leaves the previous
+        checkpoint in place.
+        """
+        with self._writing(checkpoint_path(self.run_dir)):
+            path = save_trainer(self)
         self.last_checkpoint = f"{path} (update {self.update})"
-        self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+        with self._writing(self.run_dir):
+            self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """Turn the ``OSError`` of a write to ``path`` (ENOSPC, EROFS...) into one line naming it."""
+        try:
+            yield
+        except OSError as exc:
+            raise RunWriteError(exc, path, self.last_checkpoint, str(self.run_dir)) from None
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
@@ -254,12 +289,15 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
 
     Everything that can be misconfigured is checked before anything is written: a fresh
     run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
-    into the new objects before its ``config.yaml`` is rewritten. A failure releases what
-    was taken until then (the run directory's lock, the envs, the logger); the returned
-    trainer holds them until :meth:`Trainer.close`.
+    into the new objects before its ``config.yaml`` is rewritten; one that stopped before its
+    first checkpoint restarts in place from update 0 (a warning says how many logged updates
+    that redoes). A failure releases what was taken until then (the run directory's lock, the
+    envs, the logger); the returned trainer holds them until :meth:`Trainer.close`.
     """
+    restart = False
     if resume is not None:
         resume = Path(resume)
+        restart = resume_kind(resume) == "restart"
         cfg = _resume_config(resume, overrides)
     assert cfg is not None
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
@@ -275,7 +313,8 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         if resume is not None:
             # Refuse a run that is still being written before reading anything.
             lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
-            state, ckpt = _read_resume_state(cfg, resume, info)
+            if not restart:
+                state, ckpt = _read_resume_state(cfg, resume, info)
         trainer = _build_objects(cfg, info, device, lock, cleanup)
         if state is not None:
             _load_resume_state(trainer, state, ckpt, resume)
@@ -283,9 +322,16 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
         if resume is None:
             trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
             trainer.run_dir = Path(_broadcast_obj(str(lock.run_dir) if lock else None, info))
+        elif restart and info.is_main:
+            print(f"warning: {resume} has no checkpoint: the run stopped before its first one "
+                  f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
+                  file=sys.stderr, flush=True)
         trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
-        _write_run_dir(trainer.cfg, trainer.run_dir, state, info)
-        trainer.logger = _open_logger(trainer, state, wandb_mode)
+        cut_to = state["update"] if state is not None else 0 if restart else None
+        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None
+        with trainer._writing(trainer.run_dir):
+            _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
+            trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
         cleanup.callback(trainer.logger.close)
         if state is not None:
             restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
@@ -294,9 +340,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
 
 
 def _resume_config(resume: Path, overrides: tuple[str, ...]) -> Config:
-    """The saved config of the run in ``resume`` with ``overrides``; refuses a run without checkpoint."""
-    if not (checkpoint_path(resume).exists() or previous_checkpoint_path(resume).exists()):
-        raise FileNotFoundError(f"cannot resume: no checkpoint at {checkpoint_path(resume)}")
+    """The saved config of the run in ``resume`` with ``overrides``."""
     cfg = load_config(resume / "config.yaml", overrides)
     return replace(cfg, run_dir=str(resume))
 
@@ -331,23 +375,25 @@ def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resu
     trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
 
 
-def _write_run_dir(cfg: Config, run_dir: Path, state: dict[str, Any] | None, info: dist_utils.DistInfo) -> None:
-    """Rank 0 writes ``config.yaml`` (a resume first cuts ``metrics.jsonl`` back to its checkpoint)."""
+def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo) -> None:
+    """Rank 0 writes ``config.yaml``; a resume first cuts ``metrics.jsonl`` back to update
+    ``cut_to`` (its checkpoint's, or 0 for a restart) and removes stale temporary files."""
     if info.is_main:
-        if state is not None:
+        if cut_to is not None:
             remove_stale_temporaries(run_dir)
-            truncate_metrics(run_dir / METRICS_NAME, state["update"])
+            truncate_metrics(run_dir / METRICS_NAME, cut_to)
         save_config(cfg, run_dir / "config.yaml")
     dist_utils.barrier(info)
 
 
-def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str) -> RunLogger:
-    """The run's logger, continuing a resumed run's wandb run and progress."""
+def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str,
+                 wandb_id: str | None) -> RunLogger:
+    """The run's logger, continuing a resumed run's wandb run (``wandb_id``) and progress."""
     cfg, info = trainer.cfg, trainer.info
     return RunLogger(
         trainer.run_dir, config=config_to_dict(cfg), is_main=info.is_main, wandb_mode=wandb_mode,
         wandb_project=cfg.log.wandb_project, wandb_entity=cfg.log.wandb_entity,
-        run_name=cfg.log.run_name or trainer.run_dir.name, wandb_id=state["wandb_id"] if state else None,
+        run_name=cfg.log.run_name or trainer.run_dir.name, wandb_id=wandb_id,
         group=cfg.log.group, tags=cfg.log.tags,
         extras=_run_extras(cfg, trainer.num_params, info, trainer.device),
         progress=cfg.log.progress, total_env_steps=cfg.total_env_steps,
@@ -420,7 +466,8 @@ def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device:
     return {
         "num_params": num_params, "world_size": info.world_size, "device": str(device),
         "batch_size_per_rank": per_rank, "batch_size": per_rank * info.world_size,
-        "num_updates": num_updates(cfg, world_size=info.world_size),
+        # None in episode mode: the number of updates depends on the episodes' lengths.
+        "num_updates": num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None,
     }
 
 

@@ -125,6 +125,23 @@ def test_default_yaml_matches_dataclass_defaults():
     assert cfg == expected
 
 
+def test_agent_kwargs_go_only_to_the_target_they_were_written_for():
+    default = CONFIG_DIR / "default.yaml"  # agent: {target: mlp, kwargs: {hidden_sizes: [64, 64]}}
+    assert load_config(default, ["agent.target=my_pkg:MyAgent"]).agent == AgentConfig("my_pkg:MyAgent", {})
+    # the command line's own kwargs stay, before or after the target
+    for overrides in (["agent.target=gru", "agent.kwargs.hidden_size=8"],
+                      ["agent.kwargs.hidden_size=8", "agent.target=gru"],
+                      ["agent={target: gru, kwargs: {hidden_size: 8}}"]):
+        assert load_config(default, overrides).agent == AgentConfig("gru", {"hidden_size": 8}), overrides
+    # the same class under another name keeps them
+    memory = CONFIG_DIR / "memory_gru.yaml"
+    kept = load_config(memory).agent.kwargs
+    assert kept and load_config(memory, ["agent.target=agents.gru:GRUAgent"]).agent.kwargs == kept
+    assert load_config(default, ["agent.target=mlp"]).agent.kwargs == {"hidden_sizes": [64, 64]}
+    # a file that names its own target gets its own kwargs, and nothing of the defaults
+    assert load_config(memory, ["agent.target=lstm"]).agent == AgentConfig("lstm", {})
+
+
 def test_memory_gru_yaml():
     cfg = load_config(CONFIG_DIR / "memory_gru.yaml")
     assert cfg.env.id == "rl_replay/MemoryCue-v0" and cfg.env.kwargs == {"delay": 64}

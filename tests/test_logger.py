@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _wandb_files import read_offline_run
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
 from rl_replay.logger import RunLogger, read_metrics, resolve_wandb_mode, summarize
 from rl_replay.trainer import build
+from rl_replay.wandb_files import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 

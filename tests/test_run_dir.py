@@ -20,7 +20,7 @@ import pytest
 
 from rl_replay.errors import SetupError
 from rl_replay.errors import RunDirError
-from rl_replay.run_dir import LOCK_NAME, RunLock, claim_default, claim_fresh, default_name
+from rl_replay.run_dir import LOCK_NAME, RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
 
 # Holds an flock on DIR/.lock with its pid in it, as a run in another process does (no torch
 # import, so it starts fast).
@@ -89,6 +89,36 @@ def test_claim_fresh_refuses_a_directory_holding_files_naming_both_ways_out(tmp_
     )
     assert isinstance(info.value, SetupError)  # exit code 2, one line
     assert sorted(os.listdir(run_dir)) == before  # not even a lock file
+
+
+def test_a_directory_without_a_run_points_neither_to_resume_nor_in_a_circle(tmp_path):
+    stray, empty = tmp_path / "stray", tmp_path / "empty"
+    stray.mkdir()
+    empty.mkdir()
+    (stray / "notes.txt").write_text("x")
+    with pytest.raises(RunDirError) as info:
+        claim_fresh(stray)
+    assert str(info.value) == (f"run directory {stray} is not empty (notes.txt) and holds no run (no config.yaml): "
+                               "start the new run with another run_dir=...")
+    with pytest.raises(RunDirError, match=rf"^cannot resume {re.escape(str(stray))}: it holds no run \(no "
+                                          r"config\.yaml\)\. Start a new run with another run_dir=\.\.\.$"):
+        resume_kind(stray)
+    with pytest.raises(RunDirError, match=rf"Start a new run with run_dir={re.escape(str(empty))}$"):
+        resume_kind(empty)
+    with pytest.raises(RunDirError, match=rf"^cannot resume {re.escape(str(tmp_path / 'none'))}: no such directory"):
+        resume_kind(tmp_path / "none")
+    assert os.listdir(stray) == ["notes.txt"] and os.listdir(empty) == []
+
+
+def test_resume_kind_tells_a_checkpoint_from_a_restart(tmp_path):
+    (tmp_path / "config.yaml").write_text("seed: 1\n")
+    (tmp_path / "metrics.jsonl").write_text('{"update": 1}\n{"update": 2}\n{"upd')  # killed mid-line
+    assert resume_kind(tmp_path) == "restart" and logged_updates(tmp_path) == "2 updates logged"
+    with pytest.raises(RunDirError, match=r"stopped before its first checkpoint \(2 updates logged\): restart it "
+                                          rf"there from update 0 with --resume {re.escape(str(tmp_path))},"):
+        claim_fresh(tmp_path)
+    (tmp_path / "checkpoint.prev.pt").write_text("x")
+    assert resume_kind(tmp_path) == "checkpoint"
 
 
 def test_claim_fresh_refuses_a_file_in_place_of_the_directory(tmp_path):

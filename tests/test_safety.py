@@ -89,6 +89,44 @@ def test_fresh_run_refuses_a_directory_holding_a_run(finished_run, tmp_path):
     assert checkpoint_path(tmp_path / "empty").exists()
 
 
+def test_a_run_killed_before_its_first_checkpoint_restarts_in_place(tmp_path):
+    """kill -9 before the first checkpoint: a fresh run there points at --resume, and --resume
+    restarts the run from update 0 in the same directory and wandb run, saying how many logged
+    updates it redoes. Neither message sends the user back to the other."""
+    from rl_replay.logger import read_metrics
+
+    run = tmp_path / "run"
+    offline = {**ENV, "WANDB_MODE": "offline"}
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, "total_env_steps=100000000", "checkpoint.every=0",
+                             f"run_dir={run}"], cwd=tmp_path, env=offline, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        _wait_for_metrics(run, proc)
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert not checkpoint_path(run).exists()
+    logged = read_metrics(run)[-1]["update"]
+    words = f"{logged} update{'' if logged == 1 else 's'} logged"
+
+    code, _, err = finish(start(TRAIN, *TINY, "total_env_steps=32", f"run_dir={run}", cwd=tmp_path))
+    line = one_error_line(err)
+    assert code == 2 and line == (
+        f"error: run directory {run} holds a run that stopped before its first checkpoint ({words}): "
+        f"restart it there from update 0 with --resume {run}, or start a new one with another run_dir=...")
+
+    proc = subprocess.Popen([sys.executable, TRAIN, "--resume", str(run), "total_env_steps=32"], cwd=tmp_path,
+                            env=offline, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    code, _, err = finish(proc)
+    assert code == 0, err
+    assert err.splitlines()[0] == (f"warning: {run} has no checkpoint: the run stopped before its first one "
+                                   f"({words}); restarting it there from update 0 with its config.yaml.")
+    assert [r["update"] for r in read_metrics(run)] == [1, 2]  # the lost updates were redone, not kept
+    assert load_checkpoint(run)["update"] == 2
+    ids = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
+    assert len(ids) == 1  # one wandb run: the restart continued the one that never got a row
+
+
 def test_default_run_dirs_are_unique_for_runs_started_together(tmp_path):
     procs = [start(TRAIN, *TINY, "total_env_steps=32", cwd=tmp_path) for _ in range(2)]
     results = [finish(p) for p in procs]
@@ -323,6 +361,71 @@ class StderrReader:
     def text(self):
         self._thread.join(timeout=60)
         return "".join(self.lines)
+
+
+# ------------------------------------------------------------------ disk faults
+@pytest.fixture
+def small_fs(tmp_path):
+    """A real 2 MiB tmpfs (needs root and a kernel that lets this process mount); else skipped."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+BIG = "agent.kwargs={hidden_sizes: [256, 256]}"  # a 1.1 MB checkpoint: a second one does not fit in 2 MiB
+
+
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(small_fs, tmp_path):
+    run = small_fs / "run"
+    code, out, err = finish(start(TRAIN, *TINY, BIG, "checkpoint.every=1", "total_env_steps=64", f"run_dir={run}",
+                                  cwd=tmp_path))
+    line = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err
+    assert line == (f"error: cannot write {run / 'checkpoint.pt'}: No space left on device (ENOSPC); the last good "
+                    f"checkpoint is {run / 'checkpoint.pt'} (update 1). Free space or make the file system "
+                    f"writable, then continue with --resume {run}")
+    assert load_checkpoint(run)["update"] == 1  # verified: the failed write left it whole
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint.pt", "config.yaml", "metrics.jsonl"]
+
+
+def test_resume_and_new_runs_on_a_read_only_file_system_are_one_line(small_fs, tmp_path):
+    run = small_fs / "run"
+    build(tiny(run, 1)).train()
+    before = snapshot(run)
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    code, _, err = finish(start(TRAIN, "--resume", run, "total_env_steps=32", cwd=tmp_path))
+    assert code == 2 and one_error_line(err) == (
+        f"error: cannot write {run / '.lock'}: Read-only file system (EROFS); its last checkpoint "
+        f"{run / 'checkpoint.pt'} is unchanged. A run directory must be writable: fix the file system or its "
+        "permissions, or use another directory (a run copied there resumes from it).")
+    code, _, err = finish(start(TRAIN, *TINY, f"run_dir={small_fs / 'new'}", cwd=tmp_path))
+    assert code == 2 and one_error_line(err).startswith(
+        f"error: cannot write {small_fs / 'new'}: Read-only file system (EROFS). A run directory must be writable")
+    assert snapshot(run) == before
+
+
+def test_a_file_size_limit_hit_by_the_first_checkpoint_is_one_line(tmp_path):
+    """Without mounts: RLIMIT_FSIZE makes the checkpoint write fail (EFBIG) where any user can run it."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, BIG, "total_env_steps=16", f"run_dir={run}"], cwd=tmp_path,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    code, _, err = finish(proc)
+    assert code == 1 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == (
+        f"error: cannot write {run / 'checkpoint.pt'}: File too large (EFBIG); no checkpoint was written yet. "
+        f"Free space or make the file system writable, then continue with --resume {run}")
+    assert not checkpoint_path(run).exists() and not list(run.glob(".checkpoint*"))
 
 
 def _wait_for_metrics(run_dir, proc, timeout=TIMEOUT):

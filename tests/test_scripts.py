@@ -68,7 +68,8 @@ def test_train_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
         (["no_equals_sign"], r"error: Malformed override 'no_equals_sign'"),
         (["agent.target=rl_replay.agents.mlp:Nope"], r"error: agent\.target 'rl_replay\.agents\.mlp:Nope': module"),
         (["collector.num_steps=0"], r"error: Out of range value for config key 'collector\.num_steps'"),
-        (["--resume", "{tmp}/missing_run"], r"error: cannot resume: no checkpoint at "),
+        (["--resume", "{tmp}/missing_run"], r"error: cannot resume .*missing_run: no such directory\. Start a new "
+                                            r"run there with run_dir=.*missing_run$"),
     ],
     ids=["bad-type", "malformed", "agent", "range", "resume"],
 )
@@ -83,6 +84,32 @@ def test_train_main_errors_in_process(tmp_path, monkeypatch, capsys, args, patte
     lines = err.strip().splitlines()
     assert out == "" and len(lines) == 1 and re.match(pattern, lines[0]), err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mistyped_config_path_names_the_nearest_config_and_lists_them(tmp_path, monkeypatch, capsys):
+    train = load_script(TRAIN)
+    shipped = sorted(p.name for p in (REPO / "configs").glob("*.yaml"))
+    monkeypatch.chdir(REPO)
+    assert train.main(["--config", "configs/memry_gru.yaml"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == ("error: Config file not found: configs/memry_gru.yaml (did you mean configs/memory_gru.yaml?). "
+                    f"Configs in configs/: {', '.join(shipped)}")
+    (tmp_path / "mine.yaml").write_text("seed: 2\n")
+    monkeypatch.chdir(tmp_path)
+    assert train.main(["--config", "mien.yaml"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: Config file not found: mien.yaml (did you mean mine.yaml?). Configs in ./: "
+                           f"mine.yaml; {REPO / 'configs'}/: default.yaml, ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
+
+
+def test_the_masked_cartpole_config_starts_without_box_precision_warnings(tmp_path):
+    """RescaleObservation's float bounds made gymnasium warn twice at every start."""
+    proc = start(TRAIN, "--config", REPO / "configs" / "ppo_pocartpole_gru.yaml", "total_env_steps=1",
+                 "log.progress=false", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    _, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    assert "precision lowered" not in err, err
 
 
 def test_evaluate_prints_mean_and_std(tmp_path):
@@ -137,3 +164,53 @@ def test_evaluate_records_video(tmp_path):
     assert result["episodes"] == 2
     videos = sorted(p.name for p in (tmp_path / "videos").glob("*.mp4"))
     assert len(videos) >= 2, videos
+
+
+# ----------------------------------------------------------------------------- plot_metrics
+PLOT = str(REPO / "scripts" / "plot_metrics.py")
+
+
+def test_plot_metrics_prints_the_same_table_from_metrics_jsonl_and_the_offline_wandb_run(
+        tmp_path, monkeypatch, capsys):
+    """A user reads an offline run locally, no matplotlib needed: the table of metrics.jsonl and
+    the one of the wandb files (what `wandb sync` would upload) agree row for row."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_MODE", "WANDB_DISABLED", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
+    run_dir = tmp_path / "run"
+    build(load_config(None, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=96",
+                             "agent.kwargs={hidden_sizes: [16]}", "log.progress=false", "log.wandb_mode=offline",
+                             "checkpoint.every=2", f"run_dir={run_dir}"])).train()
+    plot = load_script(PLOT)
+    outputs = {}
+    for source in ("metrics", "wandb"):
+        assert plot.main([str(run_dir), "--source", source, "--every", "1"]) == 0
+        outputs[source] = capsys.readouterr().out.splitlines()
+    head, *rest = outputs["metrics"]
+    assert head == f"{run_dir}: 6 rows from metrics.jsonl"
+    assert outputs["wandb"] == [f"{run_dir}: 6 rows from the offline wandb run", *rest]
+    columns = rest[0].split()
+    assert columns[:2] == ["update", "env_steps"] and "rollout/return_recent" in columns
+    assert [line.split()[:2] for line in rest[1:7]] == [[str(u), str(16 * u)] for u in range(1, 7)]
+    assert "summary/env_steps: 96" in rest
+
+
+def test_plot_metrics_errors_are_one_line(tmp_path, monkeypatch, capsys):
+    plot = load_script(PLOT)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"update": 1, "env_steps": 8, "rollout/return_mean": null}\n')
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: import fails
+    cases = [
+        ([str(run_dir), str(tmp_path / "out.png")], 'error: plotting needs matplotlib: pip install -e ".[bench]"'),
+        ([str(tmp_path / "none")], f"error: no rows in {tmp_path / 'none' / 'metrics.jsonl'}"),
+        ([str(run_dir), "--source", "wandb"], f"error: no rows in {run_dir / 'wandb' / 'offline-run-*'}"),
+        ([str(run_dir), "--keys", "nope"], "error: no row of metrics.jsonl has nope; its keys: env_steps, "),
+    ]
+    for args, start_of_line in cases:
+        assert plot.main(args) == 2, args
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith(start_of_line), (args, err)
+    assert not (tmp_path / "out.png").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -132,8 +133,8 @@ def test_failed_build_closes_envs_and_releases_the_run_dir(tmp_path, monkeypatch
     assert resumed.update == 2
 
 
-def test_resume_without_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+def test_resume_of_a_missing_run_directory(tmp_path):
+    with pytest.raises(SetupError, match=f"cannot resume {re.escape(str(tmp_path / 'nothing'))}: no such directory"):
         build(resume=tmp_path / "nothing")
 
 
@@ -295,6 +296,65 @@ def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
     assert len(offline) == 1, list((run_dir / "wandb").iterdir()) if (run_dir / "wandb").exists() else None
     assert list(offline[0].glob("*.wandb")), list(offline[0].iterdir())
     assert trainer.logger.wandb_id and trainer.logger.wandb_id in offline[0].name
+
+
+# ------------------------------------------------------------------ the step budget
+def _train_cli(tmp_path, name, *args):
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "scripts" / "train.py"), *args, f"run_dir={tmp_path / name}",
+         "log.wandb_mode=disabled", "checkpoint.every=0"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_total_env_steps_is_reached_in_every_mode_and_the_bar_ends_at_the_steps_taken(tmp_path):
+    """Episode mode keeps updating until the budget is reached (an update is as long as its
+    longest episode, not the step cap); the last update may overshoot, never fall short,
+    and the progress bar's total follows it. The final line shows no NaN."""
+    cases = {
+        # MemoryCue with delay 4: every episode is 6 steps, 2 envs -> 12 steps an update
+        # (not the cap's 40): ceil(100 / 12) = 9 updates, 108 steps.
+        "cue": ("env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 4}", "collector.mode=episode",
+                "collector.num_steps=20", "env.num_envs=2", "total_env_steps=100"),
+        # CartPole episodes of varying length, capped at 50 steps.
+        "cartpole": ("collector.mode=episode", "collector.num_steps=50", "env.num_envs=2",
+                     "agent.kwargs={hidden_sizes: [16]}", "total_env_steps=400"),
+        # fixed mode, 16 steps an update: 40 steps take 3 updates (48 steps), as before.
+        "fixed": ("collector.num_steps=8", "env.num_envs=2", "agent.kwargs={hidden_sizes: [16]}",
+                  "total_env_steps=40"),
+    }
+    procs = {name: _train_cli(tmp_path, name, *args) for name, args in cases.items()}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, (name, err)
+        rows = read_metrics(tmp_path / name)
+        budget = int(cases[name][-1].split("=")[1])
+        steps = [r["env_steps"] for r in rows]
+        assert steps[-1] >= budget and (len(steps) == 1 or steps[-2] < budget), (name, steps)
+        finished = err.strip().splitlines()[-1]
+        assert finished.startswith(f"finished {len(rows)} updates, {steps[-1]} env steps: "), (name, finished)
+        assert "nan" not in finished, finished
+        bar = err.replace("\r", "\n").splitlines()[-2]
+        assert f"{steps[-1]}/{steps[-1]} " in bar, (name, bar)
+        lrs = [r["train/lr"] for r in rows]
+        assert all(a > b > 0 for a, b in zip(lrs, lrs[1:])), (name, lrs)  # annealed, never negative
+    cue = read_metrics(tmp_path / "cue")
+    assert [r["env_steps"] for r in cue] == [12 * u for u in range(1, 10)]
+    assert cue[-1]["train/lr"] == pytest.approx(7e-4 * (1 - 96 / 100))
+    assert [r["env_steps"] for r in read_metrics(tmp_path / "fixed")] == [16, 32, 48]
+
+
+def test_a_custom_agent_target_alone_gets_none_of_the_default_mlp_kwargs(tmp_path):
+    """default.yaml's agent.kwargs (hidden_sizes, for the MLP) are not passed to another target."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "train.py"), "agent.target=custom_agent_module:TinyAgent",
+         "total_env_steps=16", "env.num_envs=2", "collector.num_steps=8", "log.progress=false",
+         "log.wandb_mode=disabled", f"run_dir={tmp_path / 'run'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])})
+    assert proc.returncode == 0, proc.stderr
+    saved = load_config(tmp_path / "run" / "config.yaml")
+    assert saved.agent.target == "custom_agent_module:TinyAgent" and saved.agent.kwargs == {}
 
 
 def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):

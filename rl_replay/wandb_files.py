@@ -1,4 +1,9 @@
-"""Read an offline wandb run back from its ``run-<id>.wandb`` file (for the tests).
+"""Read offline wandb runs back from their ``run-<id>.wandb`` files, without a network.
+
+:func:`read_offline_run` reads one ``RUN_DIR/wandb/offline-run-*`` directory;
+:func:`training_rows` the rows of a training run over all its fragments (a resumed offline
+run writes one fragment per start), what ``wandb sync`` would upload.
+``scripts/plot_metrics.py RUN_DIR --source wandb`` shows them; the tests check the logger with them.
 
 wandb 0.31 has no Python reader; the file is a LevelDB-style log (a 7-byte header, then
 32 KiB blocks of records, each ``crc32c(4) length(2) type(1) data``) of protobuf
@@ -13,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+__all__ = ["read_offline_run", "training_rows"]
+
 _BLOCK = 32 * 1024
 _FULL, _FIRST, _MIDDLE, _LAST = 1, 2, 3, 4
 
@@ -21,7 +28,8 @@ def _records(path: Path):
     from wandb.proto import wandb_internal_pb2 as pb
 
     data = path.read_bytes()
-    assert data[:4] == b":W&B", path
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a wandb run file")
     pos, pending = 7, b""
     while pos + 7 <= len(data):
         left = _BLOCK - pos % _BLOCK
@@ -59,7 +67,10 @@ def read_offline_run(run_dir: str | Path, wait: float = 60.0) -> dict[str, Any]:
     after ``finish()`` returned, so this waits (up to ``wait`` s) for the final ``exit`` record.
     """
     run_dir = Path(run_dir)
-    (path,) = run_dir.glob("run-*.wandb")
+    found = sorted(run_dir.glob("run-*.wandb"))
+    if len(found) != 1:
+        raise FileNotFoundError(f"no single run-*.wandb file in {run_dir} (found {len(found)})")
+    path = found[0]
     deadline = time.monotonic() + wait
     while True:
         try:
@@ -92,3 +103,22 @@ def read_offline_run(run_dir: str | Path, wait: float = 60.0) -> dict[str, Any]:
         elif kind == "metric":
             out["metrics"].append(record.metric)
     return out
+
+
+def training_rows(run_dir: str | Path, wait: float = 0.0) -> list[dict[str, Any]]:
+    """The history rows of the training run in ``run_dir`` (its ``wandb/offline-run-*``
+    fragments of ``job_type`` train, in order of start time), one per update, as wandb got them.
+
+    A fragment cut short by a kill is read as far as it goes (``wait`` seconds for a final
+    record, as :func:`read_offline_run`). Rows a later fragment repeats replace the earlier ones.
+    """
+    fragments = sorted((Path(run_dir) / "wandb").glob("offline-run-*"))  # named offline-run-<time>-<id>
+    rows: dict[int, dict[str, Any]] = {}
+    for fragment in fragments:
+        run = read_offline_run(fragment, wait=wait)
+        if run.get("job_type") != "train":
+            continue
+        for row in run["history"]:
+            if "update" in row:
+                rows[int(row["update"])] = row
+    return [rows[u] for u in sorted(rows)]
