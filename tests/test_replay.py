@@ -650,6 +650,12 @@ def test_context_fn_enters_forward_and_recompute_contexts():
     assert events == ["fwd:enter", "fwd:exit", "rec:enter", "rec:exit"]
 
 
-def test_public_api():
-    assert issubclass(rl_replay.ReplayError, RuntimeError)
-    assert rl_replay.GradientAccumulator is GradientAccumulator
+def test_public_api_is_the_engines_and_listed():
+    # Every public engine name is re-exported by the package, listed in both __all__, and the
+    # package's name is the engine's object (not a copy that isinstance checks would miss).
+    import rl_replay.engine as engine
+
+    assert set(engine.__all__) <= set(rl_replay.__all__)
+    for name in engine.__all__:
+        assert getattr(rl_replay, name) is getattr(engine, name), name
+    assert "Agent" in rl_replay.__all__ and rl_replay.Agent.__module__ == "rl_replay.agent"

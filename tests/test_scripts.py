@@ -98,8 +98,8 @@ def test_a_mistyped_config_path_names_the_nearest_config_and_lists_them(tmp_path
     monkeypatch.chdir(tmp_path)
     assert train.main(["--config", "mien.yaml"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: Config file not found: mien.yaml (did you mean mine.yaml?). Configs in ./: "
-                           f"mine.yaml; {REPO / 'configs'}/: default.yaml, ")
+    assert line == ("error: Config file not found: mien.yaml (did you mean mine.yaml?). Configs in ./: "
+                    f"mine.yaml; {REPO / 'configs'}/: {', '.join(shipped)}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
 
 
