@@ -42,9 +42,9 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
-from _bench_common import MemoryMeter, describe_machine, grad_diff, run_isolated, set_threads, worker_cli  # noqa: E402
+from _bench_common import MemoryMeter, describe_machine, run_isolated, set_threads, worker_cli  # noqa: E402
 from _bench_report import fmt_bytes, fmt_s  # noqa: E402
-from bench_ppo import GradRecorder, plain_optimize  # noqa: E402
+from bench_ppo import grad_check, plain_optimize  # noqa: E402
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
@@ -139,25 +139,6 @@ def worker(spec: dict) -> dict:
     return {"peak_growth": peak, "seconds": seconds, "block_input_bytes": metrics.get("memory/replay_saved_bytes")}
 
 
-def grad_check(spec: dict, T: int) -> tuple[float, float]:
-    """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods."""
-    grads = {}
-    for method in ("plain", "rl_replay"):
-        cfg, agent, _, rollout = build({**spec, "epochs": 1}, T)
-        recorder = GradRecorder(agent.parameters())
-        torch.manual_seed(1)
-        run_update(method, cfg, agent, recorder, rollout)
-        names = [n for n, _ in agent.named_parameters()]
-        grads[method] = [dict(zip(names, g)) for g in recorder.grads]
-    if not grads["plain"] or not all(any(g.abs().sum() > 0 for g in step.values()) for step in grads["plain"]):
-        raise RuntimeError("gradient check is vacuous: the reference gradient is zero")
-    worst = (0.0, 0.0)
-    for a, b in zip(grads["rl_replay"], grads["plain"]):
-        d = grad_diff(a, b)
-        worst = (max(worst[0], d[0]), max(worst[1], d[1]))
-    return worst
-
-
 # ============================================================================ report
 def slope(points: list[tuple[int, float]]) -> tuple[float, float]:
     """Least-squares ``(bytes per step, constant)`` through ``(T, bytes)`` points."""
@@ -216,7 +197,7 @@ def main(argv=None) -> int:
     memory = "peak device memory growth" if args.device.startswith("cuda") else "peak RSS growth"
     set_threads(1)
     print(describe_machine())
-    worst = grad_check(spec, 8)
+    worst = grad_check(spec, 8, build=build, run_update=run_update)
     print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
     results = {}
     for T in Ts:

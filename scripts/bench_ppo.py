@@ -243,8 +243,13 @@ class GradRecorder(torch.optim.Optimizer):
         self.grads.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
 
 
-def grad_check(spec: dict, T: int) -> tuple[float, float]:
-    """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods."""
+def grad_check(spec: dict, T: int, build=None, run_update=None) -> tuple[float, float]:
+    """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods.
+
+    ``build`` / ``run_update``: this script's by default; ``bench_pixels.py`` passes its own.
+    """
+    build = build or globals()["build"]
+    run_update = run_update or globals()["run_update"]
     grads = {}
     for method in ("plain", "rl_replay"):
         cfg, agent, _, rollout = build({**spec, "epochs": 1}, T)
