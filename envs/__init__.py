@@ -5,6 +5,8 @@ Registered ids:
 - ``rl_replay/MemoryCue-v0``  -> :class:`rl_replay.envs.memory.MemoryCueEnv` (ends itself, no time limit)
 - ``rl_replay/POCartPole-v0`` -> :class:`rl_replay.envs.partial_cartpole.PartialObsCartPole` (500 steps)
 - ``rl_replay/Chain-v0``      -> :class:`rl_replay.envs.chain.ChainEnv` (ends itself, no time limit)
+- ``rl_replay/PassiveTMaze-v0`` -> :class:`rl_replay.envs.tmaze.PassiveTMazeEnv` (ends itself after
+  ``corridor_length + 1`` actions)
 """
 
 import gymnasium
@@ -12,8 +14,9 @@ import gymnasium
 from .chain import ChainEnv
 from .memory import MemoryCueEnv
 from .partial_cartpole import PartialObsCartPole, make_po_cartpole
+from .tmaze import PassiveTMazeEnv
 
-__all__ = ["ChainEnv", "MemoryCueEnv", "PartialObsCartPole", "make_po_cartpole"]
+__all__ = ["ChainEnv", "MemoryCueEnv", "PartialObsCartPole", "PassiveTMazeEnv", "make_po_cartpole"]
 
 _REGISTRATIONS = (
     # max_episode_steps=None: the env terminates itself, so make() adds no TimeLimit.
@@ -21,6 +24,7 @@ _REGISTRATIONS = (
     # Same limit as CartPole-v1 so truncation behaves identically.
     ("rl_replay/POCartPole-v0", "rl_replay.envs.partial_cartpole:make_po_cartpole", 500),
     ("rl_replay/Chain-v0", "rl_replay.envs.chain:ChainEnv", None),
+    ("rl_replay/PassiveTMaze-v0", "rl_replay.envs.tmaze:PassiveTMazeEnv", None),
 )
 
 for _id, _entry_point, _max_steps in _REGISTRATIONS:

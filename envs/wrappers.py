@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gymnasium as gym
+import numpy as np
+from gymnasium import spaces
 
-__all__ = ["SuccessOnReward"]
+__all__ = ["PreviousActionReward", "SuccessOnReward"]
 
 
 class SuccessOnReward(gym.Wrapper):
@@ -20,3 +22,44 @@ class SuccessOnReward(gym.Wrapper):
         if terminated or truncated:
             info = {**info, "success": bool(terminated and reward > 0)}
         return obs, reward, terminated, truncated, info
+
+
+class PreviousActionReward(gym.Wrapper):
+    """Appends the previous action (one-hot) and ``reward_scale`` times the previous reward to a
+    flat Box observation, both 0 after a reset: the input of the recurrent agents of Ni et al.
+    2023 (and RL^2, R2D2), which lets a policy whose observation is ambiguous see what its own
+    actions did (for example whether it fell behind in the T-Maze).
+
+    ``action=False`` appends the reward only. Needs a ``Discrete`` action space (when
+    ``action``) and a 1-D ``Box`` observation space.
+    """
+
+    def __init__(self, env: gym.Env, reward_scale: float = 1.0, action: bool = True):
+        super().__init__(env)
+        if action and not isinstance(env.action_space, spaces.Discrete):
+            raise ValueError(f"PreviousActionReward needs a Discrete action space, got {env.action_space}")
+        space = env.observation_space
+        if not (isinstance(space, spaces.Box) and len(space.shape) == 1):
+            raise ValueError(f"PreviousActionReward needs a 1-D Box observation space, got {space}")
+        self._n = int(env.action_space.n) if action else 0
+        self.reward_scale = float(reward_scale)
+        self.observation_space = spaces.Box(
+            low=np.concatenate([space.low, np.zeros(self._n), [-np.inf]]).astype(space.dtype),
+            high=np.concatenate([space.high, np.ones(self._n), [np.inf]]).astype(space.dtype),
+            dtype=space.dtype)
+
+    def _extend(self, obs, action, reward):
+        extra = np.zeros(self._n + 1, dtype=self.observation_space.dtype)
+        if action is not None:
+            if self._n:
+                extra[int(action)] = 1.0
+            extra[-1] = self.reward_scale * reward
+        return np.concatenate([obs, extra])
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return self._extend(obs, None, 0.0), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return self._extend(obs, action, reward), reward, terminated, truncated, info
