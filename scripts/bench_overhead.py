@@ -20,6 +20,10 @@ plain and replay are compared (bit-identical expected). Times are medians over
     python scripts/bench_overhead.py --config configs/memory_256.yaml --T 258 --batch 16
     python scripts/bench_overhead.py --all                # the shipped agents, as a table
     python scripts/bench_overhead.py --all --block-steps 1 16   # one-step and 16-step blocks
+    python scripts/bench_overhead.py --all --block-steps 1 16 --device cuda   # on a GPU (scripts/gpu_check.sh)
+
+On CUDA every timing is bracketed by ``torch.cuda.synchronize()``; replay still moves each
+block's saved inputs to host memory, so its rows include those copies.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ SHIPPED = (
 )
 
 
-def build(config: str, overrides: tuple[str, ...] = ()):
+def build(config: str, overrides: tuple[str, ...] = (), device: str = "cpu"):
     """The agent, observation sampler and action space of a config (one env built to read spaces)."""
     from rl_replay.agent import build_agent
     from rl_replay.config import load_config
@@ -58,8 +62,8 @@ def build(config: str, overrides: tuple[str, ...] = ()):
                            imports=cfg.env.imports, wrappers=cfg.env.wrappers)
     torch.manual_seed(0)
     agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
-                        envs.single_action_space)
-    convert = obs_converter(envs.single_observation_space, "cpu")
+                        envs.single_action_space).to(device)
+    convert = obs_converter(envs.single_observation_space, device)
     space = envs.single_observation_space
     envs.close()
     return agent, convert, space
@@ -77,13 +81,18 @@ def _loss(agent, out, actions):
     return out["value"].sum() + dist.log_prob(actions).sum()
 
 
+def _device(obs):
+    return obs[0].device
+
+
 def run_plain(agent, obs, B):
-    state = agent.initial_state(B)
-    is_first = torch.zeros(B, dtype=torch.bool)
+    dev = _device(obs)
+    state = agent.initial_state(B, dev)
+    is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
     for t, o in enumerate(obs):
         out = agent(observation=o, state=state, is_first=is_first)
-        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long))
+        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
     total.backward()
 
@@ -91,14 +100,15 @@ def run_plain(agent, obs, B):
 def run_replay(agent, obs, B):
     import rl_replay
 
+    dev = _device(obs)
     acc = rl_replay.GradientAccumulator()
-    state = agent.initial_state(B)
-    is_first = torch.zeros(B, dtype=torch.bool)
+    state = agent.initial_state(B, dev)
+    is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
     for t, o in enumerate(obs):
         out = rl_replay.replay(agent, acc, TensorDict(observation=o, state=state, is_first=is_first,
                                                       batch_size=[B]))
-        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long))
+        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
     total.backward()
 
@@ -107,10 +117,11 @@ def run_replay_steps(agent, obs, B, k):
     """The same loop in multi-step blocks of k steps (rl_replay.replay_steps)."""
     import rl_replay
 
+    dev = _device(obs)
     acc = rl_replay.GradientAccumulator()
-    state = agent.initial_state(B)
+    state = agent.initial_state(B, dev)
     stacked = torch.stack(obs)
-    is_first = torch.zeros(len(obs), B, dtype=torch.bool)
+    is_first = torch.zeros(len(obs), B, dtype=torch.bool, device=dev)
     total = 0.0
     for t0 in range(0, len(obs), k):
         t1 = min(len(obs), t0 + k)
@@ -118,14 +129,15 @@ def run_replay_steps(agent, obs, B, k):
             agent, acc, TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]),
             state)
         for i in range(t1 - t0):  # the same per-step loss terms as the other loops
-            total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long))
+            total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long, device=dev))
     total.backward()
 
 
 @torch.no_grad()
 def run_nograd(agent, obs, B):
-    state = agent.initial_state(B)
-    is_first = torch.zeros(B, dtype=torch.bool)
+    dev = _device(obs)
+    state = agent.initial_state(B, dev)
+    is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     for o in obs:
         state = agent(observation=o, state=state, is_first=is_first)["state"]
 
@@ -134,8 +146,10 @@ def grads(agent):
     return [None if p.grad is None else p.grad.clone() for p in agent.parameters()]
 
 
-def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1) -> dict:
-    agent, convert, space = build(config, tuple(overrides))
+def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1,
+            device: str = "cpu") -> dict:
+    agent, convert, space = build(config, tuple(overrides), device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     obs = make_inputs(convert, space, T, B)
     replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps))
     # Parity first (and warm-up).
@@ -150,15 +164,17 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     times = {"plain": [], "replay": [], "nograd": []}
     for _ in range(repeats):
         for name, fn in (("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)):
+            sync()
             t0 = time.perf_counter()
             fn(agent, obs, B)
+            sync()
             times[name].append(time.perf_counter() - t0)
             agent.zero_grad(set_to_none=True)
     ms = {k: 1e3 * statistics.median(v) / T for k, v in times.items()}
     ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
     return {
-        "config": config, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
+        "config": config, "device": device, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
         "identical_grads": identical,
         "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
         "replay_over_plain": statistics.median(ratios),
@@ -188,12 +204,17 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--block-steps", type=int, nargs="+", default=[1],
                     help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)")
     ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. agent.kwargs.hidden_size=64")
     args = ap.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: this torch sees no CUDA device; use --device cpu")
+    if args.T < 1 or args.batch < 1 or args.repeats < 1 or min(args.block_steps) < 1:
+        ap.error("--T, --batch, --repeats and --block-steps must be positive")
     torch.set_num_threads(args.threads)
     if args.all:
         specs = [(label, cfg, T) for label, cfg, T in SHIPPED]
@@ -205,7 +226,7 @@ def main(argv=None) -> int:
         if "lstm" in label.lower():
             overrides.append("agent.target=lstm")
         for k in args.block_steps:
-            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k))
+            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k, device=args.device))
             labels.append(label)
     print(json.dumps(rows, indent=1) if args.json else table(rows, labels))
     return 0 if all(r["identical_grads"] for r in rows) else 1

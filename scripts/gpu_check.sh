@@ -13,9 +13,10 @@
 #   2. tests/test_replay_cuda.py and tests/test_distributed_cuda.py (FSDP1 CPUOffload at
 #      world size 1, gradients against plain autograd);
 #   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
-#   4. scripts/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
+#   4. scripts/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024;
+#   5. scripts/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead.
 # --dry-run does all of it without CUDA: the tests are only collected, training runs on
-# CPU (gloo, no offload) with a tiny budget, bench_memory on CPU with tiny policies.
+# CPU (gloo, no offload) with a tiny budget, the benchmarks on CPU with tiny sizes.
 # OUT defaults to $OUT if set, else ./gpu_check_out. PYTHON defaults to python3.
 # Exit status: 0 when every step passed, 1 otherwise (every step runs regardless).
 set -uo pipefail
@@ -131,6 +132,19 @@ if [ $DRY -eq 1 ]; then
 else
     step "bench_memory (CUDA)" 300 "$PY" "${BENCH[@]}" --device cuda --policy gru mlp --T 256 1024 \
         --reps 1 --max-config-seconds 40 --budget-seconds 280
+fi
+# 5. per-block overhead of replay against plain autograd ------------------------------------
+export OVERHEAD_MD="$OUTDIR/bench_overhead.md"
+# bash -c so that timeout runs it; the table also goes to OVERHEAD_MD for the results file.
+OVERHEAD=(bash -c 'set -o pipefail; "$0" scripts/bench_overhead.py "$@" | tee "$OVERHEAD_MD"' "$PY")
+if [ $DRY -eq 1 ]; then
+    step "bench_overhead (CPU, tiny)" 120 "${OVERHEAD[@]}" --device cpu --T 8 --repeats 1 --block-steps 1 4
+else
+    step "bench_overhead (CUDA)" 300 "${OVERHEAD[@]}" --device cuda --all --block-steps 1 16 --repeats 3
+fi
+if [ -s "$OVERHEAD_MD" ]; then
+    { echo; echo "Per-block overhead (scripts/bench_overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
+      echo; cat "$OVERHEAD_MD"; } >> "$RESULTS"
 fi
 {
     echo

@@ -90,6 +90,9 @@ def test_dry_run(tmp_path):
     assert "- training run: finished 2 updates, 256 env steps" in results
     assert "| 8 | rl_replay |" in results and "<!-- BEGIN bench_memory tiny_gru -->" in results
     for step in ("install wheels: ok", "imports: ok", "cuda tests (collected only): ok",
-                 "train (CPU, gloo): ok", "bench_memory (CPU, tiny): ok"):
+                 "train (CPU, gloo): ok", "bench_memory (CPU, tiny): ok", "bench_overhead (CPU, tiny): ok"):
         assert step in results, results
     assert (out / "bench_memory.json").exists()
+    # The overhead table, with gradients identical in both block sizes.
+    assert "Per-block overhead (scripts/bench_overhead.py, CPU, tiny)" in results
+    assert results.count("| configs/memory_1024.yaml | 8 | 16 |") == 2 and "| NO |" not in results
