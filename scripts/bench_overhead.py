@@ -21,6 +21,11 @@ plain and replay are compared (bit-identical expected). Times are medians over
     python scripts/bench_overhead.py --all                # the shipped agents, as a table
     python scripts/bench_overhead.py --all --block-steps 1 16   # one-step and 16-step blocks
     python scripts/bench_overhead.py --all --block-steps 1 16 --device cuda   # on a GPU (scripts/gpu_check.sh)
+    python scripts/bench_overhead.py --block-steps 1 16 --compile   # the agent under torch.compile (inductor)
+
+``--compile`` wraps the agent in ``torch.compile(agent, dynamic=False)`` for all three loops (the
+parity run compiles it, before any timing), so plain and replay are compared on the same
+compiled code; its gradients are compared with the compiled plain loop's.
 
 On CUDA every timing is bracketed by ``torch.cuda.synchronize()``; replay still moves each
 block's saved inputs to host memory, so its rows include those copies.
@@ -147,17 +152,19 @@ def grads(agent):
 
 
 def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1,
-            device: str = "cpu") -> dict:
-    agent, convert, space = build(config, tuple(overrides), device)
+            device: str = "cpu", compile: bool = False) -> dict:
+    module, convert, space = build(config, tuple(overrides), device)
+    # The compiled wrapper shares the module's parameters; gradients are read from the module.
+    agent = torch.compile(module, dynamic=False) if compile else module
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     obs = make_inputs(convert, space, T, B)
     replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps))
     # Parity first (and warm-up).
     run_plain(agent, obs, B)
-    g_plain = grads(agent)
+    g_plain = grads(module)
     agent.zero_grad(set_to_none=True)
     replayed(agent, obs, B)
-    g_replay = grads(agent)
+    g_replay = grads(module)
     agent.zero_grad(set_to_none=True)
     identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                     for a, b in zip(g_plain, g_replay))
@@ -174,7 +181,7 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
     return {
-        "config": config, "device": device, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
+        "config": config, "device": device, "compiled": compile, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
         "identical_grads": identical,
         "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
         "replay_over_plain": statistics.median(ratios),
@@ -190,7 +197,7 @@ def table(rows: list[dict], labels: list[str]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for label, r in zip(labels, rows):
         lines.append(
-            f"| {label} | {r['T']} | {r['batch']} | {r['block_steps']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
+            f"| {label}{' (compiled)' if r.get('compiled') else ''} | {r['T']} | {r['batch']} | {r['block_steps']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
             f"{r['nograd_ms_per_step']:.3f} | {r['replay_over_plain']:.2f}x ({r['replay_over_plain_min']:.2f}-"
             f"{r['replay_over_plain_max']:.2f}) | {r['floor_over_plain']:.2f}x | {r['overhead_ms_per_block']:.3f} | "
             f"{'yes' if r['identical_grads'] else 'NO'} |")
@@ -205,6 +212,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--compile", action="store_true", help="run the agent under torch.compile (inductor)")
     ap.add_argument("--block-steps", type=int, nargs="+", default=[1],
                     help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)")
     ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
@@ -226,7 +234,8 @@ def main(argv=None) -> int:
         if "lstm" in label.lower():
             overrides.append("agent.target=lstm")
         for k in args.block_steps:
-            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k, device=args.device))
+            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k, device=args.device,
+                                compile=args.compile))
             labels.append(label)
     print(json.dumps(rows, indent=1) if args.json else table(rows, labels))
     return 0 if all(r["identical_grads"] for r in rows) else 1

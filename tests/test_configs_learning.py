@@ -1,4 +1,5 @@
-"""The shipped learning configs (configs/memory_*.yaml, configs/ppo_memory_*.yaml, configs/popgym_*.yaml) build their
+"""The shipped learning configs (configs/memory_*.yaml, configs/ppo_memory_*.yaml, configs/tmaze_*.yaml,
+configs/popgym_*.yaml) build their
 env and agent and train: tiny sizes, a couple of updates each. The learning itself is
 measured in docs/learning.md, not here."""
 
@@ -17,6 +18,7 @@ from rl_replay.trainer import build
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
 POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
+TMAZE = sorted(CONFIGS.glob("tmaze_*.yaml"))
 TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
 
 
@@ -37,10 +39,23 @@ def train(cfg, updates: int):
 
 
 def test_the_config_globs_find_the_shipped_configs():
-    names = {p.name for p in MEMORY + POPGYM}
+    names = {p.name for p in MEMORY + POPGYM + TMAZE}
     assert {"memory_256.yaml", "memory_gru.yaml", "ppo_memory_256.yaml", "ppo_memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
             "popgym_repeat_first_medium.yaml", "popgym_count_recall_easy.yaml",
-            "popgym_repeat_previous_hard.yaml"} <= names
+            "popgym_repeat_previous_hard.yaml", "tmaze_passive_100.yaml", "tmaze_passive_1500.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", TMAZE, ids=lambda p: p.stem)
+def test_tmaze_config_keeps_length_and_reward_scale_in_sync_and_runs_an_update(path, tmp_path):
+    shipped = load_config(path)
+    length = shipped.env.kwargs["corridor_length"]
+    assert shipped.collector.mode == "episode" and shipped.collector.num_steps == length + 1
+    (wrapper,) = shipped.env.wrappers  # the previous reward, scaled so that a penalty of -1/L reads -1
+    assert wrapper["target"].endswith(":PreviousActionReward") and wrapper["kwargs"]["reward_scale"] == length
+    cfg = load_config(path, [*TINY, "env.num_envs=2", "env.kwargs.corridor_length=5", "collector.num_steps=6",
+                             "total_env_steps=12", f"run_dir={tmp_path / 'run'}", tiny_agent(shipped.agent.target)])
+    _, metrics = train(cfg, updates=1)
+    assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
 
 
 @pytest.mark.parametrize("path", MEMORY, ids=lambda p: p.stem)
