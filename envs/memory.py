@@ -18,6 +18,16 @@ def _check_int(name: str, value: Any, minimum: int) -> int:
     return int(value)
 
 
+def _check_finite(name: str, value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
+    if not np.isfinite(out):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    return out
+
+
 class MemoryCueEnv(gymnasium.Env):
     """Remember a cue shown at the start and report it after ``delay`` distractor steps.
 
@@ -54,12 +64,7 @@ class MemoryCueEnv(gymnasium.Env):
         self.delay = _check_int("delay", delay, 0)
         self.num_cues = _check_int("num_cues", num_cues, 2)
         self.noise_dims = _check_int("noise_dims", noise_dims, 0)
-        try:
-            self.wrong_reward = float(wrong_reward)
-        except (TypeError, ValueError):
-            raise ValueError(f"wrong_reward must be a number, got {wrong_reward!r}") from None
-        if not np.isfinite(self.wrong_reward):
-            raise ValueError(f"wrong_reward must be finite, got {wrong_reward!r}")
+        self.wrong_reward = _check_finite("wrong_reward", wrong_reward)
         if render_mode is not None:
             raise ValueError(f"render_mode is not supported, got {render_mode!r}")
         self.render_mode = render_mode

@@ -16,13 +16,11 @@ length of the paper's figure 2 (their longest solved passive length is 1,500).
 
 from __future__ import annotations
 
-from typing import Any
-
 import gymnasium
 import numpy as np
 from gymnasium import spaces
 
-from .memory import _check_int
+from .memory import _check_finite, _check_int
 
 RIGHT, UP, LEFT, DOWN = 0, 1, 2, 3
 _MOVES = {RIGHT: (1, 0), UP: (0, 1), LEFT: (-1, 0), DOWN: (0, -1)}
@@ -57,10 +55,10 @@ class PassiveTMazeEnv(gymnasium.Env):
     def __init__(self, corridor_length: int = 10, penalty: float | None = None, goal_reward: float = 1.0,
                  render_mode: str | None = None):
         self.corridor_length = _check_int("corridor_length", corridor_length, 1)
-        self.penalty = -1.0 / self.corridor_length if penalty is None else _finite("penalty", penalty)
+        self.penalty = -1.0 / self.corridor_length if penalty is None else _check_finite("penalty", penalty)
         if self.penalty > 0:
             raise ValueError(f"penalty must be <= 0 (it punishes falling behind), got {penalty!r}")
-        self.goal_reward = _finite("goal_reward", goal_reward)
+        self.goal_reward = _check_finite("goal_reward", goal_reward)
         if render_mode is not None:
             raise ValueError(f"render_mode is not supported, got {render_mode!r}")
         self.render_mode = render_mode
@@ -98,12 +96,3 @@ class PassiveTMazeEnv(gymnasium.Env):
         self._t = None  # the episode is over; force a reset before the next step
         return self._obs(), self.goal_reward if success else 0.0, True, False, {"success": success}
 
-
-def _finite(name: str, value: Any) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
-    if not np.isfinite(out):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    return out
