@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["PreviousActionReward", "SuccessOnReward"]
+__all__ = ["ActionSubset", "PreviousActionReward", "SuccessOnReward"]
 
 
 class SuccessOnReward(gym.Wrapper):
@@ -22,6 +22,35 @@ class SuccessOnReward(gym.Wrapper):
         if terminated or truncated:
             info = {**info, "success": bool(terminated and reward > 0)}
         return obs, reward, terminated, truncated, info
+
+
+class ActionSubset(gym.ActionWrapper):
+    """Keeps only ``actions`` of a ``Discrete`` action space: the agent picks an index into the
+    list, the env receives the listed action.
+
+    MiniGrid's tasks expose seven actions (left, right, forward, pickup, drop, toggle, done) where
+    a navigation task such as ``MiniGrid-MemoryS7-v0`` needs the first three; the other four only
+    spend steps, and a uniform early policy wastes four sevenths of its exploration on them (the
+    recurrent PPO baselines of Pleines et al. on MiniGrid Memory use the same three actions).
+    """
+
+    def __init__(self, env: gym.Env, actions: list[int] | tuple[int, ...] = (0, 1, 2)):
+        super().__init__(env)
+        space = env.action_space
+        if not isinstance(space, spaces.Discrete):
+            raise ValueError(f"ActionSubset needs a Discrete action space, got {space}")
+        actions = list(actions)
+        valid = range(int(space.start), int(space.start + space.n))
+        if (not actions or len(set(actions)) != len(actions)
+                or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a in valid
+                           for a in actions)):
+            raise ValueError(f"ActionSubset actions must be distinct integers of the env's action space "
+                             f"{space} (from {valid.start} to {valid.stop - 1}), got {actions}")
+        self.actions = np.asarray(actions, dtype=np.int64)
+        self.action_space = spaces.Discrete(len(actions))
+
+    def action(self, action):
+        return int(self.actions[int(action)])
 
 
 class PreviousActionReward(gym.Wrapper):

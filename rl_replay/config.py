@@ -98,6 +98,16 @@ class CollectorConfig:
     """steps T per env per rollout (the per-episode step cap in episode mode)"""
     bptt_truncate: int | None = None
     """cut the recurrent gradient every K steps (None = full backprop through the rollout)"""
+    block_steps: int = 16
+    """A2C and REINFORCE (PPO: ppo.block_steps): 1 = each step is a replay block as the envs are
+    stepped (the graph is built during collection); k > 1 = the rollout is collected under
+    no_grad and its stored rows are replayed in blocks of k steps before the loss (one extra
+    forward per step, the per-block machinery once per k steps; a stateless agent runs a
+    block's k steps as one batched call). The same gradients for a recurrent agent whose
+    forward draws no random numbers; with dropout the loss sees other masks than the ones
+    that sampled the actions (use 1 for exactly on-policy dropout). 16: the default CartPole
+    trainer at 0.85x the batched no-grad + recompute recipe's env steps/s (1: 0.42x;
+    docs/benchmarks.md). Under FSDP a recurrent agent's steps are recomputed once more: use 1"""
 
 
 #: The values of ``loss.algorithm``: the names in :data:`rl_replay.algorithms.REGISTRY`, kept
@@ -279,6 +289,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "env.max_episode_steps": (1, True, None, False),
     "collector.num_steps": (1, True, None, False),
     "collector.bptt_truncate": (1, True, None, False),
+    "collector.block_steps": (1, True, None, False),
     "loss.gamma": (0, True, 1, True),
     "loss.gae_lambda": (0, True, 1, True),
     "ppo.epochs": (1, True, None, False),

@@ -92,6 +92,11 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
         block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`); the
             gradients are the same for every value, the per-block machinery is paid once per
             block, and one block's k steps of activations are alive at the backward's peak.
+            A stateless agent (``start_state`` holds no tensor) has no recurrence linking its
+            steps, so a block runs its k steps as one call over ``k * n`` rows (one
+            :func:`~rl_replay.engine.replay` block): gradients then equal plain autograd's on
+            that batched call, as in the usual batched PPO / A2C recompute, not the per-step
+            loop's to the last bit (a batched matmul sums in another order).
 
     Returns:
         TensorDict (T, n) whose entries are attached to autograd through the steps.
@@ -99,6 +104,8 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
     T, n = data.batch_size
     observation, is_first = data["observation"], data["is_first"]
     state = start_state
+    if accumulator is not None and block_steps > 1 and start_state.is_empty():
+        return _replay_stateless(model, policy, data, accumulator, block_steps)
     if accumulator is not None and block_steps > 1:
         blocks = []
         for start, stop in block_spans(T, block_steps, bptt_truncate):
@@ -121,6 +128,28 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
         del out
     heads = stack_heads(columns, T, n)
     del columns
+    dist = policy.distribution(heads)
+    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                      value=heads["value"], batch_size=[T, n])
+
+
+def _replay_stateless(model: torch.nn.Module, policy, data: TensorDict, accumulator: GradientAccumulator,
+                      block_steps: int) -> TensorDict:
+    """:func:`replay_sequence` for a stateless agent: each block of ``block_steps`` rows is one
+    replay block, the agent called once on the block's ``k * n`` rows (``is_first`` only resets
+    a state, so it changes nothing here; it is passed on as the contract asks)."""
+    T, n = data.batch_size
+    observation, is_first = data["observation"], data["is_first"]
+    blocks = []
+    for start, stop in block_spans(T, block_steps):
+        k = stop - start
+        inputs = TensorDict(observation=observation[start:stop].flatten(0, 1),
+                            state=TensorDict({}, batch_size=[k * n], device=None),
+                            is_first=is_first[start:stop].flatten(0, 1), batch_size=[k * n], device=None)
+        out = replay(model, accumulator, inputs)
+        blocks.append(out.exclude("state").unflatten(0, (k, n)))
+    heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    del blocks
     dist = policy.distribution(heads)
     return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
                       value=heads["value"], batch_size=[T, n])

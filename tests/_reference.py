@@ -38,3 +38,24 @@ def plain_sequence(agent, data: TensorDict, start_state: TensorDict,
     result = TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
                         value=heads["value"], batch_size=[T, n])
     return result, state
+
+
+def plain_batched(agent, data: TensorDict, block_steps: int) -> TensorDict:
+    """A stateless ``agent`` over ``data`` with plain autograd, ``block_steps`` rows per call.
+
+    Each call takes rows ``[i * block_steps, (i + 1) * block_steps)`` of all n envs at once
+    (``block_steps * n`` rows), as the batched recompute of CleanRL-style PPO / A2C code does
+    with the whole rollout; the distribution is built once on the stacked (T, n) outputs.
+    """
+    T, n = data.batch_size
+    chunks = []
+    for start in range(0, T, block_steps):
+        obs = data["observation"][start:start + block_steps]
+        k = obs.shape[0]
+        out = agent(observation=obs.reshape(k * n, *obs.shape[2:]), state=agent.initial_state(k * n),
+                    is_first=data["is_first"][start:start + block_steps].reshape(k * n))
+        chunks.append(out.exclude("state").reshape(k, n))
+    heads = torch.cat(chunks)
+    dist = agent.distribution(heads)
+    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
+                      value=heads["value"], batch_size=[T, n])

@@ -1,4 +1,4 @@
-"""What A2C and REINFORCE share: the rollout is collected as replay blocks, one backward, one step."""
+"""What A2C and REINFORCE share: the rollout's outputs as replay blocks, one backward, one step."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from tensordict import TensorDict
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.config import LossConfig
+from rl_replay.engine import GradientAccumulator
+from rl_replay.sequence import replay_sequence
 
 __all__ = ["PolicyGradient"]
 
@@ -17,8 +19,13 @@ __all__ = ["PolicyGradient"]
 class PolicyGradient(Algorithm):
     """An on-policy update whose rollout outputs carry the graph; subclasses give :meth:`loss`.
 
-    Collection records one replay block per step; the loss over the whole rollout is
-    back-propagated once, which replays every block newest-first.
+    With ``collector.block_steps`` 1 collection records one replay block per step. With k > 1
+    the rollout is collected under ``no_grad`` and its stored rows are replayed from the
+    rollout's start state in blocks of k steps (:func:`rl_replay.sequence.replay_sequence`,
+    PPO's path): the same outputs and gradients for a deterministic agent, an extra forward
+    per step, and the per-block machinery paid once per k steps instead of every step.
+    Either way the loss over the whole rollout is back-propagated once, which replays every
+    block newest-first.
     """
 
     @classmethod
@@ -28,12 +35,22 @@ class PolicyGradient(Algorithm):
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
-        rollout = self.collector.collect()
+        block_steps = self.cfg.collector.block_steps
+        if block_steps > 1:
+            rollout = self.collector.collect(graph=False)
+            acc = GradientAccumulator()
+            # next_value stays the collection's (detached; the same numbers).
+            rollout.data.update(replay_sequence(
+                self.model, self.collector.policy, rollout.data, rollout.start_state, acc,
+                self.collector.bptt_truncate, block_steps=block_steps))
+            rollout.accumulator = acc
+        else:
+            rollout = self.collector.collect()
+            acc = rollout.accumulator
         t1 = time.perf_counter()
         terms = self.loss(rollout.data, self.cfg.loss)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
-        acc = rollout.accumulator
         metrics = {
             "memory/replay_saved_bytes": float(acc.saved_bytes),
             "time/replay_backward_sec": t2 - t1,
