@@ -16,12 +16,21 @@ in the trainer's format, so the same curve tools read both:
 and ``OUT_DIR/peer.json`` with the exact settings. Non-Box observation spaces (POPGym's
 Discrete / MultiDiscrete) are one-hot encoded with ``gymnasium.wrappers.FlattenObservation``.
 
+``--config`` takes the env of one of the project's configs instead (id, ``env.imports``,
+``env.wrappers``, ``env.kwargs``, ``env.observation_keys``), so the peer sees exactly the
+observations and actions the trainer's agent sees. ``--grid-cnn SCALE`` gives RecurrentPPO the
+project's ``grid_cnn`` (16 2x2, max-pool, 32 2x2, 64 2x2) as its features extractor, the image
+times SCALE and the Dict's other keys (one-hot) concatenated: SB3's own NatureCNN needs frames of
+at least 36x36, and MiniGrid's views are 7x7 grids of small indices.
+
 Needs the optional extra: ``pip install -e ".[compare]"``. Examples::
 
     python scripts/compare_peers.py --env rl_replay/MemoryCue-v0 --env-kwargs '{delay: 256}' \\
         --total-env-steps 2000000 --out runs/peer_memory256
     python scripts/compare_peers.py --env popgym-RepeatPreviousEasy-v0 --total-env-steps 300000 \\
         --out runs/peer_repeatprevious      # POPGym ids need `pip install popgym`
+    python scripts/compare_peers.py --config configs/minigrid_memory_s7.yaml \
+        --policy MultiInputLstmPolicy --grid-cnn 0.1 --total-env-steps 2000000 --out runs/peer_s7
 """
 
 from __future__ import annotations
@@ -69,6 +78,62 @@ def make_env_fn(env_id: str, kwargs: dict):
             env = gymnasium.wrappers.FlattenObservation(env)  # Discrete -> one-hot
         return env
     return make
+
+
+def make_config_env_fn(config_path: str):
+    """The env of a project config, built as the trainer builds each of its sub-envs."""
+    from rl_replay.config import load_config
+    from rl_replay.environment import make_env
+
+    env_cfg = load_config(config_path).env
+
+    def make():
+        return make_env(env_cfg.id, imports=env_cfg.imports, wrappers=env_cfg.wrappers, kwargs=env_cfg.kwargs,
+                        max_episode_steps=env_cfg.max_episode_steps, observation_keys=env_cfg.observation_keys)
+    return make, env_cfg
+
+
+def grid_cnn_extractor():
+    """An SB3 features extractor over the project's ``grid_cnn`` (for MiniGrid-size views)."""
+    import torch
+    from stable_baselines3.common.preprocessing import get_flattened_obs_dim
+    from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
+
+    from rl_replay.agents.encoders import grid_cnn
+
+    class GridCNN(BaseFeaturesExtractor):
+        """``grid_cnn`` on the image (channel-first, as SB3's VecTransposeImage hands it over)
+        times ``image_scale``, then the flattened other keys of a Dict observation."""
+
+        def __init__(self, observation_space, image_scale: float = 0.1):
+            super().__init__(observation_space, features_dim=1)
+            spaces = (dict(observation_space.spaces) if isinstance(observation_space, gymnasium.spaces.Dict)
+                      else {None: observation_space})
+            images = [k for k, sp in spaces.items() if len(sp.shape or ()) == 3]
+            if len(images) != 1:
+                raise SystemExit(f"compare_peers: --grid-cnn needs exactly one image in {observation_space}")
+            self.image_key = images[0]
+            self.other_keys = [k for k in spaces if k != self.image_key]
+            self.image_scale = float(image_scale)
+            shape = spaces[self.image_key].shape
+            channel_first = shape[0] < shape[-1]
+            self.channel_last = not channel_first
+            c = shape[-1] if self.channel_last else shape[0]
+            self.convs = grid_cnn(c)
+            with torch.no_grad():
+                h, w = (shape[0], shape[1]) if self.channel_last else (shape[1], shape[2])
+                conv_dim = self.convs(torch.zeros(1, c, h, w)).flatten(1).shape[1]
+            self._features_dim = conv_dim + sum(get_flattened_obs_dim(spaces[k]) for k in self.other_keys)
+
+        def forward(self, observations):
+            image = observations if self.image_key is None else observations[self.image_key]
+            if self.channel_last:
+                image = image.permute(0, 3, 1, 2)
+            x = self.convs(image.float() * self.image_scale).flatten(1)
+            rest = [observations[k].flatten(1).float() for k in self.other_keys]
+            return torch.cat([x, *rest], dim=1) if rest else x
+
+    return GridCNN
 
 
 def build_callback(metrics_path: Path, window: int = 100):
@@ -123,7 +188,14 @@ def build_callback(metrics_path: Path, window: int = 100):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--env", required=True, help="gymnasium id, e.g. rl_replay/MemoryCue-v0")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--env", help="gymnasium id, e.g. rl_replay/MemoryCue-v0")
+    source.add_argument("--config", help="a project config whose env (id, imports, wrappers, kwargs, "
+                        "observation_keys) the peer trains on")
+    parser.add_argument("--policy", default="MlpLstmPolicy",
+                        help="RecurrentPPO policy: MlpLstmPolicy, CnnLstmPolicy or MultiInputLstmPolicy")
+    parser.add_argument("--grid-cnn", type=float, default=None, metavar="SCALE",
+                        help="the project's grid_cnn as features extractor, the image times SCALE")
     parser.add_argument("--env-kwargs", default="", help="YAML mapping passed to gymnasium.make")
     parser.add_argument("--total-env-steps", type=int, required=True, help="env steps, all envs together")
     parser.add_argument("--num-envs", type=int, default=8)
@@ -147,17 +219,33 @@ def main(argv=None) -> int:
         from stable_baselines3.common.env_util import make_vec_env
     except ImportError as exc:
         raise SystemExit(f"compare_peers: needs the peer libraries ({exc}): pip install -e \".[compare]\"") from None
-    import_env_modules(args.env)
-    try:
-        gymnasium.spec(args.env)
-    except gymnasium.error.Error as exc:
-        parser.error(f"--env {args.env}: {exc}")
+    if args.config is not None:
+        if env_kwargs:
+            parser.error("--env-kwargs goes with --env; with --config the config's env.kwargs apply")
+        env_fn, env_cfg = make_config_env_fn(args.config)
+        env_name = env_cfg.id
+    else:
+        import_env_modules(args.env)
+        try:
+            gymnasium.spec(args.env)
+        except gymnasium.error.Error as exc:
+            parser.error(f"--env {args.env}: {exc}")
+        env_fn, env_name = make_env_fn(args.env, env_kwargs), args.env
+    if args.grid_cnn is not None:
+        if not args.grid_cnn > 0:
+            parser.error(f"--grid-cnn SCALE must be positive, got {args.grid_cnn}")
+        policy_kwargs = dict(algo_kwargs.pop("policy_kwargs", None) or {})
+        policy_kwargs.update(features_extractor_class=grid_cnn_extractor(),
+                             features_extractor_kwargs={"image_scale": args.grid_cnn}, normalize_images=False)
+        algo_kwargs["policy_kwargs"] = policy_kwargs
 
     torch.set_num_threads(args.threads)
-    vec_env = make_vec_env(make_env_fn(args.env, env_kwargs), n_envs=args.num_envs, seed=args.seed)
-    model = RecurrentPPO("MlpLstmPolicy", vec_env, seed=args.seed, device="cpu", verbose=0, **algo_kwargs)
+    vec_env = make_vec_env(env_fn, n_envs=args.num_envs, seed=args.seed)
+    model = RecurrentPPO(args.policy, vec_env, seed=args.seed, device="cpu", verbose=0, **algo_kwargs)
     out.mkdir(parents=True, exist_ok=True)
-    settings = {"peer": "sb3_contrib.RecurrentPPO", "policy": "MlpLstmPolicy", "env": args.env,
+    algo_kwargs.pop("policy_kwargs", None)
+    settings = {"peer": "sb3_contrib.RecurrentPPO", "policy": args.policy, "env": env_name,
+                "config": args.config, "grid_cnn_image_scale": args.grid_cnn,
                 "env_kwargs": env_kwargs, "num_envs": args.num_envs, "total_env_steps": args.total_env_steps,
                 "seed": args.seed, "algo_kwargs": algo_kwargs, "n_steps": model.n_steps,
                 "observation_space": str(vec_env.observation_space)}

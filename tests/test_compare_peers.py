@@ -66,6 +66,24 @@ def test_popgym_discrete_observations_are_one_hot(tmp_path):
     assert read_metrics(out)[-1]["env_steps"] == 64
 
 
+def test_config_env_with_the_grid_cnn_extractor(tmp_path):
+    # The MiniGrid config's env as the trainer builds it (three actions, image + direction, the
+    # mission dropped), with the project's grid_cnn in front of RecurrentPPO's LSTM.
+    pytest.importorskip("sb3_contrib")
+    pytest.importorskip("minigrid")
+    out = tmp_path / "grid"
+    proc = run("--config", "configs/minigrid_memory_s7.yaml", "--policy", "MultiInputLstmPolicy",
+               "--grid-cnn", "0.1", "--total-env-steps", "64", "--out", str(out), *TINY)
+    assert proc.returncode == 0, proc.stderr
+    settings = json.loads((out / "peer.json").read_text())
+    assert settings["env"] == "MiniGrid-MemoryS7-v0" and settings["grid_cnn_image_scale"] == 0.1
+    assert "'image'" in settings["observation_space"] and "mission" not in settings["observation_space"]
+    assert read_metrics(out)[-1]["env_steps"] == 64
+    bad = run("--config", "configs/minigrid_memory_s7.yaml", "--grid-cnn", "0", "--total-env-steps", "8",
+              "--out", str(tmp_path / "bad"))
+    assert bad.returncode != 0 and "--grid-cnn SCALE must be positive" in bad.stderr
+
+
 def test_bad_arguments(tmp_path):
     pytest.importorskip("sb3_contrib")
     proc = run("--env", "NoSuchEnv-v0", "--total-env-steps", "10", "--out", str(tmp_path / "x"))
