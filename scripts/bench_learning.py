@@ -1,7 +1,9 @@
 """Training throughput on CartPole-v1 (MLP agent): rl_replay's trainer vs the usual recipe.
 
 * ``rl_replay``: ``rl_replay.trainer.build(load_config('configs/default.yaml', overrides))``
-  and ``trainer.step()`` -- every timestep's policy call is a replay block, one backward.
+  and ``trainer.step()`` -- the rollout's policy calls as replay blocks (``collector.block_steps``:
+  16 by default, the stored rollout replayed in 16-step blocks, one batched call each for this
+  stateless MLP; 1, a block per collected step: ``--set collector.block_steps=1``), one backward.
 * ``batched``: what most PPO/A2C code does -- collect the rollout under ``torch.no_grad``,
   then one batched forward of the policy over the ``T * N`` stored observations for
   ``log_prob`` / ``value`` / ``entropy``, the same A2C loss (the trainer's algorithm's ``loss``),
@@ -17,6 +19,7 @@ Usage::
     python scripts/bench_learning.py                 # N = 8, T = 32 (configs/default.yaml)
     python scripts/bench_learning.py --write-docs    # the same, and update docs/benchmarks.md
     python scripts/bench_learning.py --smoke
+    python scripts/bench_learning.py --set collector.block_steps=1   # a replay block per collected step
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def build_trainer(spec: dict, run_dir: str):
         "log.progress=false",
         "checkpoint.every=0",
         f"run_dir={run_dir}",
+        *spec.get("set", []),
     ]
     return build(load_config(CONFIG, overrides))
 
@@ -138,7 +142,7 @@ def gradient_check(trainer) -> tuple[float, float]:
     loss = trainer.algorithm.loss
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    rollout = trainer.collector.collect()
+    rollout = trainer.algorithm.collect()  # as the trainer's update attaches it (collector.block_steps)
     total_loss(loss(rollout.data, trainer.cfg.loss)).backward()
     replayed = grad_snapshot(model)
     model.zero_grad(set_to_none=True)
@@ -202,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for both methods, e.g. --set collector.block_steps=1 (repeatable)")
     add_worker_arguments(ap, "bench_learning")
     args = ap.parse_args(argv)
     if args.worker:
@@ -217,7 +223,7 @@ def main(argv=None) -> int:
     results = {}
     for method in ("rl_replay", "batched"):
         spec = dict(method=method, num_envs=args.num_envs, num_steps=args.num_steps,
-                    updates=args.updates, threads=args.threads, seed=args.seed)
+                    updates=args.updates, threads=args.threads, seed=args.seed, set=args.set)
         r = run_isolated(worker, spec, script=os.path.abspath(__file__), launcher=args.launcher,
                          timeout=1800, preload=PRELOAD)
         if "error" in r:

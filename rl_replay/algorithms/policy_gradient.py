@@ -9,6 +9,7 @@ from tensordict import TensorDict
 
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
+from rl_replay.collector import Rollout
 from rl_replay.config import LossConfig
 from rl_replay.engine import GradientAccumulator
 from rl_replay.sequence import replay_sequence
@@ -33,20 +34,24 @@ class PolicyGradient(Algorithm):
     def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
         """The named loss terms (see :mod:`rl_replay.losses`) of a collected (T, N) rollout."""
 
+    def collect(self) -> Rollout:
+        """One rollout whose ``log_prob``, ``entropy`` and ``value`` are attached to autograd
+        through replay blocks (``rollout.accumulator`` holds them), by ``collector.block_steps``."""
+        block_steps = self.cfg.collector.block_steps
+        if block_steps == 1:
+            return self.collector.collect()
+        rollout = self.collector.collect(graph=False)
+        rollout.accumulator = GradientAccumulator()
+        # next_value stays the collection's (detached; the same numbers).
+        rollout.data.update(replay_sequence(
+            self.model, self.collector.policy, rollout.data, rollout.start_state, rollout.accumulator,
+            self.collector.bptt_truncate, block_steps=block_steps))
+        return rollout
+
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
-        block_steps = self.cfg.collector.block_steps
-        if block_steps > 1:
-            rollout = self.collector.collect(graph=False)
-            acc = GradientAccumulator()
-            # next_value stays the collection's (detached; the same numbers).
-            rollout.data.update(replay_sequence(
-                self.model, self.collector.policy, rollout.data, rollout.start_state, acc,
-                self.collector.bptt_truncate, block_steps=block_steps))
-            rollout.accumulator = acc
-        else:
-            rollout = self.collector.collect()
-            acc = rollout.accumulator
+        rollout = self.collect()
+        acc = rollout.accumulator
         t1 = time.perf_counter()
         terms = self.loss(rollout.data, self.cfg.loss)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
