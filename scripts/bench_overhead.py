@@ -22,6 +22,7 @@ plain and replay are compared (bit-identical expected). Times are medians over
     python scripts/bench_overhead.py --all --block-steps 1 16   # one-step and 16-step blocks
     python scripts/bench_overhead.py --all --block-steps 1 16 --device cuda   # on a GPU (scripts/gpu_check.sh)
     python scripts/bench_overhead.py --block-steps 1 16 --compile   # the agent under torch.compile (inductor)
+    python scripts/bench_overhead.py --all --bare         # next to a bare Function: the design's own floor
 
 ``--compile`` wraps the agent in ``torch.compile(agent, dynamic=False)`` for all three loops (the
 parity run compiles it, before any timing), so plain and replay are compared on the same
@@ -138,6 +139,56 @@ def run_replay_steps(agent, obs, B, k):
     total.backward()
 
 
+class _BareBlock(torch.autograd.Function):
+    """The least a replay block can be (``--bare``): the model run without a graph, its inputs
+    kept as they are, recomputed with grad and back-propagated in one nested backward. No
+    slabs, no RNG or autocast replay, no version checks, no accumulator: a reference for how
+    much of replay's cost per block is the design (a custom Function and a nested backward
+    per block) rather than the engine's checks and bookkeeping. Not exact for dropout."""
+
+    @staticmethod
+    def forward(ctx, agent, state_keys, out_keys, anchor, observation, is_first, *state):
+        ctx.agent, ctx.state_keys, ctx.out_keys = agent, state_keys, out_keys
+        ctx.save_for_backward(observation, is_first, *state)
+        out = agent(observation=observation, is_first=is_first,
+                    state=TensorDict(dict(zip(state_keys, state)), batch_size=[observation.shape[0]]))
+        if not out_keys:
+            out_keys.extend(out.keys(include_nested=True, leaves_only=True))
+        return tuple(out.get(k) for k in out_keys)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        observation, is_first, *state = ctx.saved_tensors
+        state = [t.detach().requires_grad_(True) for t in state]
+        with torch.enable_grad():
+            out = ctx.agent(observation=observation, is_first=is_first,
+                            state=TensorDict(dict(zip(ctx.state_keys, state)), batch_size=[observation.shape[0]]))
+        pairs = [(out.get(k), g) for k, g in zip(ctx.out_keys, grads) if g is not None]
+        pairs = [(o, g) for o, g in pairs if o.requires_grad]
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, None, None, None, None, *[t.grad for t in state])
+
+
+def run_bare(agent, obs, B):
+    """The public loop's work through :class:`_BareBlock` instead of ``rl_replay.replay``."""
+    dev = _device(obs)
+    state = agent.initial_state(B, dev)
+    state_keys = list(state.keys())
+    is_first = torch.zeros(B, dtype=torch.bool, device=dev)
+    anchor = torch.empty(0, device=dev, requires_grad=True)
+    out_keys: list = []
+    total = 0.0
+    for o in obs:
+        leaves = _BareBlock.apply(agent, state_keys, out_keys, anchor, o, is_first,
+                                  *[state.get(k) for k in state_keys])
+        out = TensorDict({}, batch_size=[B])
+        for k, v in zip(out_keys, leaves):
+            out.set(k, v)
+        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
+        state = out["state"]
+    total.backward()
+
+
 @torch.no_grad()
 def run_nograd(agent, obs, B):
     dev = _device(obs)
@@ -152,7 +203,7 @@ def grads(agent):
 
 
 def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1,
-            device: str = "cpu", compile: bool = False) -> dict:
+            device: str = "cpu", compile: bool = False, bare: bool = False) -> dict:
     module, convert, space = build(config, tuple(overrides), device)
     # The compiled wrapper shares the module's parameters; gradients are read from the module.
     agent = torch.compile(module, dynamic=False) if compile else module
@@ -168,9 +219,17 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     agent.zero_grad(set_to_none=True)
     identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                     for a, b in zip(g_plain, g_replay))
-    times = {"plain": [], "replay": [], "nograd": []}
+    loops = [("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)]
+    if bare:
+        run_bare(agent, obs, B)  # warm-up
+        g_bare = grads(module)
+        agent.zero_grad(set_to_none=True)
+        bare_identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                             for a, b in zip(g_plain, g_bare))
+        loops.append(("bare", run_bare))
+    times = {name: [] for name, _ in loops}
     for _ in range(repeats):
-        for name, fn in (("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)):
+        for name, fn in loops:
             sync()
             t0 = time.perf_counter()
             fn(agent, obs, B)
@@ -180,7 +239,11 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     ms = {k: 1e3 * statistics.median(v) / T for k, v in times.items()}
     ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
-    return {
+    extra = {}
+    if bare:
+        extra = {"bare_ms_per_step": ms["bare"], "bare_identical_grads": bare_identical,
+                 "bare_over_plain": statistics.median(b / p for b, p in zip(times["bare"], times["plain"]))}
+    return {**extra,
         "config": config, "device": device, "compiled": compile, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
         "identical_grads": identical,
         "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
@@ -189,6 +252,17 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
         "floor_over_plain": (ms["plain"] + ms["nograd"]) / ms["plain"],
         "overhead_ms_per_block": statistics.median(overheads),
     }
+
+
+def bare_table(rows: list[dict], labels: list[str]) -> str:
+    """``--bare``: replay next to the least a replay block can be, both against plain autograd."""
+    lines = ["| agent | T | batch | plain ms/step | bare Function ms/step | replay ms/step | bare / plain | "
+             "replay / plain | floor / plain |", "|---|---|---|---|---|---|---|---|---|"]
+    for label, r in zip(labels, rows):
+        lines.append(f"| {label} | {r['T']} | {r['batch']} | {r['plain_ms_per_step']:.3f} | {r['bare_ms_per_step']:.3f} | "
+                     f"{r['replay_ms_per_step']:.3f} | {r['bare_over_plain']:.2f}x | {r['replay_over_plain']:.2f}x | "
+                     f"{r['floor_over_plain']:.2f}x |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict], labels: list[str]) -> str:
@@ -216,6 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--block-steps", type=int, nargs="+", default=[1],
                     help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)")
     ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
+    ap.add_argument("--bare", action="store_true",
+                    help="also time a bare replay Function (no checks, no slabs, one nested backward per block): "
+                         "what the design itself costs per one-step block")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. agent.kwargs.hidden_size=64")
     args = ap.parse_args(argv)
@@ -235,9 +312,13 @@ def main(argv=None) -> int:
             overrides.append("agent.target=lstm")
         for k in args.block_steps:
             rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k, device=args.device,
-                                compile=args.compile))
+                                compile=args.compile, bare=args.bare and k == 1))
             labels.append(label)
     print(json.dumps(rows, indent=1) if args.json else table(rows, labels))
+    bare_rows = [(r, label) for r, label in zip(rows, labels) if "bare_ms_per_step" in r]
+    if bare_rows and not args.json:
+        print()
+        print(bare_table([r for r, _ in bare_rows], [label for _, label in bare_rows]))
     return 0 if all(r["identical_grads"] for r in rows) else 1
 
 

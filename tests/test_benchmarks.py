@@ -148,3 +148,15 @@ def test_bench_soak_records_rss_and_slopes(tmp_path):
     result = json.loads((tmp_path / "s.json").read_text())
     assert [s["update"] for s in result["samples"]] == [1, 10, 20, 30, 40]
     assert all(s["rss_kib"] > 0 for s in result["samples"])
+
+
+def test_bench_overhead_bare_function_row():
+    # The bare Function (no checks, no slabs) computes the same gradients on a deterministic
+    # agent, so its row measures the same work; replay's own check is in identical_grads.
+    out = run_script("bench_overhead.py", "--config", "configs/memory_gru.yaml", "--T", "6", "--batch", "2",
+                     "--repeats", "1", "--bare", "--block-steps", "1", "3", "--json")
+    rows = json.loads(out[out.index("["):])
+    assert [r["block_steps"] for r in rows] == [1, 3]
+    assert all(r["identical_grads"] for r in rows)
+    assert rows[0]["bare_identical_grads"] and rows[0]["bare_ms_per_step"] > 0 and rows[0]["bare_over_plain"] > 0
+    assert "bare_ms_per_step" not in rows[1]  # the bare Function is a one-step block
