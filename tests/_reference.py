@@ -52,7 +52,7 @@ def plain_batched(agent, data: TensorDict, block_steps: int) -> TensorDict:
     for start in range(0, T, block_steps):
         obs = data["observation"][start:start + block_steps]
         k = obs.shape[0]
-        out = agent(observation=obs.reshape(k * n, *obs.shape[2:]), state=agent.initial_state(k * n),
+        out = agent(observation=obs.flatten(0, 1), state=agent.initial_state(k * n),
                     is_first=data["is_first"][start:start + block_steps].reshape(k * n))
         chunks.append(out.exclude("state").reshape(k, n))
     heads = torch.cat(chunks)

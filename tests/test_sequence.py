@@ -91,6 +91,29 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
     assert_grads_match(got, want, f"sequence-{name}", rtol=0, atol=0)
 
 
+def test_stateless_blocks_take_dict_observations():
+    # A Dict observation (a TensorDict per row) is flattened to k * n rows the same way.
+    space = gym.spaces.Dict({"pos": gym.spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32),
+                             "flag": gym.spaces.Discrete(3)})
+    torch.manual_seed(0)
+    agent = MLPAgent(space, ACT, hidden_sizes=(8,))
+    g = torch.Generator().manual_seed(1)
+    observation = TensorDict(pos=torch.randn(T, N, 2, generator=g),
+                             flag=torch.nn.functional.one_hot(torch.randint(0, 3, (T, N), generator=g), 3).float(),
+                             batch_size=[T, N])
+    data = TensorDict(observation=observation, is_first=torch.zeros(T, N, dtype=torch.bool),
+                      action=torch.randint(0, 3, (T, N), generator=g), batch_size=[T, N])
+    acc = GradientAccumulator()
+    got = replay_sequence(agent, agent, data, agent.initial_state(N), acc, None, 5)
+    (got["log_prob"].sum() + got["value"].sum()).backward()
+    replayed = {n: p.grad.clone() for n, p in agent.named_parameters()}
+    agent.zero_grad(set_to_none=True)
+    want = plain_batched(agent, data, 5)
+    (want["log_prob"].sum() + want["value"].sum()).backward()
+    assert acc.num_blocks == 3 and torch.equal(got["log_prob"].detach(), want["log_prob"].detach())
+    assert all(torch.equal(replayed[n], p.grad) for n, p in agent.named_parameters())
+
+
 def test_bptt_truncate_cuts_the_gradient_to_earlier_rows():
     torch.manual_seed(0)
     agent = AGENTS["gru"]()
