@@ -94,21 +94,32 @@ def grid_cnn(in_channels: int, channels: Sequence[int] = (16, 32, 64)) -> nn.Seq
 ENCODERS = {"nature_cnn": nature_cnn, "impala_cnn": impala_cnn, "grid_cnn": grid_cnn}
 
 
-def image_layout(shape: Sequence[int]) -> tuple[str, tuple[int, int, int]]:
+def image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, tuple[int, int, int]]:
     """How an image of ``shape`` becomes ``(C, H, W)``: ``(layout, (C, H, W))`` with layout
-    ``"hw"``, ``"hwc"``, ``"chw"`` or ``"shwc"``; SetupError for other ranks."""
+    ``"hw"``, ``"hwc"``, ``"chw"`` or ``"shwc"``; SetupError for other ranks.
+
+    A rank-3 image is ``(C, H, W)`` when its first dimension is the smaller of the outer two
+    (a stack of grayscale frames), else ``(H, W, C)``; ``layout`` (``"hwc"`` or ``"chw"``)
+    overrides that guess, e.g. for MiniGrid's one-hot views ``(7, 7, 20)``, channel-last with
+    more channels than pixels a side."""
     shape = tuple(int(s) for s in shape)
+    if layout is not None and (layout not in ("hwc", "chw") or len(shape) != 3):
+        raise SetupError(f"encoder image_layout {layout!r} needs a rank-3 image and one of 'hwc' (channel-last) "
+                         f"or 'chw' (channel-first); the image has shape {shape}.")
     if len(shape) == 2:
         return "hw", (1, *shape)
     if len(shape) == 3:
-        if shape[0] < shape[-1]:  # (stack, H, W): FrameStackObservation of grayscale frames
-            return "chw", shape
+        if layout == "chw" or (layout is None and shape[0] < shape[-1]):
+            return "chw", shape  # (stack, H, W): FrameStackObservation of grayscale frames
         return "hwc", (shape[2], shape[0], shape[1])
     if len(shape) == 4:
         s, h, w, c = shape
         return "shwc", (s * c, h, w)
     raise SetupError(f"an image observation must have 2 to 4 dimensions ((H, W), (H, W, C), (C, H, W) or "
                      f"(S, H, W, C)), got shape {shape}.")
+
+
+_layout = image_layout  # ConvEncoder's argument of that name shadows it
 
 
 def _is_image(space: gym.Space) -> bool:
@@ -145,6 +156,8 @@ class ConvEncoder(nn.Module):
         image_scale: multiplies the image; None: ``1/255`` for a uint8 image, 1 otherwise.
             MiniGrid's uint8 views hold small object, colour and state indices (0-10), for
             which 1 (or 0.1) suits better than ``1/255``.
+        image_layout: ``"hwc"`` or ``"chw"`` for a rank-3 image whose layout the shape does
+            not tell (see :func:`image_layout`); None: guessed from the shape.
 
     Attributes:
         out_features: width of the output.
@@ -152,12 +165,12 @@ class ConvEncoder(nn.Module):
 
     def __init__(self, observation_space: gym.Space, name: str, sizes: Sequence[int], activation: type[nn.Module],
                  channels: Sequence[int] | None = None, image_key: str | None = None,
-                 image_scale: float | None = None):
+                 image_scale: float | None = None, image_layout: str | None = None):
         super().__init__()
         if name not in ENCODERS:
             raise SetupError(f"encoder must be mlp or one of {sorted(ENCODERS)}, got {name!r}.")
         self.image_key, image_space, vector_space = self._split(observation_space, image_key)
-        self.layout, (c, h, w) = image_layout(image_space.shape)
+        self.layout, (c, h, w) = _layout(image_space.shape, image_layout)
         if image_scale is None:
             image_scale = 1.0 / 255.0 if image_space.dtype == np.uint8 else 1.0
         if not (isinstance(image_scale, (int, float)) and math.isfinite(image_scale) and image_scale > 0):

@@ -138,6 +138,25 @@ def test_image_layouts(shape, layout, chw):
     assert image_layout(shape) == (layout, chw)
 
 
+def test_image_layout_override_for_channel_last_views_with_many_channels():
+    # MiniGrid's one-hot view (OneHotPartialObsWrapper) is (7, 7, 20): channel-last, which the
+    # shape alone would read as 7 stacked 7x20 frames.
+    assert image_layout((7, 7, 20)) == ("chw", (7, 7, 20))
+    assert image_layout((7, 7, 20), "hwc") == ("hwc", (20, 7, 7))
+    assert image_layout((84, 84, 3), "chw") == ("chw", (84, 84, 3))
+    space = gym.spaces.Box(0, 1, (7, 7, 20), np.uint8)
+    encoder = ConvEncoder(space, "grid_cnn", [], torch.nn.ReLU, image_scale=1.0, image_layout="hwc")
+    assert encoder.convs[0].in_channels == 20
+    frame = torch.zeros(2, 7, 7, 20, dtype=torch.uint8)
+    frame[0, 3, 6, 5] = 1  # one channel of one cell set: a different output than all zeros
+    out = encoder(frame)
+    assert out.shape == (2, encoder.out_features) and not torch.equal(out[0], out[1])
+    for bad_shape, bad in (((7, 7, 20), "whc"), ((84, 84), "hwc"), ((2, 40, 40, 3), "chw")):
+        with pytest.raises(SetupError, match="image_layout"):
+            ConvEncoder(gym.spaces.Box(0, 255, bad_shape, np.uint8), "grid_cnn", [], torch.nn.ReLU,
+                        image_layout=bad)
+
+
 @pytest.mark.parametrize("shape", [(40, 40), (40, 40, 3), (4, 40, 40), (2, 40, 40, 3)])
 def test_encoder_converts_each_layout_to_channels_first(shape):
     """The encoder's convolutions see the frame as (N, C, H, W) floats in [0, 1]."""
