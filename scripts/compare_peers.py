@@ -29,8 +29,8 @@ Needs the optional extra: ``pip install -e ".[compare]"``. Examples::
         --total-env-steps 2000000 --out runs/peer_memory256
     python scripts/compare_peers.py --env popgym-RepeatPreviousEasy-v0 --total-env-steps 300000 \\
         --out runs/peer_repeatprevious      # POPGym ids need `pip install popgym`
-    python scripts/compare_peers.py --config configs/minigrid_memory_s7.yaml \
-        --policy MultiInputLstmPolicy --grid-cnn 0.1 --total-env-steps 2000000 --out runs/peer_s7
+    python scripts/compare_peers.py --config configs/minigrid_memory_s7.yaml --policy MultiInputLstmPolicy \\
+        --grid-cnn 1.0 --grid-cnn-layout hwc --total-env-steps 2500000 --out runs/peer_s7
 """
 
 from __future__ import annotations
@@ -100,12 +100,13 @@ def grid_cnn_extractor():
     from stable_baselines3.common.torch_layers import BaseFeaturesExtractor
 
     from rl_replay.agents.encoders import grid_cnn
+    from rl_replay.agents.encoders import image_layout as image_layout_of
 
     class GridCNN(BaseFeaturesExtractor):
         """``grid_cnn`` on the image (channel-first, as SB3's VecTransposeImage hands it over)
         times ``image_scale``, then the flattened other keys of a Dict observation."""
 
-        def __init__(self, observation_space, image_scale: float = 0.1):
+        def __init__(self, observation_space, image_scale: float = 0.1, image_layout: str | None = None):
             super().__init__(observation_space, features_dim=1)
             spaces = (dict(observation_space.spaces) if isinstance(observation_space, gymnasium.spaces.Dict)
                       else {None: observation_space})
@@ -115,13 +116,12 @@ def grid_cnn_extractor():
             self.image_key = images[0]
             self.other_keys = [k for k in spaces if k != self.image_key]
             self.image_scale = float(image_scale)
-            shape = spaces[self.image_key].shape
-            channel_first = shape[0] < shape[-1]
-            self.channel_last = not channel_first
-            c = shape[-1] if self.channel_last else shape[0]
+            # The image as SB3 hands it over: VecTransposeImage moves channels first only where
+            # its own guess says they are last, so the layout is read from the space it gives.
+            layout, (c, h, w) = image_layout_of(spaces[self.image_key].shape, image_layout)
+            self.channel_last = layout == "hwc"
             self.convs = grid_cnn(c)
             with torch.no_grad():
-                h, w = (shape[0], shape[1]) if self.channel_last else (shape[1], shape[2])
                 conv_dim = self.convs(torch.zeros(1, c, h, w)).flatten(1).shape[1]
             self._features_dim = conv_dim + sum(get_flattened_obs_dim(spaces[k]) for k in self.other_keys)
 
@@ -196,6 +196,9 @@ def main(argv=None) -> int:
                         help="RecurrentPPO policy: MlpLstmPolicy, CnnLstmPolicy or MultiInputLstmPolicy")
     parser.add_argument("--grid-cnn", type=float, default=None, metavar="SCALE",
                         help="the project's grid_cnn as features extractor, the image times SCALE")
+    parser.add_argument("--grid-cnn-layout", choices=("hwc", "chw"), default=None,
+                        help="the image layout the extractor receives where the shape does not tell "
+                             "(MiniGrid's one-hot (7, 7, 20) views: hwc)")
     parser.add_argument("--env-kwargs", default="", help="YAML mapping passed to gymnasium.make")
     parser.add_argument("--total-env-steps", type=int, required=True, help="env steps, all envs together")
     parser.add_argument("--num-envs", type=int, default=8)
@@ -236,7 +239,9 @@ def main(argv=None) -> int:
             parser.error(f"--grid-cnn SCALE must be positive, got {args.grid_cnn}")
         policy_kwargs = dict(algo_kwargs.pop("policy_kwargs", None) or {})
         policy_kwargs.update(features_extractor_class=grid_cnn_extractor(),
-                             features_extractor_kwargs={"image_scale": args.grid_cnn}, normalize_images=False)
+                             features_extractor_kwargs={"image_scale": args.grid_cnn,
+                                                        "image_layout": args.grid_cnn_layout},
+                             normalize_images=False)
         algo_kwargs["policy_kwargs"] = policy_kwargs
 
     torch.set_num_threads(args.threads)
@@ -246,6 +251,7 @@ def main(argv=None) -> int:
     algo_kwargs.pop("policy_kwargs", None)
     settings = {"peer": "sb3_contrib.RecurrentPPO", "policy": args.policy, "env": env_name,
                 "config": args.config, "grid_cnn_image_scale": args.grid_cnn,
+                "grid_cnn_layout": args.grid_cnn_layout,
                 "env_kwargs": env_kwargs, "num_envs": args.num_envs, "total_env_steps": args.total_env_steps,
                 "seed": args.seed, "algo_kwargs": algo_kwargs, "n_steps": model.n_steps,
                 "observation_space": str(vec_env.observation_space)}

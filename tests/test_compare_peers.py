@@ -73,10 +73,10 @@ def test_config_env_with_the_grid_cnn_extractor(tmp_path):
     pytest.importorskip("minigrid")
     out = tmp_path / "grid"
     proc = run("--config", "configs/minigrid_memory_s7.yaml", "--policy", "MultiInputLstmPolicy",
-               "--grid-cnn", "0.1", "--total-env-steps", "64", "--out", str(out), *TINY)
+               "--grid-cnn", "1.0", "--grid-cnn-layout", "hwc", "--total-env-steps", "64", "--out", str(out), *TINY)
     assert proc.returncode == 0, proc.stderr
     settings = json.loads((out / "peer.json").read_text())
-    assert settings["env"] == "MiniGrid-MemoryS7-v0" and settings["grid_cnn_image_scale"] == 0.1
+    assert settings["env"] == "MiniGrid-MemoryS7-v0" and settings["grid_cnn_image_scale"] == 1.0 and settings["grid_cnn_layout"] == "hwc"
     assert "'image'" in settings["observation_space"] and "mission" not in settings["observation_space"]
     assert read_metrics(out)[-1]["env_steps"] == 64
     bad = run("--config", "configs/minigrid_memory_s7.yaml", "--grid-cnn", "0", "--total-env-steps", "8",
