@@ -185,7 +185,8 @@ def run_bare(agent, obs, B):
         for k, v in zip(out_keys, leaves):
             out.set(k, v)
         total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
-        state = out["state"]
+        if state_keys:  # a stateless agent's empty state has no leaf to carry
+            state = out["state"]
     total.backward()
 
 

@@ -150,10 +150,11 @@ def test_bench_soak_records_rss_and_slopes(tmp_path):
     assert all(s["rss_kib"] > 0 for s in result["samples"])
 
 
-def test_bench_overhead_bare_function_row():
+@pytest.mark.parametrize("config", ["configs/memory_gru.yaml", "configs/default.yaml"])  # GRU; stateless MLP
+def test_bench_overhead_bare_function_row(config):
     # The bare Function (no checks, no slabs) computes the same gradients on a deterministic
     # agent, so its row measures the same work; replay's own check is in identical_grads.
-    out = run_script("bench_overhead.py", "--config", "configs/memory_gru.yaml", "--T", "6", "--batch", "2",
+    out = run_script("bench_overhead.py", "--config", config, "--T", "6", "--batch", "2",
                      "--repeats", "1", "--bare", "--block-steps", "1", "3", "--json")
     rows = json.loads(out[out.index("["):])
     assert [r["block_steps"] for r in rows] == [1, 3]
