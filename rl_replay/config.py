@@ -106,7 +106,7 @@ class CollectorConfig:
     block's k steps as one batched call). The same gradients for a recurrent agent whose
     forward draws no random numbers; with dropout the loss sees other masks than the ones
     that sampled the actions (use 1 for exactly on-policy dropout). 16: the default CartPole
-    trainer at 0.85x the batched no-grad + recompute recipe's env steps/s (1: 0.42x;
+    trainer at 0.85x the batched no-grad + recompute recipe's env steps/s (1: 0.44x;
     docs/benchmarks.md). Under FSDP a recurrent agent's steps are recomputed once more: use 1"""
 
 
