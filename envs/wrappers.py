@@ -41,9 +41,8 @@ class ActionSubset(gym.ActionWrapper):
             raise ValueError(f"ActionSubset needs a Discrete action space, got {space}")
         actions = list(actions)
         valid = range(int(space.start), int(space.start + space.n))
-        if (not actions or len(set(actions)) != len(actions)
-                or not all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) and a in valid
-                           for a in actions)):
+        integers = all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in actions)
+        if not (actions and integers and len(set(actions)) == len(actions) and all(a in valid for a in actions)):
             raise ValueError(f"ActionSubset actions must be distinct integers of the env's action space "
                              f"{space} (from {valid.start} to {valid.stop - 1}), got {actions}")
         self.actions = np.asarray(actions, dtype=np.int64)

@@ -26,7 +26,7 @@ def test_action_subset_steps_the_listed_actions():
     assert env.action(np.int64(0)) == 3 and env.action(np.array(1)) == 0
 
 
-@pytest.mark.parametrize("actions", [[], [0, 0], [4], [-1], [1.0], [True]])
+@pytest.mark.parametrize("actions", [[], [0, 0], [4], [-1], [1.0], [True], [[0, 1]]])
 def test_action_subset_refuses_actions_outside_the_space(actions):
     with pytest.raises(ValueError, match="distinct integers of the env's action space"):
         ActionSubset(PassiveTMazeEnv(corridor_length=4), actions=actions)
