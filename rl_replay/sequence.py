@@ -114,11 +114,7 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
             heads, state = replay_steps(model, accumulator, steps, state)
             state = truncate(state, stop - 1, bptt_truncate)
             blocks.append(heads)
-        heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-        del blocks
-        dist = policy.distribution(heads)
-        return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                          value=heads["value"], batch_size=[T, n])
+        return _sequence_outputs(policy, blocks, data)
     columns: dict = {}
     for t in range(T):
         inputs = block_inputs(observation[t], state, is_first[t], n)
@@ -128,9 +124,7 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
         del out
     heads = stack_heads(columns, T, n)
     del columns
-    dist = policy.distribution(heads)
-    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                      value=heads["value"], batch_size=[T, n])
+    return _sequence_outputs(policy, [heads], data)
 
 
 def _replay_stateless(model: torch.nn.Module, policy, data: TensorDict, accumulator: GradientAccumulator,
@@ -148,8 +142,14 @@ def _replay_stateless(model: torch.nn.Module, policy, data: TensorDict, accumula
                             is_first=is_first[start:stop].flatten(0, 1), batch_size=[k * n], device=None)
         out = replay(model, accumulator, inputs)
         blocks.append(out.exclude("state").unflatten(0, (k, n)))
+    return _sequence_outputs(policy, blocks, data)
+
+
+def _sequence_outputs(policy, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
+    """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked heads, in order:
+    one distribution over all T rows. Empties ``blocks``, so only ``heads`` holds them."""
     heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
-    del blocks
+    blocks.clear()
     dist = policy.distribution(heads)
     return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                      value=heads["value"], batch_size=[T, n])
+                      value=heads["value"], batch_size=data.batch_size)

@@ -204,7 +204,8 @@ def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extr
     assert set(g1) == set(g5) and all(g.abs().sum() > 0 for g in g1.values())
     for n in g1:
         assert torch.equal(g1[n], g5[n]), n
-    assert one.metrics == {**one.metrics, **{k: five.metrics[k] for k in one.metrics if k.startswith("train/")}}
+    losses = [{k: v for k, v in r.metrics.items() if k.startswith("train/")} for r in (one, five)]
+    assert losses[0] == losses[1] and losses[0]
     # Fewer blocks, so fewer saved bytes per step: the k steps' inputs and one start state.
     assert 0 < five.metrics["memory/replay_saved_bytes"] < one.metrics["memory/replay_saved_bytes"]
     assert one.rollout.accumulator.num_blocks == one.rollout.data.batch_size[0]
