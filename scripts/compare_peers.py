@@ -257,7 +257,14 @@ def main(argv=None) -> int:
                 "observation_space": str(vec_env.observation_space)}
     (out / "peer.json").write_text(json.dumps(settings, indent=1) + "\n")
     start = time.perf_counter()
-    model.learn(total_timesteps=args.total_env_steps, callback=build_callback(out / METRICS_NAME))
+    try:
+        model.learn(total_timesteps=args.total_env_steps, callback=build_callback(out / METRICS_NAME))
+    except KeyboardInterrupt:
+        # `timeout -s INT` is how a peer run gets a wall-clock budget: a stop, not a crash. The
+        # metrics file is line-buffered, so every finished iteration is already on disk.
+        print(f"compare_peers: stopped by SIGINT after {model.num_timesteps} env steps "
+              f"({time.perf_counter() - start:.1f} s); metrics so far in {out / METRICS_NAME}")
+        return 130
     print(f"compare_peers: {model.num_timesteps} env steps in {time.perf_counter() - start:.1f} s; "
           f"metrics in {out / METRICS_NAME}")
     return 0

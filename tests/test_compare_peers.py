@@ -56,6 +56,37 @@ def test_memory_cue_curve_in_trainer_format(tmp_path):
     assert len(read_metrics(out)) == 4
 
 
+def test_sigint_stops_cleanly_and_keeps_the_metrics(tmp_path):
+    """`timeout -s INT` is how a peer run gets its budget: exit 130 with a line, no traceback."""
+    pytest.importorskip("sb3_contrib")
+    import signal
+    import time
+
+    out = tmp_path / "peer"
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--env", "rl_replay/MemoryCue-v0",
+                             "--env-kwargs", "{delay: 4}", "--total-env-steps", "10000000",
+                             "--out", str(out), *TINY],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("no metrics rows within 120 s")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "stopped by SIGINT after" in stdout
+    rows = read_metrics(out)
+    assert len(rows) >= 2 and [r["update"] for r in rows] == list(range(1, len(rows) + 1))
+
+
 def test_popgym_discrete_observations_are_one_hot(tmp_path):
     pytest.importorskip("sb3_contrib")
     pytest.importorskip("popgym")
