@@ -13,10 +13,14 @@
 #   2. tests/test_replay_cuda.py and tests/test_distributed_cuda.py (FSDP1 CPUOffload at
 #      world size 1, gradients against plain autograd);
 #   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
-#   4. scripts/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024;
-#   5. scripts/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead.
+#   4. scripts/bench_pixels.py --device cuda --epochs 1: the decisive pixel benchmark
+#      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
+#   5. scripts/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
+#   6. scripts/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
 # --dry-run does all of it without CUDA: the tests are only collected, training runs on
 # CPU (gloo, no offload) with a tiny budget, the benchmarks on CPU with tiny sizes.
+# The step limits add up to about 9 minutes, so that one device call holds the whole run;
+# the steps come in order of what they prove, so a run cut short keeps the most.
 # OUT defaults to $OUT if set, else ./gpu_check_out. PYTHON defaults to python3.
 # Exit status: 0 when every step passed, 1 otherwise (every step runs regardless).
 set -uo pipefail
@@ -99,7 +103,7 @@ TESTS=(tests/test_replay_cuda.py tests/test_distributed_cuda.py)
 if [ $DRY -eq 1 ]; then
     step "cuda tests (collected only)" 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}"
 else
-    step "cuda tests" 300 "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
+    step "cuda tests" 150 "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
 fi
 TEST_LINE="$(grep -E '^[0-9]+ (passed|failed|skipped|error)|[0-9]+ tests? collected| passed| failed' "$LOG" | tail -1)"
 
@@ -110,12 +114,12 @@ TRAIN=(-m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py
 if [ $DRY -eq 1 ]; then
     step "train (CPU, gloo)" 180 "$PY" "${TRAIN[@]}" device=cpu distributed.backend=gloo total_env_steps=256
 else
-    step "train (CUDA, FSDP1 + CPUOffload)" 240 "$PY" "${TRAIN[@]}" device=cuda \
+    step "train (CUDA, FSDP1 + CPUOffload)" 100 "$PY" "${TRAIN[@]}" device=cuda \
         distributed.backend=nccl distributed.cpu_offload=true total_env_steps=2048
 fi
 TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
 
-# 4. memory benchmark --------------------------------------------------------------------
+# the results file: its head now, each benchmark appends its section -------------------------
 {
     echo "# gpu_check results ($(date -u +%Y-%m-%dT%H:%MZ)$([ $DRY -eq 1 ] && echo ", DRY RUN on CPU"))"
     echo
@@ -125,13 +129,17 @@ TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
     echo "- training run: ${TRAIN_LINE:-no summary line}"
     echo
 } > "$RESULTS"
-BENCH=(scripts/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
+# 4. the pixel benchmark (one epoch: an update's peak memory is one minibatch's) -----------
+export PIXELS_MD="$OUTDIR/bench_pixels.txt"
+PIXELS=(bash -c 'set -o pipefail; "$0" scripts/bench_pixels.py "$@" | tee "$PIXELS_MD"' "$PY")
 if [ $DRY -eq 1 ]; then
-    step "bench_memory (CPU, tiny)" 180 "$PY" "${BENCH[@]}" --device cpu --policy tiny_gru \
-        --T 8 --methods plain rl_replay --reps 0
+    step "bench_pixels (CPU, smoke)" 180 "${PIXELS[@]}" --smoke
 else
-    step "bench_memory (CUDA)" 300 "$PY" "${BENCH[@]}" --device cuda --policy gru mlp --T 256 1024 \
-        --reps 1 --max-config-seconds 40 --budget-seconds 280
+    step "bench_pixels (CUDA)" 150 "${PIXELS[@]}" --device cuda --T 512 2048 8192 --epochs 1 --timeout 60
+fi
+if [ -s "$PIXELS_MD" ]; then
+    { echo; echo "Pixel PPO update (scripts/bench_pixels.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
+      echo; echo '```'; cat "$PIXELS_MD"; echo '```'; } >> "$RESULTS"
 fi
 # 5. per-block overhead of replay against plain autograd ------------------------------------
 export OVERHEAD_MD="$OUTDIR/bench_overhead.md"
@@ -140,11 +148,20 @@ OVERHEAD=(bash -c 'set -o pipefail; "$0" scripts/bench_overhead.py "$@" | tee "$
 if [ $DRY -eq 1 ]; then
     step "bench_overhead (CPU, tiny)" 120 "${OVERHEAD[@]}" --device cpu --T 8 --repeats 1 --block-steps 1 4
 else
-    step "bench_overhead (CUDA)" 300 "${OVERHEAD[@]}" --device cuda --all --block-steps 1 16 --repeats 3
+    step "bench_overhead (CUDA)" 90 "${OVERHEAD[@]}" --device cuda --all --block-steps 1 16 --repeats 3
 fi
 if [ -s "$OVERHEAD_MD" ]; then
     { echo; echo "Per-block overhead (scripts/bench_overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
       echo; cat "$OVERHEAD_MD"; } >> "$RESULTS"
+fi
+# 6. memory benchmark (older table: GRU and deep MLP) -------------------------------------
+BENCH=(scripts/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
+if [ $DRY -eq 1 ]; then
+    step "bench_memory (CPU, tiny)" 180 "$PY" "${BENCH[@]}" --device cpu --policy tiny_gru \
+        --T 8 --methods plain rl_replay --reps 0
+else
+    step "bench_memory (CUDA)" 90 "$PY" "${BENCH[@]}" --device cuda --policy gru mlp --T 256 1024 \
+        --reps 1 --max-config-seconds 30 --budget-seconds 75
 fi
 {
     echo
