@@ -62,7 +62,10 @@ def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, par
     """
     scalars = [t.detach().float().reshape(()) for t in terms.values()
                if isinstance(t, torch.Tensor) and t.numel() == 1]
-    finite = bool(torch.isfinite(torch.stack([*scalars, grad_norm.detach().float().reshape(())])).all())
+    # Under FSDP with CPUOffload the loss terms live on the GPU while the gradients, and so
+    # the clipped norm, live on the host: bring the norm to the terms' device (one sync).
+    norm = grad_norm.detach().float().reshape(())
+    finite = bool(torch.isfinite(torch.stack([*scalars, norm.to(scalars[0].device) if scalars else norm])).all())
     bad = any_rank(not finite)
     if not bad:
         return True
