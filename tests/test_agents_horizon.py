@@ -43,6 +43,9 @@ AGENTS = {
     # configs/memory_1024_fast.yaml's layout: no encoder, the recurrence reads the observation.
     "lru-no-encoder": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,),
                                        r_min=0.99, r_max=0.9999, max_phase=0.0),
+    # configs/memory_4096.yaml's layout: every unit slow, small B, no input normalisation.
+    "lru-4096": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,), r_min=0.9995,
+                                 r_max=0.99999, max_phase=0.0, input_scale=0.1, normalize=False),
 }
 
 
@@ -199,6 +202,26 @@ def test_lru_input_scale_scales_the_initial_write():
     assert not out["state"]["x"].any()
     out["value"].sum().backward()
     assert zero.B.grad is not None and zero.B.grad.abs().sum() > 0
+
+
+def test_lru_normalisation_shrinks_a_slow_units_write_by_sqrt_one_minus_lambda_squared():
+    # Why configs/memory_4096.yaml turns it off: with |lambda| near 1 the normalised write of the
+    # cue (and so the gradient back to it) is sqrt(1 - |lambda|^2) of the plain one, ~0.0045 at
+    # 0.99999; the delay itself writes nothing (zero observations, no encoder bias).
+    kwargs = dict(hidden_size=8, encoder_sizes=(), r_min=0.9995, r_max=0.99999, max_phase=0.0, input_scale=0.1)
+    torch.manual_seed(0)
+    normed = LRUAgent(OBS, ACT, normalize=True, **kwargs)
+    torch.manual_seed(0)
+    plain = LRUAgent(OBS, ACT, normalize=False, **kwargs)
+    torch.testing.assert_close(normed.B, plain.B)
+    cue = torch.randn(2, 5)
+    first = torch.ones(2, dtype=torch.bool)
+    x_normed = normed(observation=cue, state=normed.initial_state(2), is_first=first)["state"]["x"]
+    x_plain = plain(observation=cue, state=plain.initial_state(2), is_first=first)["state"]["x"]
+    modulus = normed.eigenvalues().abs().detach()
+    gamma = torch.sqrt(1 - modulus**2)
+    assert float(gamma.max()) < 0.032  # |lambda| >= 0.9995 for every unit
+    torch.testing.assert_close(x_normed, x_plain * gamma, rtol=1e-4, atol=1e-7)
 
 
 def test_lru_gradient_to_a_past_input_is_lambda_to_the_power_of_the_delay():
