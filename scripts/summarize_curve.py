@@ -70,9 +70,10 @@ def windowed_curve(records: list[dict], key: str, window: int) -> tuple[list[int
     return xs, ys
 
 
-def plot(runs: list[str], out: str, key: str, threshold: float, window: int, title: str | None,
+def plot(runs: list[str], out: str, key: str, threshold: float | None, window: int, title: str | None,
          log_y: bool = False) -> None:
-    """One PNG: each run's windowed ``key`` against env steps, and the threshold line."""
+    """One PNG: each run's windowed ``key`` against env steps, and the threshold line (none if
+    ``threshold`` is None)."""
     try:
         import matplotlib
     except ImportError:
@@ -84,7 +85,8 @@ def plot(runs: list[str], out: str, key: str, threshold: float, window: int, tit
     for run in runs:
         xs, ys = windowed_curve(load(run), key, window)
         ax.plot(xs, ys, label=Path(run).name, linewidth=1.2)
-    ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold {threshold:g}")
+    if threshold is not None:
+        ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold {threshold:g}")
     if log_y:
         ax.set_yscale("log")  # e.g. horizon/grad_first_obs, which spans orders of magnitude
     ax.set_xlabel("env steps")
@@ -108,6 +110,9 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="OUT.png", help="also draw the curves into this PNG")
     parser.add_argument("--title", help="title of the --plot figure")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axis in the --plot figure")
+    parser.add_argument("--no-threshold-line", action="store_true",
+                        help="leave the threshold out of the --plot figure (a metric with no target, "
+                             "e.g. horizon/grad_first_obs)")
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
@@ -125,7 +130,8 @@ def main(argv=None) -> int:
     if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
         print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
     if args.plot:
-        plot(args.runs, args.plot, args.key, args.threshold, args.window, args.title, args.log_y)
+        plot(args.runs, args.plot, args.key, None if args.no_threshold_line else args.threshold, args.window,
+             args.title, args.log_y)
     return 0
 
 

@@ -45,7 +45,7 @@ AGENTS = {
                                        r_min=0.99, r_max=0.9999, max_phase=0.0),
     # configs/memory_4096.yaml's layout: every unit slow, small B, no input normalisation.
     "lru-4096": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,), r_min=0.9995,
-                                 r_max=0.99999, max_phase=0.0, input_scale=0.1, normalize=False),
+                                 r_max=0.99999, max_phase=0.0, input_scale=0.01, normalize=False),
 }
 
 

@@ -180,3 +180,7 @@ def test_summarize_curve_windowed_curve_and_plot(tmp_path):
     assert main([str(run), "--key", "k", "--window", "1", "--plot", str(out)]) == 0
     assert main([str(run), "--key", "k", "--window", "1", "--log-y", "--plot", str(log_out)]) == 0
     assert log_out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and log_out.read_bytes() != out.read_bytes()
+    # --no-threshold-line leaves the dashed line (and its legend entry) out: another picture.
+    bare_out = tmp_path / "curve_bare.png"
+    assert main([str(run), "--key", "k", "--window", "1", "--log-y", "--no-threshold-line", "--plot", str(bare_out)]) == 0
+    assert bare_out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and bare_out.read_bytes() != log_out.read_bytes()
