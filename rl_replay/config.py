@@ -242,6 +242,12 @@ class Config:
     keep_freed_memory: bool = True
     """let glibc keep freed memory for reuse (rl_replay.engine.keep_freed_memory): each replay block's
     gradient buffers are then not page-faulted in again; peak RSS stays at its maximum"""
+    init_from: str | None = None
+    """start the agent's weights from another run's checkpoint (its run directory, or a checkpoint
+    file): a warm start, e.g. a curriculum that continues a shorter task's agent on a longer one.
+    Only the weights are taken: optimizer, counters and RNG streams start fresh. The agent must be
+    the same (target, kwargs, observation and action spaces). A resumed run loads its own checkpoint
+    and ignores this"""
     env: EnvConfig = field(default_factory=EnvConfig)
     """environment"""
     agent: AgentConfig = field(default_factory=AgentConfig)

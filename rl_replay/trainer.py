@@ -25,13 +25,13 @@ from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
 from rl_replay.algorithms import make_algorithm
 from rl_replay.engine import keep_freed_memory
-from rl_replay.checkpoint import checkpoint_path, remove_stale_temporaries
+from rl_replay.checkpoint import checkpoint_path, load_checkpoint, load_latest, remove_stale_temporaries
 from rl_replay.collector import Collector
 from rl_replay.config import (Config, batch_size_per_rank, config_to_dict, load_config, num_updates,
                               save_config)
 from rl_replay.contract import check_agent
 from rl_replay.environment import make_vector_env
-from rl_replay.errors import RunWriteError, SetupError, TrainingInterrupted
+from rl_replay.errors import CheckpointError, RunWriteError, SetupError, TrainingInterrupted
 from rl_replay.horizon import episode_horizon
 from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
 from rl_replay.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
@@ -315,7 +315,9 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
             lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
             if not restart:
                 state, ckpt = _read_resume_state(cfg, resume, info)
-        trainer = _build_objects(cfg, info, device, lock, cleanup)
+        # A warm start's weights are read before anything is built or written: a bad path fails first.
+        init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
+        trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
         if state is not None:
             _load_resume_state(trainer, state, ckpt, resume)
         # Nothing has been written yet; from here on the run exists on disk.
@@ -402,11 +404,39 @@ def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str
     )
 
 
+def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
+    """The agent state dict of the checkpoint ``init_from`` names (a run directory or a file)."""
+    path = Path(source)
+    try:
+        state = load_latest(path)[0] if path.is_dir() else load_checkpoint(path)
+    except FileNotFoundError:
+        raise SetupError(f"init_from={source!r}: no checkpoint there. Give a run directory that holds "
+                         "checkpoint.pt, or the path of a checkpoint file.") from None
+    except CheckpointError as exc:
+        raise SetupError(f"init_from={source!r}: {exc}") from None
+    return state["agent"]
+
+
+def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a warm start's weights into the freshly built (still unwrapped) agent."""
+    try:
+        agent.load_state_dict(weights)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()
+        detail = " ".join(line.strip() for line in first[:3])
+        raise SetupError(
+            f"init_from={source!r}: its agent does not fit this run's agent ({detail}). A warm start "
+            "needs the same agent.target and agent.kwargs and the same observation and action spaces."
+        ) from None
+
+
 def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
-                   lock: RunLock | None, cleanup: contextlib.ExitStack) -> Trainer:
+                   lock: RunLock | None, cleanup: contextlib.ExitStack,
+                   init_weights: dict[str, torch.Tensor] | None = None) -> Trainer:
     """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk.
 
-    The envs are closed by ``cleanup`` if building fails.
+    ``init_weights`` (a warm start, ``cfg.init_from``) are loaded into the agent before FSDP
+    wraps it. The envs are closed by ``cleanup`` if building fails.
     """
     seed_everything(cfg.seed + 1000 * info.rank)
     with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
@@ -418,6 +448,8 @@ def _build_objects(cfg: Config, info: dist_utils.DistInfo, device: torch.device,
     cleanup.callback(envs.close)
     agent: Agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
                                envs.single_action_space).to(device)
+    if init_weights is not None:
+        _load_init_weights(agent, init_weights, cfg.init_from)
     num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
     model: torch.nn.Module = agent
     if info.distributed:

@@ -414,3 +414,53 @@ def test_eval_every_on_memory_cue_reports_success(tmp_path):
         assert r["eval/episode_length"] == 5
         assert round(r["eval/success_rate"] * 6, 6) == int(round(r["eval/success_rate"] * 6))
         assert r["eval/return_mean"] == pytest.approx(2 * r["eval/success_rate"] - 1)
+
+
+# ------------------------------------------------------------------ warm start (init_from)
+def _close(trainer):
+    trainer.logger.close()
+    trainer.collector.envs.close()
+
+
+def test_init_from_starts_the_agent_at_another_runs_weights_and_nothing_else(tmp_path):
+    build(tiny_cfg(tmp_path / "source", 3, "optim.anneal_lr=false")).train()
+    source = load_checkpoint(tmp_path / "source")
+    warm = build(tiny_cfg(tmp_path / "warm", 2, f"init_from={tmp_path / 'source'}", "seed=7"))
+    cold = build(tiny_cfg(tmp_path / "cold", 2, "seed=7"))
+    try:
+        weights = warm.model.state_dict()
+        assert weights.keys() == source["agent"].keys()
+        for k in weights:
+            assert torch.equal(weights[k], source["agent"][k]), f"{k} was not taken from the source run"
+        # Not the fresh initialisation, and nothing but the weights: counters and optimizer start at zero.
+        assert any(not torch.equal(weights[k], v) for k, v in cold.model.state_dict().items())
+        assert warm.update == 0 and warm.env_steps == 0 and warm.optimizer.state_dict()["state"] == {}
+    finally:
+        _close(warm)
+        _close(cold)
+    # A checkpoint file works as well as a run directory.
+    build(tiny_cfg(tmp_path / "from_file", 1, f"init_from={checkpoint_path(tmp_path / 'source')}")).train()
+
+
+def test_init_from_errors_name_the_source_and_write_nothing(tmp_path):
+    build(tiny_cfg(tmp_path / "source", 1)).train()
+    with pytest.raises(SetupError, match=r"init_from=.*nothing.*no checkpoint there"):
+        build(tiny_cfg(tmp_path / "a", 1, f"init_from={tmp_path / 'nothing'}"))
+    with pytest.raises(SetupError, match=r"init_from=.*source.*does not fit this run's agent.*agent\.kwargs"):
+        build(tiny_cfg(tmp_path / "b", 1, f"init_from={tmp_path / 'source'}",
+                       "agent.kwargs={hidden_sizes: [32, 32]}"))
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_a_resumed_warm_start_loads_its_own_checkpoint_not_the_source(tmp_path):
+    build(tiny_cfg(tmp_path / "source", 1)).train()
+    build(tiny_cfg(tmp_path / "warm", 2, f"init_from={tmp_path / 'source'}", "optim.anneal_lr=false")).train()
+    own = load_checkpoint(tmp_path / "warm")
+    checkpoint_path(tmp_path / "source").unlink()  # the source is gone: a resume must not need it
+    resumed = build(resume=tmp_path / "warm", overrides=(f"total_env_steps={3 * BATCH}",))
+    try:
+        assert resumed.update == 2
+        for k, v in resumed.model.state_dict().items():
+            assert torch.equal(v, own["agent"][k])
+    finally:
+        _close(resumed)
