@@ -42,7 +42,8 @@ def test_the_config_globs_find_the_shipped_configs():
     names = {p.name for p in MEMORY + POPGYM + TMAZE}
     assert {"memory_256.yaml", "memory_gru.yaml", "ppo_memory_256.yaml", "ppo_memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
             "popgym_repeat_first_medium.yaml", "popgym_count_recall_easy.yaml",
-            "popgym_repeat_previous_hard.yaml", "tmaze_passive_100.yaml", "tmaze_passive_1500.yaml"} <= names
+            "popgym_repeat_previous_hard.yaml", "tmaze_passive_100.yaml", "tmaze_passive_1500.yaml",
+            "tmaze_passive_4096.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", TMAZE, ids=lambda p: p.stem)
