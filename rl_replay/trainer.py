@@ -422,8 +422,7 @@ def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor],
     try:
         agent.load_state_dict(weights)
     except RuntimeError as exc:
-        first = str(exc).strip().splitlines()
-        detail = " ".join(line.strip() for line in first[:3])
+        detail = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3])
         raise SetupError(
             f"init_from={source!r}: its agent does not fit this run's agent ({detail}). A warm start "
             "needs the same agent.target and agent.kwargs and the same observation and action spaces."

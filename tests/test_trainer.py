@@ -418,7 +418,7 @@ def test_eval_every_on_memory_cue_reports_success(tmp_path):
 
 # ------------------------------------------------------------------ warm start (init_from)
 def _close(trainer):
-    trainer.logger.close()
+    trainer.close()  # logger and run-directory lock
     trainer.collector.envs.close()
 
 
