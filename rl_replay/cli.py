@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["train_main", "evaluate_main", "config_help"]
+__all__ = ["train_main", "evaluate_main", "convert_main", "config_help"]
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
 
@@ -127,6 +127,9 @@ def train_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=None, help=f"YAML config (default: configs/{DEFAULT_CONFIG.name})")
     parser.add_argument("--resume", default=None, metavar="RUN_DIR",
                         help="continue the run in RUN_DIR with its own config.yaml (overrides allowed)")
+    parser.add_argument("--trust-env-state", action="store_true",
+                        help="with --resume: unpickle the run's env_state.pkl even if it was not written by this "
+                             "user on this machine (a pickle can run any code: only for runs you trust)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value",
                         help="config overrides, e.g. optim.lr=3e-4 (see the keys below)")
     args = parser.parse_intermixed_args(argv)
@@ -139,6 +142,10 @@ def train_main(argv: list[str] | None = None) -> int:
               "cannot be combined with it: pass changes as key=value overrides, or drop --resume to "
               "start a new run from the config file.", file=sys.stderr)
         return 2
+    if args.trust_env_state and not args.resume:
+        print("error: --trust-env-state applies to --resume RUN_DIR only (a new run, or init_from=, reads "
+              "weights and unpickles nothing).", file=sys.stderr)
+        return 2
     if args.resume and any(_override_key(o) == "run_dir" for o in args.overrides):
         print(f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
               "start a new run elsewhere, drop --resume instead).", file=sys.stderr)
@@ -147,7 +154,8 @@ def train_main(argv: list[str] | None = None) -> int:
         from rl_replay.trainer import build
 
         if args.resume:
-            trainer = build(resume=args.resume, overrides=tuple(args.overrides))
+            trainer = build(resume=args.resume, overrides=tuple(args.overrides),
+                            trust_env_state=args.trust_env_state)
         else:
             if args.config and not Path(args.config).is_file():
                 raise FileNotFoundError(_missing_config(args.config))
@@ -238,7 +246,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             return 2
 
     from rl_replay.agent import build_agent
-    from rl_replay.checkpoint import load_checkpoint, non_finite_tensors
+    from rl_replay.checkpoint import load_agent_weights, load_checkpoint, non_finite_tensors, require
     from rl_replay.config import load_config
     from rl_replay.env_state import training_statistics
     from rl_replay.environment import make_vector_env
@@ -253,11 +261,13 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             import torch
 
             torch.set_num_threads(cfg.torch_threads)
-        state = load_checkpoint(run_dir)
+        state = load_checkpoint(run_dir)  # numbers only: runs nothing from the file
+        ckpt = run_dir / "checkpoint.pt"
+        require(state, ckpt, ("update", "env_steps"), "evaluation")
         bad = non_finite_tensors(state["agent"])
         if bad:
             raise SetupError(
-                f"checkpoint {run_dir / 'checkpoint.pt'} holds non-finite agent weights ({', '.join(bad[:4])}); "
+                f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
                 "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
             )
         probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
@@ -266,6 +276,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
                             probe.single_action_space)
         probe.close()
+        load_agent_weights(agent, state["agent"], ckpt)
         if args.wandb:
             from rl_replay.logger import wandb_preflight
 
@@ -273,9 +284,9 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     except (SetupError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    agent.load_state_dict(state["agent"])
-    collectors = state["collector"] if isinstance(state["collector"], list) else [state["collector"]]
-    env_statistics = training_statistics(collectors)  # NormalizeObservation's scale, as in training
+    collectors = state.get("collector")
+    valid = isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors)
+    env_statistics = training_statistics(collectors) if valid else None  # NormalizeObservation's scale, as in training
     if args.video:
         try:
             import moviepy  # noqa: F401
@@ -299,4 +310,30 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         mode = log_evaluation(run_dir, cfg, result, checkpoint=state, video_dir=args.video,
                               deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed)
         print(f"wandb: evaluation logged ({mode}) to project {cfg.log.wandb_project}", file=sys.stderr)
+    return 0
+
+
+def convert_main(argv: list[str] | None = None) -> int:
+    """``scripts/convert_checkpoint.py``: rewrite a legacy (pickled) checkpoint in the current format."""
+    parser = argparse.ArgumentParser(
+        description="Convert a checkpoint written before format 2 (a pickle) into format 2 (numbers that run no "
+                    "code when loaded, plus env_state.pkl signed with your key). Loading the old file unpickles "
+                    "it, which runs any code it names: do it only for files you trust, and say so with --trust.")
+    parser.add_argument("path", help="a run directory (its checkpoint.pt) or a checkpoint file")
+    parser.add_argument("--trust", action="store_true", help="I trust where this file came from; unpickle it")
+    args = parser.parse_args(argv)
+
+    from rl_replay import trust
+    from rl_replay.checkpoint import convert_legacy
+    from rl_replay.errors import SetupError
+
+    try:
+        path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())
+    except (SetupError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if kept is None:
+        print(f"{path} is already in the current format; nothing to do.")
+    else:
+        print(f"converted {path} (the original is kept as {kept}).")
     return 0

@@ -240,7 +240,10 @@ class Collector:
         """Everything needed to continue collection exactly (sync envs are pickled whole; the
         wrappers' running statistics are also kept as arrays, for evaluation and async envs)."""
         state: dict[str, Any] = {
-            "obs": self._obs, "state": None if self._state is None else self._state.to_dict(),
+            # Plain tensors and dicts only: checkpoints store no TensorDict objects.
+            "obs": self._obs.to_dict() if isinstance(self._obs, TensorDict) else self._obs,
+            "obs_is_tensordict": isinstance(self._obs, TensorDict),
+            "state": None if self._state is None else self._state.to_dict(),
             "is_first": self._is_first, "autoreset": self._autoreset.copy(),
             "ep_return": self._ep_return.copy(), "ep_length": self._ep_length.copy(),
             "envs": None, "env_statistics": vector_statistics(self.envs),
@@ -257,6 +260,9 @@ class Collector:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`. ``state["envs"]`` is unpickled: the caller decides
+        whether it may be (it sets ``envs`` None and ``fresh_envs`` to ``(why, what to do)``
+        when not)."""
         if state.get("envs") is not None:
             # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
             self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])
@@ -266,6 +272,12 @@ class Collector:
             if state.get("env_statistics"):
                 set_vector_statistics(self.envs, state["env_statistics"])
             self._reset(None)
+            if state.get("fresh_envs") is not None:  # the run layer would not unpickle them
+                why, fix = state["fresh_envs"]
+                warnings.warn(f"the checkpoint's environment state is not used ({why}): the resumed run keeps "
+                              "weights, optimizer and counters but starts fresh episodes with the saved wrapper "
+                              f"statistics, so it does not continue exactly; {fix}.", stacklevel=2)
+                return
             if isinstance(self.envs, gym.vector.SyncVectorEnv):
                 why, fix = "the envs could not be pickled", "make the env's wrappers picklable"
             else:
@@ -278,7 +290,10 @@ class Collector:
         def to(t):
             return None if t is None else t.to(self.device)
 
-        self._obs = to(state["obs"])
+        obs = state["obs"]
+        if state.get("obs_is_tensordict"):
+            obs = TensorDict(obs, batch_size=[self.num_envs])
+        self._obs = to(obs)
         self._state = (None if state["state"] is None
                        else TensorDict(state["state"], batch_size=[self.num_envs]).to(self.device))
         self._is_first = to(state["is_first"])

@@ -73,8 +73,9 @@ def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env]
     for i, spec in enumerate(specs):
         what = f"env.wrappers[{i}].target"
         wrapper = resolve(spec["target"], what)
-        if not callable(wrapper):
-            raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a wrapper class or function.")
+        # A config may come from someone else's run directory: call nothing but a wrapper class.
+        if not (isinstance(wrapper, type) and issubclass(wrapper, gym.Wrapper)):
+            raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a gymnasium.Wrapper subclass.")
         wrappers.append(functools.partial(wrapper, **dict(spec.get("kwargs") or {})))
     return wrappers
 

@@ -1,6 +1,7 @@
 """A trainer's checkpoint: one code path for single-process and FSDP1 runs.
 
-Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.checkpoint.save_checkpoint`):
+Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.checkpoint.save_checkpoint`:
+numbers and JSON only, nothing that runs code when read):
 
 =================  ==============================================================
 ``agent``          the full agent state dict with the original parameter names (under
@@ -8,18 +9,21 @@ Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.checkpoint.sa
                    ``scripts/evaluate.py RUN_DIR`` loads it into an unwrapped agent.
 ``optimizer``      ``optimizer.state_dict()`` in one process; under FSDP the full state
                    from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
-``collector``      list indexed by rank: each rank's collector state.
+``collector``      list indexed by rank: each rank's collector state, without its env
+                   pickle (that is in ``env_state.pkl``).
 ``rng``            list indexed by rank: :func:`~rl_replay.checkpoint.capture_rng`
                    (python, numpy, torch and, on CUDA, the CUDA generator).
 ``recent_returns`` list indexed by rank: each rank's recent episode returns.
-``update``, ``env_steps``, ``wandb_id``, ``config``
+``env_state``      sha256 of the ``env_state.pkl`` payload written with it (None: no env pickles).
+``update``, ``env_steps``, ``wandb_id``, ``config``, ``config_sha256``
 ``world_size``     number of processes that wrote it; a resume needs the same.
 =================  ==============================================================
 
 Saving is collective (every rank calls :func:`save_trainer`); rank 0 gathers and writes,
 then tells every rank whether the write succeeded, so no rank runs ahead of the file and
 a failed write fails every rank instead of hanging them. Resuming: each rank reads the
-file itself (:func:`read_trainer_state`), :func:`load_trainer` loads agent, optimizer and
+files itself (:func:`read_trainer_state`: the env pickles only if this user's MAC verifies,
+and every rank then agrees on using them or not), :func:`load_trainer` loads agent, optimizer and
 collector (FSDP through its full-state-dict loaders) and :func:`restore_trainer_rng` sets
 the RNG streams last.
 """
@@ -27,15 +31,21 @@ the RNG streams last.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rl_replay.checkpoint import capture_rng, checkpoint_path, load_latest, restore_rng, save_checkpoint
+from rl_replay import trust
+from rl_replay.checkpoint import (capture_rng, checkpoint_path, load_latest, non_finite_tensors, read_env_state,
+                                  require, restore_rng,
+                                  save_checkpoint, save_env_state)
 from rl_replay.config import config_to_dict
-from rl_replay.errors import SetupError
+from rl_replay.errors import CheckpointError, SetupError
 
 __all__ = ["save_trainer", "read_trainer_state", "load_trainer", "restore_trainer_rng", "check_world_size"]
 
@@ -130,19 +140,28 @@ def save_trainer(trainer) -> Path:
     error: BaseException | None = None
     if info.is_main:
         assert gathered is not None
+        collectors = [g["collector"] for g in gathered]
+        # What must stay a pickle goes to its own file, signed with this user's key.
+        pickles = [c.pop("envs", None) for c in collectors]
+        config = config_to_dict(trainer.cfg)
         payload = {
             "update": trainer.update,
             "env_steps": trainer.env_steps,
             "agent": agent_state,
             "optimizer": optim_state,
-            "collector": [g["collector"] for g in gathered],
+            "collector": collectors,
             "rng": [g["rng"] for g in gathered],
             "recent_returns": [g["recent_returns"] for g in gathered],
             "wandb_id": trainer.logger.wandb_id if trainer.logger is not None else None,
-            "config": config_to_dict(trainer.cfg),
+            "config": config,
+            "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
             "world_size": info.world_size,
+            "env_state": None,
         }
         try:
+            # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
+            if any(p is not None for p in pickles) and not non_finite_tensors(agent_state):
+                payload["env_state"] = save_env_state(pickles, trainer.run_dir, trust.user_secret())
             save_checkpoint(payload, path)
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
@@ -166,22 +185,48 @@ def check_world_size(state: dict[str, Any], world_size: int, where: str | Path) 
         )
 
 
-def _per_rank_lists(state: dict[str, Any]) -> dict[str, Any]:
-    """Older single-process files kept the per-rank entries unwrapped."""
-    if "world_size" not in state:
-        state = dict(state, world_size=1, collector=[state["collector"]], rng=[state["rng"]],
-                     recent_returns=[state["recent_returns"]])
-    return state
+# What each command needs of a checkpoint (checked before anything is built from it).
+RESUME_KEYS = ("update", "env_steps", "agent", "optimizer", "collector", "rng", "recent_returns",
+               "config", "world_size")
 
 
-def read_trainer_state(run_dir: str | Path, info) -> tuple[dict[str, Any], Path, str | None]:
-    """Each rank reads the run's latest readable checkpoint (on the CPU) and checks the world size.
+def read_trainer_state(run_dir: str | Path, info, *, trust_env_state: bool = False
+                       ) -> tuple[dict[str, Any], Path, str | None]:
+    """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
 
-    Returns ``(state, path, warning)`` as :func:`rl_replay.checkpoint.load_latest`.
+    The env pickles are put back into the collector states only where
+    :func:`rl_replay.checkpoint.read_env_state` gives them (this user's MAC, or
+    ``trust_env_state``), and only if every rank has them; otherwise each collector state says
+    why it starts fresh episodes. Returns ``(state, path, warning)`` as
+    :func:`rl_replay.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
+    env state).
     """
     state, path, warning = load_latest(run_dir)
-    state = _per_rank_lists(state)
+    require(state, path, RESUME_KEYS, "--resume")
     check_world_size(state, info.world_size, path)
+    for key in ("collector", "rng", "recent_returns"):
+        if not isinstance(state[key], list) or len(state[key]) != info.world_size:
+            raise CheckpointError(f"checkpoint {path} holds {key!r} for {len(state[key]) if isinstance(state[key], list) else 'no'} "
+                                  f"ranks, not one per rank of its world size {info.world_size}.")
+    if not all(isinstance(c, dict) for c in state["collector"]):
+        raise CheckpointError(f"checkpoint {path} holds a collector state that is not a table.")
+    digest = state.get("env_state")
+    found = read_env_state(run_dir, digest, trust.user_secret(), trust_file=trust_env_state) if digest else None
+    usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
+    if info.distributed:  # every rank resumes its envs, or none does
+        import torch.distributed as dist
+
+        flags: list[Any] = [None] * info.world_size
+        dist.all_gather_object(flags, usable)
+        usable = all(flags)
+    for rank, collector in enumerate(state["collector"]):
+        collector["envs"] = found.pickles[rank] if usable else None
+        if digest and not usable:
+            why = found.note if found and found.note else "another rank could not use its env state"
+            collector["fresh_envs"] = (why, "resume with --trust-env-state to unpickle it if you trust where it came "
+                                            "from (unpickling can run any code)")
+    if usable and found.note:
+        warning = f"{warning} {found.note}" if warning else found.note
     return state, path, warning
 
 

@@ -284,7 +284,7 @@ def _on_main(fn, info: dist_utils.DistInfo):
 
 
 def build(cfg: Config | None = None, *, resume: str | Path | None = None,
-          overrides: tuple[str, ...] = ()) -> Trainer:
+          overrides: tuple[str, ...] = (), trust_env_state: bool = False) -> Trainer:
     """Build a Trainer from a config, or resume the run in ``resume`` (its saved config).
 
     Everything that can be misconfigured is checked before anything is written: a fresh
@@ -293,6 +293,10 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
     first checkpoint restarts in place from update 0 (a warning says how many logged updates
     that redoes). A failure releases what was taken until then (the run directory's lock, the
     envs, the logger); the returned trainer holds them until :meth:`Trainer.close`.
+
+    A resume unpickles the checkpoint's environment state only if this user's MAC verifies it
+    (:mod:`rl_replay.trust`), or with ``trust_env_state``; otherwise it starts fresh episodes
+    and says why.
     """
     restart = False
     if resume is not None:
@@ -314,7 +318,7 @@ def build(cfg: Config | None = None, *, resume: str | Path | None = None,
             # Refuse a run that is still being written before reading anything.
             lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
             if not restart:
-                state, ckpt = _read_resume_state(cfg, resume, info)
+                state, ckpt = _read_resume_state(cfg, resume, info, trust_env_state)
         # A warm start's weights are read before anything is built or written: a bad path fails first.
         init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
         trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
@@ -354,9 +358,10 @@ def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None
     return lock
 
 
-def _read_resume_state(cfg: Config, resume: Path, info: dist_utils.DistInfo) -> tuple[dict[str, Any], Path]:
+def _read_resume_state(cfg: Config, resume: Path, info: dist_utils.DistInfo,
+                       trust_env_state: bool = False) -> tuple[dict[str, Any], Path]:
     """The checkpoint state to resume from and its path; refuses overrides it cannot honour."""
-    state, ckpt, warning = read_trainer_state(resume, info)
+    state, ckpt, warning = read_trainer_state(resume, info, trust_env_state=trust_env_state)
     if warning and info.is_main:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _check_resume_config(cfg, state["config"], resume)
@@ -408,7 +413,12 @@ def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
     """The agent state dict of the checkpoint ``init_from`` names (a run directory or a file)."""
     path = Path(source)
     try:
-        state = load_latest(path)[0] if path.is_dir() else load_checkpoint(path)
+        if path.is_dir():
+            state, _, warning = load_latest(path)
+            if warning:
+                print(f"warning: init_from={source!r}: {warning}", file=sys.stderr, flush=True)
+        else:
+            state = load_checkpoint(path)
     except FileNotFoundError:
         raise SetupError(f"init_from={source!r}: no checkpoint there. Give a run directory that holds "
                          "checkpoint.pt, or the path of a checkpoint file.") from None

@@ -24,7 +24,7 @@ import subprocess
 import sys
 import zipfile
 
-ROOTS = ["tensordict", "gymnasium", "wandb", "pyyaml", "tqdm", "psutil", "numpy",
+ROOTS = ["tensordict", "safetensors", "gymnasium", "wandb", "pyyaml", "tqdm", "psutil", "numpy",
          "pytest", "hypothesis"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64"]

@@ -8,11 +8,18 @@ run, so the numbers can be quoted.
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 import torch
+
+# The per-user secret that signs env-state files (rl_replay.trust): the tests, and the
+# processes they start, use one of their own instead of the account's ~/.config/rl_replay
+# (setdefault: a spawned worker that imports this module keeps its parent's).
+os.environ.setdefault("RL_REPLAY_CONFIG_DIR", tempfile.mkdtemp(prefix="rl_replay_test_config_"))
 
 # family -> {"abs": worst |actual - expected|, "rel": worst relative difference,
 #            "tensors": tensors compared, "checks": assert_grads_match calls}

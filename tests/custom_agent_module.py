@@ -28,3 +28,11 @@ class TinyAgent(Agent):
 
 class NotAnAgent(nn.Module):
     """Looks like a policy but does not subclass rl_replay.Agent."""
+
+
+MARKER = "/nonexistent/rl_replay_plant_marker"
+
+
+def plant_marker(*args, **kwargs):
+    """What a hostile config would name as a target: calling it leaves a file at MARKER."""
+    open(MARKER, "w").close()

@@ -161,3 +161,13 @@ def test_bench_overhead_bare_function_row(config):
     assert all(r["identical_grads"] for r in rows)
     assert rows[0]["bare_identical_grads"] and rows[0]["bare_ms_per_step"] > 0 and rows[0]["bare_over_plain"] > 0
     assert "bare_ms_per_step" not in rows[1]  # the bare Function is a one-step block
+
+
+def test_bench_checkpoint_reports_the_files_and_their_timings():
+    out = run_script("bench_checkpoint.py", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8",
+                     "total_env_steps=16")
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["files"]) == {"checkpoint.pt", "env_state.pkl"}
+    assert result["total_bytes"] == sum(result["files"].values()) > 0
+    assert 0 < result["save"]["min_s"] <= result["save"]["median_s"] <= result["save"]["max_s"]
+    assert 0 < result["load"]["min_s"] <= result["load"]["median_s"] <= result["load"]["max_s"]

@@ -1,7 +1,8 @@
 """rl_replay/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
 
-Covers the file format (a header with the payload's sha256 and size), verified loading and
-the one-line error for an empty, truncated, corrupt, unreadable or foreign file, the
+Covers the file format (a header with the payload's sha256 and size, then a safetensors
+file), verified loading and the one-line error for an empty, truncated, corrupt, unreadable,
+foreign or legacy (pickled) file, the
 fallback to ``checkpoint.prev.pt``, a failed write that leaves the old checkpoint and no
 temporary file, the refusal to save non-finite weights, the removal of stale temporaries,
 and RNG capture/restore of every stream.
@@ -70,9 +71,13 @@ def test_file_is_a_header_with_the_payloads_checksum_and_size_then_the_payload(t
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(payload, path)
     header, body = path.read_bytes().split(b"\n", 1)
-    match = re.fullmatch(rb"RLREPLAY-CHECKPOINT 1 sha256=([0-9a-f]{64}) size=(\d+)", header)
+    match = re.fullmatch(rb"RLREPLAY-CHECKPOINT 2 sha256=([0-9a-f]{64}) size=(\d+)", header)
     assert match, header
     assert match.group(1).decode() == hashlib.sha256(body).hexdigest() and int(match.group(2)) == len(body)
+    # The payload is a plain safetensors file: any safetensors reader gets the tensors.
+    from safetensors.torch import load
+
+    assert any(torch.equal(t, payload["agent"]["w"]) for t in load(body).values())
     state = load_checkpoint(tmp_path)  # a run directory: its checkpoint.pt
     assert state["update"] == 3 and state["nested"] == [1, (2, "x")]
     assert torch.equal(state["agent"]["w"], payload["agent"]["w"])
@@ -88,10 +93,12 @@ def test_other_names_keep_their_previous_file_beside_them(tmp_path):
 
 
 @pytest.mark.parametrize("data, message", [
-    (b"RLREPLAY-CHECKPOINT 1 sha256=abc\n" + b"x" * 10, r"is corrupt: its header is unreadable"),
-    (b"RLREPLAY-CHECKPOINT 1 sha256=abc size=ten\n", r"is corrupt: its header is unreadable"),
-    (b"not a checkpoint at all", r"cannot be read \(\w+: .+\)\.$"),
-], ids=["header_without_size", "size_not_a_number", "no_header_not_torch"])
+    (b"RLREPLAY-CHECKPOINT 2 sha256=abc\n" + b"x" * 10, r"is corrupt: its header is unreadable"),
+    (b"RLREPLAY-CHECKPOINT 2 sha256=abc size=ten\n", r"is corrupt: its header is unreadable"),
+    (b"RLREPLAY-CHECKPOINT 2 sha256=" + hashlib.sha256(b"junk").hexdigest().encode() + b" size=4\njunk",
+     r"cannot be read: not a stored tree \(\w+: .+\)\.$"),
+    (b"RLREPLAY-CHECKPOINT 9 sha256=abc size=1\nx", r"has format '9', which this version of rl_replay does not read"),
+], ids=["header_without_size", "size_not_a_number", "payload_not_safetensors", "future_format"])
 def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, data, message):
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(data)
@@ -101,15 +108,33 @@ def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, data, messag
     assert isinstance(info.value, SetupError)  # the scripts print it as one line, exit code 2
 
 
-def test_legacy_files_load_unverified_and_foreign_ones_are_refused(tmp_path):
+def test_legacy_pickles_are_refused_with_the_convert_command_and_foreign_files_are_refused(tmp_path):
     legacy = tmp_path / "legacy.pt"
     torch.save(_payload(4), legacy)  # a bare torch.save, from before the header
-    assert load_checkpoint(legacy)["update"] == 4
+    with pytest.raises(CheckpointError, match=rf"^checkpoint {re.escape(str(legacy))} is a bare torch.save file "
+                       r"\(no header\): a pickle, which can run any code when loaded, so it is not loaded\. If you "
+                       rf"trust where it came from, convert it: python scripts/convert_checkpoint\.py "
+                       rf"{re.escape(str(legacy))} --trust$"):
+        load_checkpoint(legacy)
+    headed = tmp_path / "v1.pt"
+    body = legacy.read_bytes()
+    headed.write_bytes(f"RLREPLAY-CHECKPOINT 1 sha256={hashlib.sha256(body).hexdigest()} size={len(body)}\n".encode()
+                       + body)
+    with pytest.raises(CheckpointError, match=r"is in the format-1 layout: a pickle, .* --trust$"):
+        load_checkpoint(headed)
     foreign = tmp_path / "foreign.pt"
-    save_checkpoint({"agent": {}}, foreign)
-    torch.save({"model": 1}, foreign)
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(foreign))} is not an rl_replay checkpoint\.$"):
+    save_checkpoint({"model": {"w": torch.zeros(1)}}, foreign)
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(foreign))} is not an rl_replay checkpoint "
+                                              r"\(it holds no agent weights\)\.$"):
         load_checkpoint(foreign)
+    save_checkpoint({"agent": {"w": "text"}}, foreign)
+    with pytest.raises(CheckpointError, match=r"its agent entries 'w' are not tensors"):
+        load_checkpoint(foreign)
+    other = tmp_path / "notes.txt"
+    other.write_text("hello")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(other))} is not an rl_replay checkpoint \(it does "
+                                              r"not start with its header\)\.$"):
+        load_checkpoint(other)
     with pytest.raises(FileNotFoundError, match=rf"no checkpoint at {re.escape(str(tmp_path / 'missing.pt'))}"):
         load_checkpoint(tmp_path / "missing.pt")
 

@@ -210,7 +210,8 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
     from rl_replay.agent import Agent
-    from rl_replay.checkpoint import load_checkpoint
+    from rl_replay.checkpoint import load_checkpoint, read_env_state
+    from rl_replay.trust import user_secret
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
     from rl_replay.trainer import build
@@ -259,8 +260,11 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     if rank == 0:
         saved = load_checkpoint(run_dir)
         single = {"update", "env_steps", "agent", "optimizer", "collector", "rng",
-                  "recent_returns", "wandb_id", "config"}
+                  "recent_returns", "wandb_id", "config", "config_sha256", "env_state"}
         assert set(saved) == single | {"world_size"} and saved["world_size"] == world_size
+        # Each rank's sub-envs are in the signed env_state.pkl that the checkpoint names.
+        found = read_env_state(run_dir, saved["env_state"], user_secret())
+        assert found.note is None and len(found.pickles) == world_size and found.pickles[0] != found.pickles[1]
         assert saved["update"] == 2 and saved["env_steps"] == 2 * 256
         assert set(saved["agent"]) == set(init)  # the plain agent's names (it has no buffers)
         assert len(saved["collector"]) == len(saved["rng"]) == len(saved["recent_returns"]) == world_size

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from _checkpoint_files import write_format2
 from rl_replay.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.config import Config, load_config
 from rl_replay.errors import NonFiniteError, RunDirError, SetupError
@@ -221,7 +222,7 @@ def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_p
     state = load_checkpoint(nan)
     first = next(iter(state["agent"]))
     state["agent"][first] = torch.full_like(state["agent"][first], float("nan"))
-    torch.save(state, checkpoint_path(nan))  # bypassing save_checkpoint's refusal
+    write_format2(state, checkpoint_path(nan))  # bypassing save_checkpoint's refusal
     procs = {
         "nan": (start(EVALUATE, nan, "--episodes", 2, cwd=tmp_path), f"non-finite agent weights \\({first}"),
         "zero": (start(EVALUATE, finished_run, "--episodes", 0, cwd=tmp_path), "--episodes must be a positive"),
@@ -391,7 +392,10 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(smal
                     f"checkpoint is {run / 'checkpoint.pt'} (update 1). Free space or make the file system "
                     f"writable, then continue with --resume {run}")
     assert load_checkpoint(run)["update"] == 1  # verified: the failed write left it whole
-    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint.pt", "config.yaml", "metrics.jsonl"]
+    # The small env-state file of update 2 was written before the checkpoint failed; update 1's
+    # is kept beside it, and the checkpoint names its own by checksum.
+    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint.pt", "config.yaml", "env_state.pkl",
+                                                     "env_state.prev.pkl", "metrics.jsonl"]
 
 
 def test_resume_and_new_runs_on_a_read_only_file_system_are_one_line(small_fs, tmp_path):

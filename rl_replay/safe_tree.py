@@ -1,0 +1,142 @@
+"""Nested Python data with tensors, stored in a form whose reading executes no code.
+
+A checkpoint is a tree: dicts (of any plain keys), lists, tuples, strings, numbers, bools,
+None, ``bytes``, torch tensors, numpy arrays and numpy scalars. :func:`dumps` writes it as one
+`safetensors <https://huggingface.co/docs/safetensors>`_ file: every tensor (and every numpy
+array, and every ``bytes`` value as a uint8 tensor) becomes a named tensor, and the tree's
+shape, with each of those leaves replaced by ``{"$t": name}`` (plus its kind), becomes JSON in
+the file's metadata. :func:`loads` reads it back with ``safetensors`` and ``json`` only: no
+pickle, so a file from someone else can hold wrong numbers but cannot run anything.
+
+The round trip is exact: tensors keep dtype and values, numpy arrays and scalars keep their
+dtype, tuples stay tuples, integer dict keys stay integers (an optimizer's state is keyed by
+parameter index). ``bytes`` come back as ``bytes``: what they hold is for the caller to decide
+whether to trust (the environment pickles of :mod:`rl_replay.checkpoint` are MAC-checked first).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["dumps", "loads", "TREE_KEY"]
+
+TREE_KEY = "rl_replay.tree"
+
+# numpy dtypes torch has no tensor dtype for are stored widened (and narrowed back on load).
+_WIDEN = (np.dtype(np.uint16), np.dtype(np.uint32))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._storages: set[tuple[str, int]] = set()
+
+    def _add(self, tensor: torch.Tensor) -> str:
+        name = str(len(self.tensors))
+        tensor = tensor.detach().to("cpu")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"cannot store a {tensor.layout} tensor; convert it to a dense tensor first")
+        # safetensors refuses tensors that share memory (tied weights, views of one buffer).
+        storage = (str(tensor.device), tensor.untyped_storage().data_ptr())
+        if storage in self._storages or not tensor.is_contiguous() or tensor.storage_offset():
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        elif tensor.numel():
+            self._storages.add(storage)
+        self.tensors[name] = tensor
+        return name
+
+    def encode(self, obj: Any) -> Any:
+        if obj is None or isinstance(obj, (bool, str)):
+            return obj
+        if isinstance(obj, int) and not isinstance(obj, bool):
+            return obj
+        if isinstance(obj, float):
+            # JSON has no inf / nan: keep them as text, the rest as numbers.
+            return obj if math.isfinite(obj) else {"$f": repr(obj)}
+        if isinstance(obj, torch.Tensor):
+            return {"$t": self._add(obj)}
+        if isinstance(obj, np.ndarray) or isinstance(obj, np.generic):
+            array = np.asarray(obj)
+            if array.dtype == object:
+                raise TypeError("cannot store a numpy array of Python objects")
+            # (np.ascontiguousarray would turn a 0-d array into a 1-d one.)
+            native = np.int64 if array.dtype in _WIDEN else array.dtype.newbyteorder("=")
+            stored = torch.from_numpy(np.array(array, dtype=native, order="C"))
+            return {"$np": self._add(stored), "dtype": array.dtype.str, "scalar": isinstance(obj, np.generic)}
+        if isinstance(obj, (bytes, bytearray)):
+            return {"$b": self._add(torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj
+                                    else torch.zeros(0, dtype=torch.uint8))}
+        if isinstance(obj, tuple):
+            return {"$tuple": [self.encode(v) for v in obj]}
+        if isinstance(obj, list):
+            return [self.encode(v) for v in obj]
+        if isinstance(obj, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in obj):
+                return {k: self.encode(v) for k, v in obj.items()}
+            return {"$dict": [[self.encode(k), self.encode(v)] for k, v in obj.items()]}
+        raise TypeError(f"cannot store a value of type {type(obj).__module__}.{type(obj).__qualname__}")
+
+
+def dumps(tree: Any, metadata: dict[str, str] | None = None) -> bytes:
+    """``tree`` as the bytes of a safetensors file (``metadata``: extra string fields)."""
+    from safetensors.torch import save
+
+    writer = _Writer()
+    encoded = writer.encode(tree)
+    meta = dict(metadata or {})
+    meta[TREE_KEY] = json.dumps(encoded, separators=(",", ":"))
+    return save(writer.tensors, metadata=meta)
+
+
+def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(node, list):
+        return [_decode(v, tensors) for v in node]
+    if not isinstance(node, dict):
+        return node
+    if "$t" in node:
+        return tensors[node["$t"]]
+    if "$np" in node:
+        array = tensors[node["$np"]].numpy().astype(np.dtype(node["dtype"]), copy=False)
+        return array[()] if node["scalar"] else array
+    if "$b" in node:
+        return tensors[node["$b"]].numpy().tobytes()
+    if "$f" in node:
+        return float(node["$f"])
+    if "$tuple" in node:
+        return tuple(_decode(v, tensors) for v in node["$tuple"])
+    if "$dict" in node:
+        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in node["$dict"]}
+    return {k: _decode(v, tensors) for k, v in node.items()}
+
+
+def _hashable(key: Any) -> Any:
+    return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
+
+
+def loads(data: bytes) -> tuple[Any, dict[str, str]]:
+    """``(tree, metadata)`` from the bytes :func:`dumps` wrote; reads with safetensors and json only.
+
+    Raises ValueError for bytes that are not such a file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        tensors = load(bytes(data))
+        # safetensors.torch.load gives no metadata; read it from the file's JSON header.
+        length = int.from_bytes(data[:8], "little")
+        header = json.loads(bytes(data[8:8 + length]))
+        meta = header.get("__metadata__") or {}
+        encoded = json.loads(meta[TREE_KEY])
+    except (SafetensorError, KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"not a stored tree ({type(exc).__name__}: {exc})") from None
+    try:
+        tree = _decode(encoded, tensors)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"its tree does not fit its tensors ({type(exc).__name__}: {exc})") from None
+    return tree, {k: v for k, v in meta.items() if k != TREE_KEY}
