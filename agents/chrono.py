@@ -18,8 +18,7 @@ from rl_replay.errors import SetupError
 def check_t_max(t_max, owner: str) -> float:
     """``t_max`` as a float; SetupError unless it is a number > 2."""
     if isinstance(t_max, bool) or not isinstance(t_max, (int, float)) or not t_max > 2:
-        raise SetupError(f"{owner}: chrono_t_max must be a number > 2 (the longest delay in steps), "
-                         f"got {t_max!r}.")
+        raise SetupError(f"{owner}: chrono_t_max must be a number > 2 (the longest delay in steps), got {t_max!r}.")
     return float(t_max)
 
 

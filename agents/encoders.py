@@ -36,7 +36,7 @@ from torch import nn
 
 from rl_replay.agents.mlp import mlp
 from rl_replay.errors import SetupError
-from rl_replay.spaces import flat_size, flatten, leaf_keys, leaf_scales
+from rl_replay.rollout.spaces import flat_size, flatten, leaf_keys, leaf_scales
 
 __all__ = ["ENCODERS", "ConvEncoder", "image_layout", "make_encoder", "takes_raw_observation"]
 
@@ -52,9 +52,12 @@ def nature_cnn(in_channels: int, channels: Sequence[int] = (32, 64, 64)) -> nn.S
     """The convolutions of the DQN Nature paper (8x8/4, 4x4/2, 3x3/1, ReLU)."""
     c1, c2, c3 = channels
     return nn.Sequential(
-        _orthogonal(nn.Conv2d(in_channels, c1, 8, stride=4)), nn.ReLU(),
-        _orthogonal(nn.Conv2d(c1, c2, 4, stride=2)), nn.ReLU(),
-        _orthogonal(nn.Conv2d(c2, c3, 3, stride=1)), nn.ReLU(),
+        _orthogonal(nn.Conv2d(in_channels, c1, 8, stride=4)),
+        nn.ReLU(),
+        _orthogonal(nn.Conv2d(c1, c2, 4, stride=2)),
+        nn.ReLU(),
+        _orthogonal(nn.Conv2d(c2, c3, 3, stride=1)),
+        nn.ReLU(),
     )
 
 
@@ -74,8 +77,12 @@ def impala_cnn(in_channels: int, channels: Sequence[int] = (16, 32, 32)) -> nn.S
     """IMPALA's residual stacks (conv 3x3, max-pool 3x3/2, two residual blocks each), then ReLU."""
     layers: list[nn.Module] = []
     for out in channels:
-        layers += [_orthogonal(nn.Conv2d(in_channels, out, 3, padding=1)),
-                   nn.MaxPool2d(3, stride=2, padding=1), _Residual(out), _Residual(out)]
+        layers += [
+            _orthogonal(nn.Conv2d(in_channels, out, 3, padding=1)),
+            nn.MaxPool2d(3, stride=2, padding=1),
+            _Residual(out),
+            _Residual(out),
+        ]
         in_channels = out
     return nn.Sequential(*layers, nn.ReLU())
 
@@ -84,9 +91,13 @@ def grid_cnn(in_channels: int, channels: Sequence[int] = (16, 32, 64)) -> nn.Seq
     """Small 2x2 convolutions for MiniGrid's partial views (16 2x2, max-pool 2x2, 32 2x2, 64 2x2)."""
     c1, c2, c3 = channels
     return nn.Sequential(
-        _orthogonal(nn.Conv2d(in_channels, c1, 2)), nn.ReLU(), nn.MaxPool2d(2),
-        _orthogonal(nn.Conv2d(c1, c2, 2)), nn.ReLU(),
-        _orthogonal(nn.Conv2d(c2, c3, 2)), nn.ReLU(),
+        _orthogonal(nn.Conv2d(in_channels, c1, 2)),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        _orthogonal(nn.Conv2d(c1, c2, 2)),
+        nn.ReLU(),
+        _orthogonal(nn.Conv2d(c2, c3, 2)),
+        nn.ReLU(),
     )
 
 
@@ -104,8 +115,10 @@ def image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, 
     more channels than pixels a side."""
     shape = tuple(int(s) for s in shape)
     if layout is not None and (layout not in ("hwc", "chw") or len(shape) != 3):
-        raise SetupError(f"encoder image_layout {layout!r} needs a rank-3 image and one of 'hwc' (channel-last) "
-                         f"or 'chw' (channel-first); the image has shape {shape}.")
+        raise SetupError(
+            f"encoder image_layout {layout!r} needs a rank-3 image and one of 'hwc' (channel-last) "
+            f"or 'chw' (channel-first); the image has shape {shape}."
+        )
     if len(shape) == 2:
         return "hw", (1, *shape)
     if len(shape) == 3:
@@ -115,8 +128,10 @@ def image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, 
     if len(shape) == 4:
         s, h, w, c = shape
         return "shwc", (s * c, h, w)
-    raise SetupError(f"an image observation must have 2 to 4 dimensions ((H, W), (H, W, C), (C, H, W) or "
-                     f"(S, H, W, C)), got shape {shape}.")
+    raise SetupError(
+        f"an image observation must have 2 to 4 dimensions ((H, W), (H, W, C), (C, H, W) or "
+        f"(S, H, W, C)), got shape {shape}."
+    )
 
 
 _layout = image_layout  # ConvEncoder's argument of that name shadows it
@@ -163,9 +178,17 @@ class ConvEncoder(nn.Module):
         out_features: width of the output.
     """
 
-    def __init__(self, observation_space: gym.Space, name: str, sizes: Sequence[int], activation: type[nn.Module],
-                 channels: Sequence[int] | None = None, image_key: str | None = None,
-                 image_scale: float | None = None, image_layout: str | None = None):
+    def __init__(
+        self,
+        observation_space: gym.Space,
+        name: str,
+        sizes: Sequence[int],
+        activation: type[nn.Module],
+        channels: Sequence[int] | None = None,
+        image_key: str | None = None,
+        image_scale: float | None = None,
+        image_layout: str | None = None,
+    ):
         super().__init__()
         if name not in ENCODERS:
             raise SetupError(f"encoder must be mlp or one of {sorted(ENCODERS)}, got {name!r}.")
@@ -181,9 +204,11 @@ class ConvEncoder(nn.Module):
             with torch.no_grad():
                 conv_features = self.convs(torch.zeros(1, c, h, w)).flatten(1).shape[1]
         except RuntimeError:
-            raise SetupError(f"encoder {name}: the image of shape {tuple(image_space.shape)} (channels {c}, "
-                             f"{h}x{w}) is too small for its convolutions; use grid_cnn for small views "
-                             "or resize the frames (gymnasium.wrappers:ResizeObservation).") from None
+            raise SetupError(
+                f"encoder {name}: the image of shape {tuple(image_space.shape)} (channels {c}, "
+                f"{h}x{w}) is too small for its convolutions; use grid_cnn for small views "
+                "or resize the frames (gymnasium.wrappers:ResizeObservation)."
+            ) from None
         # The vector keys: their leaves in the space's order, one-hot / scaled as flatten() does.
         if vector_space is not None:
             keys, scales = leaf_keys(observation_space), leaf_scales(observation_space)
@@ -201,22 +226,29 @@ class ConvEncoder(nn.Module):
         """``(image key or None, image space, Dict of the other keys or None)``."""
         if _is_image(space):
             if image_key is not None:
-                raise SetupError(f"encoder image_key {image_key!r} given, but the observation space is the image "
-                                 f"{space} itself, not a Dict; drop image_key.")
+                raise SetupError(
+                    f"encoder image_key {image_key!r} given, but the observation space is the image "
+                    f"{space} itself, not a Dict; drop image_key."
+                )
             return None, space, None
         if not isinstance(space, gym.spaces.Dict):
-            raise SetupError(f"a convolutional encoder needs an image observation (a Box of shape (H, W), (H, W, C) "
-                             f"or (S, H, W, C)) or a Dict holding one; got {space}. Use encoder: mlp, or a wrapper "
-                             "that makes an image.")
+            raise SetupError(
+                f"a convolutional encoder needs an image observation (a Box of shape (H, W), (H, W, C) "
+                f"or (S, H, W, C)) or a Dict holding one; got {space}. Use encoder: mlp, or a wrapper "
+                "that makes an image."
+            )
         images = [str(k) for k, s in space.spaces.items() if _is_image(s)]
         if image_key is None:
             if len(images) != 1:
-                raise SetupError(f"a convolutional encoder needs exactly one image key in the Dict observation, found "
-                                 f"{images or 'none'} in {space}; name it with encoder_kwargs.image_key.")
+                raise SetupError(
+                    f"a convolutional encoder needs exactly one image key in the Dict observation, found "
+                    f"{images or 'none'} in {space}; name it with encoder_kwargs.image_key."
+                )
             image_key = images[0]
         elif image_key not in images:
-            raise SetupError(f"encoder image_key {image_key!r} is not an image subspace of {space}; image keys: "
-                             f"{images or 'none'}.")
+            raise SetupError(
+                f"encoder image_key {image_key!r} is not an image subspace of {space}; image keys: {images or 'none'}."
+            )
         rest = {k: s for k, s in space.spaces.items() if str(k) != image_key}
         return image_key, space.spaces[image_key], gym.spaces.Dict(rest) if rest else None
 
@@ -228,8 +260,9 @@ class ConvEncoder(nn.Module):
         return self.mlp(x)
 
 
-def make_encoder(agent, name: str, sizes: Sequence[int], activation: type[nn.Module] = nn.Tanh,
-                 options: dict | None = None) -> tuple[nn.Module, int]:
+def make_encoder(
+    agent, name: str, sizes: Sequence[int], activation: type[nn.Module] = nn.Tanh, options: dict | None = None
+) -> tuple[nn.Module, int]:
     """``(encoder, out_features)`` for ``agent`` (an :class:`~rl_replay.Agent`): ``mlp``, the
     flattened observation through ``sizes``, or a :class:`ConvEncoder` built with ``options``
     (the agent's ``encoder_kwargs``). An ``mlp`` encoder reads ``agent.flatten_observation``'s
@@ -237,8 +270,10 @@ def make_encoder(agent, name: str, sizes: Sequence[int], activation: type[nn.Mod
     sizes = list(sizes)
     if name == "mlp":
         if options:
-            raise SetupError(f"{type(agent).__name__}: encoder_kwargs {options} are for the convolutional encoders "
-                             f"({', '.join(sorted(ENCODERS))}); the mlp encoder takes encoder_sizes only.")
+            raise SetupError(
+                f"{type(agent).__name__}: encoder_kwargs {options} are for the convolutional encoders "
+                f"({', '.join(sorted(ENCODERS))}); the mlp encoder takes encoder_sizes only."
+            )
         return mlp(agent.obs_dim, sizes, activation), sizes[-1] if sizes else agent.obs_dim
     if name not in ENCODERS:
         raise SetupError(f"{type(agent).__name__}: encoder must be mlp or one of {sorted(ENCODERS)}, got {name!r}.")

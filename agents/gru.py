@@ -12,8 +12,7 @@ from rl_replay.agents.recurrent import RecurrentAgent
 from rl_replay.errors import SetupError
 
 
-def gru_cell(in_features: int, hidden_size: int, update_gate_bias: float,
-             chrono_t_max: float | None) -> nn.GRUCell:
+def gru_cell(in_features: int, hidden_size: int, update_gate_bias: float, chrono_t_max: float | None) -> nn.GRUCell:
     """A ``GRUCell`` whose update (keep) gate starts at ``update_gate_bias`` or chrono-initialised."""
     H = hidden_size
     cell = nn.GRUCell(in_features, H)
@@ -49,17 +48,36 @@ class GRUAgent(RecurrentAgent):
 
     state_keys = ("h",)
 
-    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
-                 update_gate_bias: float = 0.0, chrono_t_max: float | None = None,
-                 separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
-                 skip: bool = False, encoder: str = "mlp", encoder_kwargs: dict | None = None):
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        hidden_size: int = 128,
+        encoder_sizes=(128,),
+        update_gate_bias: float = 0.0,
+        chrono_t_max: float | None = None,
+        separate_critic: bool = False,
+        head_sizes=(),
+        activation: str = "tanh",
+        skip: bool = False,
+        encoder: str = "mlp",
+        encoder_kwargs: dict | None = None,
+    ):
         if chrono_t_max is not None and update_gate_bias:
             raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
-        super().__init__(observation_space, action_space, hidden_size=hidden_size, encoder_sizes=encoder_sizes,
-                         separate_critic=separate_critic, head_sizes=head_sizes, activation=activation, skip=skip,
-                         encoder=encoder, encoder_kwargs=encoder_kwargs,
-                         make_cell=functools.partial(gru_cell, update_gate_bias=update_gate_bias,
-                                                     chrono_t_max=chrono_t_max))
+        super().__init__(
+            observation_space,
+            action_space,
+            hidden_size=hidden_size,
+            encoder_sizes=encoder_sizes,
+            separate_critic=separate_critic,
+            head_sizes=head_sizes,
+            activation=activation,
+            skip=skip,
+            encoder=encoder,
+            encoder_kwargs=encoder_kwargs,
+            make_cell=functools.partial(gru_cell, update_gate_bias=update_gate_bias, chrono_t_max=chrono_t_max),
+        )
 
     def cell_step(self, cell, inputs, state):
         return (cell(inputs, state[0]),)

@@ -17,9 +17,9 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.agents.encoders import make_encoder, takes_raw_observation
 from rl_replay.agents.mlp import mlp
-from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 
 
@@ -57,10 +57,21 @@ class LRUAgent(Agent):
     keeps ``|lambda| < 1`` whatever the optimizer does, so the recurrence stays stable.
     """
 
-    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(64,),
-                 readout_sizes=(128,), r_min: float = 0.9, r_max: float = 0.999,
-                 max_phase: float = math.pi / 10, normalize: bool = True, input_scale: float = 1.0,
-                 encoder: str = "mlp", encoder_kwargs: dict | None = None):
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        hidden_size: int = 128,
+        encoder_sizes=(64,),
+        readout_sizes=(128,),
+        r_min: float = 0.9,
+        r_max: float = 0.999,
+        max_phase: float = math.pi / 10,
+        normalize: bool = True,
+        input_scale: float = 1.0,
+        encoder: str = "mlp",
+        encoder_kwargs: dict | None = None,
+    ):
         super().__init__(observation_space, action_space)
         if not (isinstance(hidden_size, int) and hidden_size > 0):
             raise SetupError(f"LRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
@@ -118,8 +129,7 @@ class LRUAgent(Agent):
             x_im = self.reset_state(state["x_im"], is_first)
             phase = torch.exp(self.theta_log)
             lam_re, lam_im = modulus * torch.cos(phase), modulus * torch.sin(phase)
-            x, x_im = (lam_re * x - lam_im * x_im + bu,
-                       lam_re * x_im + lam_im * x + u @ self.B[1].T * scale)
+            x, x_im = (lam_re * x - lam_im * x_im + bu, lam_re * x_im + lam_im * x + u @ self.B[1].T * scale)
             y = x @ self.C[0].T - x_im @ self.C[1].T  # Re(C x)
             next_state = TensorDict(x=x, x_im=x_im, batch_size=x.shape[:1])
         else:

@@ -46,14 +46,34 @@ class LSTMAgent(RecurrentAgent):
 
     state_keys = ("h", "c")
 
-    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(128,),
-                 forget_bias: float = 1.0, chrono_t_max: float | None = None,
-                 separate_critic: bool = False, head_sizes=(), activation: str = "tanh",
-                 skip: bool = False, encoder: str = "mlp", encoder_kwargs: dict | None = None):
-        super().__init__(observation_space, action_space, hidden_size=hidden_size, encoder_sizes=encoder_sizes,
-                         separate_critic=separate_critic, head_sizes=head_sizes, activation=activation, skip=skip,
-                         encoder=encoder, encoder_kwargs=encoder_kwargs,
-                         make_cell=functools.partial(lstm_cell, forget_bias=forget_bias, chrono_t_max=chrono_t_max))
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        hidden_size: int = 128,
+        encoder_sizes=(128,),
+        forget_bias: float = 1.0,
+        chrono_t_max: float | None = None,
+        separate_critic: bool = False,
+        head_sizes=(),
+        activation: str = "tanh",
+        skip: bool = False,
+        encoder: str = "mlp",
+        encoder_kwargs: dict | None = None,
+    ):
+        super().__init__(
+            observation_space,
+            action_space,
+            hidden_size=hidden_size,
+            encoder_sizes=encoder_sizes,
+            separate_critic=separate_critic,
+            head_sizes=head_sizes,
+            activation=activation,
+            skip=skip,
+            encoder=encoder,
+            encoder_kwargs=encoder_kwargs,
+            make_cell=functools.partial(lstm_cell, forget_bias=forget_bias, chrono_t_max=chrono_t_max),
+        )
 
     def cell_step(self, cell, inputs, state):
         return cell(inputs, state)

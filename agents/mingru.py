@@ -14,9 +14,9 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.agents.chrono import check_t_max, chrono_bias
 from rl_replay.agents.mlp import mlp
-from rl_replay.agent import ActionHead, Agent, value_head
 from rl_replay.errors import SetupError
 
 
@@ -31,8 +31,15 @@ class MinGRUAgent(Agent):
         chrono_t_max: the longest memory time (steps) the gate bias is initialised for.
     """
 
-    def __init__(self, observation_space, action_space, hidden_size: int = 128, encoder_sizes=(64,),
-                 readout_sizes=(128,), chrono_t_max: float = 1024):
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        hidden_size: int = 128,
+        encoder_sizes=(64,),
+        readout_sizes=(128,),
+        chrono_t_max: float = 1024,
+    ):
         super().__init__(observation_space, action_space)
         if not (isinstance(hidden_size, int) and hidden_size > 0):
             raise SetupError(f"MinGRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")

@@ -54,10 +54,21 @@ class RecurrentAgent(Agent):
     #: the cell's state tensors in ``state``; the first is its output
     state_keys: tuple[str, ...] = ()
 
-    def __init__(self, observation_space, action_space, *, hidden_size: int, encoder_sizes,
-                 separate_critic: bool, head_sizes, activation: str, skip: bool,
-                 make_cell: Callable[[int, int], nn.Module], encoder: str = "mlp",
-                 encoder_kwargs: dict | None = None):
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        *,
+        hidden_size: int,
+        encoder_sizes,
+        separate_critic: bool,
+        head_sizes,
+        activation: str,
+        skip: bool,
+        make_cell: Callable[[int, int], nn.Module],
+        encoder: str = "mlp",
+        encoder_kwargs: dict | None = None,
+    ):
         super().__init__(observation_space, action_space)
         self.activation = activation_class(activation, type(self).__name__)
         self.hidden_size = hidden_size
@@ -78,14 +89,14 @@ class RecurrentAgent(Agent):
         self.head = ActionHead(action_space, last)
         self.value = value_head(last)
 
-    def _trunk(self, name: str, encoder_sizes, options: dict | None,
-               make_cell) -> tuple[nn.Module, nn.Module, int]:
+    def _trunk(self, name: str, encoder_sizes, options: dict | None, make_cell) -> tuple[nn.Module, nn.Module, int]:
         """``(encoder, cell, encoder output width)``."""
         encoder, width = make_encoder(self, name, encoder_sizes, self.activation, options)
         return encoder, make_cell(width, self.hidden_size), width
 
-    def cell_step(self, cell: nn.Module, inputs: torch.Tensor,
-                  state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    def cell_step(
+        self, cell: nn.Module, inputs: torch.Tensor, state: tuple[torch.Tensor, ...]
+    ) -> tuple[torch.Tensor, ...]:
         """One step of ``cell``: the new state tensors, in :attr:`state_keys` order."""
         raise NotImplementedError(f"{type(self).__name__} must implement cell_step()")
 

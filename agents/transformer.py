@@ -34,25 +34,41 @@ class TransformerAgent(Agent):
     (256, 4 layers, ff_mult 4) give about 3.2 M.
     """
 
-    def __init__(self, observation_space, action_space, d_model: int = 256, num_layers: int = 4,
-                 num_heads: int = 4, ff_mult: int = 4, context: int = 1) -> None:
+    def __init__(
+        self,
+        observation_space,
+        action_space,
+        d_model: int = 256,
+        num_layers: int = 4,
+        num_heads: int = 4,
+        ff_mult: int = 4,
+        context: int = 1,
+    ) -> None:
         super().__init__(observation_space, action_space)
-        for name, value in (("d_model", d_model), ("num_layers", num_layers), ("num_heads", num_heads),
-                            ("ff_mult", ff_mult), ("context", context)):
+        for name, value in (
+            ("d_model", d_model),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("ff_mult", ff_mult),
+            ("context", context),
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SetupError(f"TransformerAgent: {name} must be a positive integer, got {value!r}.")
         if d_model % num_heads:
-            raise SetupError(
-                f"TransformerAgent: num_heads ({num_heads}) must divide d_model ({d_model})."
-            )
+            raise SetupError(f"TransformerAgent: num_heads ({num_heads}) must divide d_model ({d_model}).")
         self.d_model = d_model
         self.context = context
         self.embed = nn.Linear(self.obs_dim, context * d_model)
         self.position = nn.Parameter(torch.zeros(context, d_model))
         nn.init.normal_(self.position, std=0.02)
         layer = nn.TransformerEncoderLayer(
-            d_model, num_heads, dim_feedforward=ff_mult * d_model, dropout=0.0,
-            activation="gelu", batch_first=True, norm_first=True,
+            d_model,
+            num_heads,
+            dim_feedforward=ff_mult * d_model,
+            dropout=0.0,
+            activation="gelu",
+            batch_first=True,
+            norm_first=True,
         )
         # enable_nested_tensor only matters with padding masks, which a policy never has.
         self.encoder = nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)

@@ -24,9 +24,7 @@ class PartialObsCartPole(gymnasium.ObservationWrapper):
         super().__init__(env)
         inner = env.observation_space
         idx = list(VISIBLE)
-        self.observation_space = spaces.Box(
-            low=inner.low[idx], high=inner.high[idx], dtype=np.float32
-        )
+        self.observation_space = spaces.Box(low=inner.low[idx], high=inner.high[idx], dtype=np.float32)
 
     def observation(self, observation):
         return np.asarray(observation, dtype=np.float32)[list(VISIBLE)]

@@ -52,8 +52,13 @@ class PassiveTMazeEnv(gymnasium.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, corridor_length: int = 10, penalty: float | None = None, goal_reward: float = 1.0,
-                 render_mode: str | None = None):
+    def __init__(
+        self,
+        corridor_length: int = 10,
+        penalty: float | None = None,
+        goal_reward: float = 1.0,
+        render_mode: str | None = None,
+    ):
         self.corridor_length = _check_int("corridor_length", corridor_length, 1)
         self.penalty = -1.0 / self.corridor_length if penalty is None else _check_finite("penalty", penalty)
         if self.penalty > 0:
@@ -95,4 +100,3 @@ class PassiveTMazeEnv(gymnasium.Env):
         success = self._y == self._goal
         self._t = None  # the episode is over; force a reset before the next step
         return self._obs(), self.goal_reward if success else 0.0, True, False, {"success": success}
-

@@ -43,8 +43,10 @@ class ActionSubset(gym.ActionWrapper):
         valid = range(int(space.start), int(space.start + space.n))
         integers = all(isinstance(a, (int, np.integer)) and not isinstance(a, bool) for a in actions)
         if not (actions and integers and len(set(actions)) == len(actions) and all(a in valid for a in actions)):
-            raise ValueError(f"ActionSubset actions must be distinct integers of the env's action space "
-                             f"{space} (from {valid.start} to {valid.stop - 1}), got {actions}")
+            raise ValueError(
+                f"ActionSubset actions must be distinct integers of the env's action space "
+                f"{space} (from {valid.start} to {valid.stop - 1}), got {actions}"
+            )
         self.actions = np.asarray(actions, dtype=np.int64)
         self.action_space = spaces.Discrete(len(actions))
 
@@ -74,7 +76,8 @@ class PreviousActionReward(gym.Wrapper):
         self.observation_space = spaces.Box(
             low=np.concatenate([space.low, np.zeros(self._n), [-np.inf]]).astype(space.dtype),
             high=np.concatenate([space.high, np.ones(self._n), [np.inf]]).astype(space.dtype),
-            dtype=space.dtype)
+            dtype=space.dtype,
+        )
 
     def _extend(self, obs, action, reward):
         extra = np.zeros(self._n + 1, dtype=self.observation_space.dtype)

@@ -11,11 +11,26 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from rl_replay.engine import (GradientAccumulator, ReplayError, StateWatch, checkpoint_fsdp_forward,
-                              keep_freed_memory, replay, replay_steps)
+from rl_replay.engine import (
+    GradientAccumulator,
+    ReplayError,
+    StateWatch,
+    checkpoint_fsdp_forward,
+    keep_freed_memory,
+    replay,
+    replay_steps,
+)
 
-__all__ = ["Agent", "GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
-           "keep_freed_memory", "replay", "replay_steps"]
+__all__ = [
+    "Agent",
+    "GradientAccumulator",
+    "ReplayError",
+    "StateWatch",
+    "checkpoint_fsdp_forward",
+    "keep_freed_memory",
+    "replay",
+    "replay_steps",
+]
 __version__ = "0.1.0"
 
 
@@ -39,8 +54,7 @@ class _SourceTreeFinder(importlib.abc.MetaPathFinder):
         init = self.root / self.FOLDERS[fullname] / "__init__.py"
         if not init.is_file():
             return None
-        return importlib.util.spec_from_file_location(fullname, init,
-                                                      submodule_search_locations=[str(init.parent)])
+        return importlib.util.spec_from_file_location(fullname, init, submodule_search_locations=[str(init.parent)])
 
 
 def _find_source_tree_packages() -> None:

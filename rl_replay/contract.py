@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from tensordict import TensorDictBase
 
-from rl_replay.errors import SetupError
 from rl_replay.engine import StateWatch
+from rl_replay.errors import SetupError
 
 __all__ = ["check_agent"]
 
@@ -41,12 +41,10 @@ def _shape(t) -> str:
 
 
 def _leaves(td: TensorDictBase) -> dict[str, torch.Tensor]:
-    return {".".join(k) if isinstance(k, tuple) else k: v
-            for k, v in td.items(include_nested=True, leaves_only=True)}
+    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in td.items(include_nested=True, leaves_only=True)}
 
 
-def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_space: gym.Space,
-                target: str) -> None:
+def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_space: gym.Space, target: str) -> None:
     """Raise SetupError if ``policy``'s outputs on ``inputs`` break the Agent contract.
 
     ``model`` is what the collector calls (the FSDP wrapper under FSDP, else ``policy``).
@@ -73,22 +71,28 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
         keys = sorted(out.keys())
         for key in ("value", "state"):
             if key not in keys:
-                raise SetupError(f"{where}: forward() returned keys {keys} without '{key}' "
-                                 "(expected 'dist', 'value' and 'state').")
+                raise SetupError(
+                    f"{where}: forward() returned keys {keys} without '{key}' (expected 'dist', 'value' and 'state')."
+                )
         value = out["value"]
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (n,):
-            raise SetupError(f"{where}: forward() returned 'value' of shape {_shape(value)}; expected ({n},), "
-                             "one value per env (e.g. critic(x).squeeze(-1)).")
+            raise SetupError(
+                f"{where}: forward() returned 'value' of shape {_shape(value)}; expected ({n},), "
+                "one value per env (e.g. critic(x).squeeze(-1))."
+            )
         state = out["state"]
         if not isinstance(state, TensorDictBase) or tuple(state.batch_size) != (n,):
             shown = tuple(state.batch_size) if isinstance(state, TensorDictBase) else type(state).__name__
-            raise SetupError(f"{where}: forward() returned 'state' {shown}; expected a TensorDict of "
-                             f"batch size [{n}] (an empty one for a stateless agent).")
+            raise SetupError(
+                f"{where}: forward() returned 'state' {shown}; expected a TensorDict of "
+                f"batch size [{n}] (an empty one for a stateless agent)."
+            )
         if "dist" in keys and isinstance(out["dist"], torch.distributions.Distribution):
             raise SetupError(
                 f"{where}: forward() returned 'dist' as a torch.distributions {type(out['dist']).__name__}; return "
                 "its parameters instead (a TensorDict such as self.head(x), e.g. TensorDict(logits=...)) and let "
-                "distribution() build the object: a replay block's outputs must be tensors.")
+                "distribution() build the object: a replay block's outputs must be tensors."
+            )
         _check_state_structure(state, inputs["state"], where, wrapped=model is not policy)
         try:
             dist = policy.distribution(out)
@@ -96,8 +100,9 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
             # TensorDict's message is 'key "dist" not found in TensorDict with keys [...]'.
             found = re.search(r'key "([^"]+)"', str(exc))
             missing = repr(found.group(1)) if found else str(exc)
-            raise SetupError(f"{where}: distribution() needs key {missing} but forward() returned keys "
-                             f"{keys}.") from None
+            raise SetupError(
+                f"{where}: distribution() needs key {missing} but forward() returned keys {keys}."
+            ) from None
         _check_distribution(dist, action_space, n, where)
         _check_reset(model, inputs, where)
 
@@ -107,19 +112,25 @@ def _check_state_structure(state: TensorDictBase, initial: TensorDictBase, where
     precision may cast a floating state to another floating dtype)."""
     ours, theirs = _leaves(state), _leaves(initial)
     if sorted(ours) != sorted(theirs):
-        raise SetupError(f"{where}: forward() returned 'state' with keys {sorted(ours)} but initial_state() has "
-                         f"{sorted(theirs)}; the next block takes the returned state as its input, so return the "
-                         "same keys.")
+        raise SetupError(
+            f"{where}: forward() returned 'state' with keys {sorted(ours)} but initial_state() has "
+            f"{sorted(theirs)}; the next block takes the returned state as its input, so return the "
+            "same keys."
+        )
     for key, value in ours.items():
         first = theirs[key]
         if value.shape != first.shape:
-            raise SetupError(f"{where}: forward() returned state '{key}' of shape {_shape(value)} but initial_state() "
-                             f"gives {_shape(first)}; the next block takes the returned state as its input, so "
-                             "return the shapes of initial_state (or change initial_state).")
+            raise SetupError(
+                f"{where}: forward() returned state '{key}' of shape {_shape(value)} but initial_state() "
+                f"gives {_shape(first)}; the next block takes the returned state as its input, so "
+                "return the shapes of initial_state (or change initial_state)."
+            )
         floats = value.is_floating_point() and first.is_floating_point()
         if value.dtype != first.dtype and not (wrapped and floats):
-            raise SetupError(f"{where}: forward() returned state '{key}' of dtype {value.dtype} but initial_state() "
-                             f"gives {first.dtype}; return the dtypes of initial_state (or change initial_state).")
+            raise SetupError(
+                f"{where}: forward() returned state '{key}' of dtype {value.dtype} but initial_state() "
+                f"gives {first.dtype}; return the dtypes of initial_state (or change initial_state)."
+            )
 
 
 def _check_reset(model: torch.nn.Module, inputs: TensorDictBase, where: str) -> None:
@@ -137,34 +148,44 @@ def _check_reset(model: torch.nn.Module, inputs: TensorDictBase, where: str) -> 
     for incoming in (state, perturbed):
         torch.manual_seed(0)  # the same random numbers for both (dropout, noisy layers)
         outputs.append(_leaves(model(**inputs.clone(False).update({"state": incoming}))))
-    moved = sorted(key for key, value in outputs[0].items()
-             if value.is_floating_point() and not torch.allclose(value, outputs[1][key], rtol=RESET_TOLERANCE,
-                                                                 atol=RESET_TOLERANCE))
+    moved = sorted(
+        key
+        for key, value in outputs[0].items()
+        if value.is_floating_point()
+        and not torch.allclose(value, outputs[1][key], rtol=RESET_TOLERANCE, atol=RESET_TOLERANCE)
+    )
     if moved:
         raise SetupError(
             f"{where}: with is_first set (every env starts an episode), forward()'s outputs {moved} depend on the "
             "incoming state: reset it before using it, state = Agent.reset_state(state, is_first) (zeros where an "
-            "episode starts), or memory and gradient cross episode boundaries.")
+            "episode starts), or memory and gradient cross episode boundaries."
+        )
 
 
 def _check_distribution(dist, space: gym.Space, n: int, where: str) -> None:
     if isinstance(space, gym.spaces.Discrete):
         logits = getattr(dist, "logits", None)
         if logits is not None and logits.shape[-1] != int(space.n):
-            raise SetupError(f"{where}: its action distribution has {logits.shape[-1]} logits but the action "
-                             f"space {space} has {int(space.n)} actions.")
+            raise SetupError(
+                f"{where}: its action distribution has {logits.shape[-1]} logits but the action "
+                f"space {space} has {int(space.n)} actions."
+            )
     elif isinstance(space, gym.spaces.MultiDiscrete):
         parts = getattr(dist, "parts", None)
         if parts is not None:
             widths = [int(p.logits.shape[-1]) for p in parts]
             nvec = [int(k) for k in np.asarray(space.nvec).reshape(-1)]
             if widths != nvec:
-                raise SetupError(f"{where}: its action distribution has logits of widths {widths} but the "
-                                 f"action space {space} needs {nvec}.")
+                raise SetupError(
+                    f"{where}: its action distribution has logits of widths {widths} but the "
+                    f"action space {space} needs {nvec}."
+                )
     action = dist.sample()
     if action.shape[:1] != (n,):
-        raise SetupError(f"{where}: actions sampled from its distribution have shape {_shape(action)}; "
-                         f"expected one row per env ({n}, ...).")
+        raise SetupError(
+            f"{where}: actions sampled from its distribution have shape {_shape(action)}; "
+            f"expected one row per env ({n}, ...)."
+        )
     per_env = tuple(action.shape[1:])
     if isinstance(space, gym.spaces.Box):
         ok = per_env in (tuple(space.shape), (int(np.prod(space.shape)),))
@@ -175,8 +196,7 @@ def _check_distribution(dist, space: gym.Space, n: int, where: str) -> None:
     else:
         ok = True
     if not ok:
-        raise SetupError(f"{where}: sampled actions of shape {_shape(action)} do not fit the action space "
-                         f"{space}.")
+        raise SetupError(f"{where}: sampled actions of shape {_shape(action)} do not fit the action space {space}.")
     for name in ("log_prob", "entropy"):
         value = dist.log_prob(action) if name == "log_prob" else dist.entropy()
         if tuple(value.shape) != (n,):

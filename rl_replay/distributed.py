@@ -6,6 +6,7 @@ import functools
 import os
 import warnings
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,8 +15,15 @@ from torch import nn
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "DistInfo", "init_from_env", "wrap_fsdp", "broadcast_module_states",
-    "reduce_mean", "reduce_sums", "barrier", "shutdown",
+    "DistInfo",
+    "init_from_env",
+    "wrap_fsdp",
+    "broadcast_module_states",
+    "broadcast_from_main",
+    "reduce_mean",
+    "reduce_sums",
+    "barrier",
+    "shutdown",
 ]
 
 
@@ -169,6 +177,17 @@ def reduce_sums(values: dict[str, float], device: torch.device, info: DistInfo) 
     x = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
     dist.all_reduce(x)
     return dict(zip(keys, x.tolist()))
+
+
+def broadcast_from_main(value: Any, info: DistInfo) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` itself in one process); any picklable object."""
+    if not info.distributed:
+        return value
+    import torch.distributed as dist
+
+    box = [value if info.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier(info: DistInfo) -> None:

@@ -4,8 +4,8 @@ The trainer side's errors are defined here; the engine's own
 (:class:`~rl_replay.engine.ReplayError`) lives in :mod:`rl_replay.engine.errors`, since the
 engine does not import the trainer side, and is re-exported here.
 
-The command-line entry points (:mod:`rl_replay.cli`) print each of them as one line and
-exit with the code the README's table gives for it.
+The command-line entry points (:mod:`rl_replay.run.cli`) print each of them as one line and
+exit with the code the table in docs/operations.md gives for it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,15 @@ import signal
 
 from rl_replay.engine.errors import ReplayError
 
-__all__ = ["ReplayError", "SetupError", "RunDirError", "CheckpointError", "NonFiniteError",
-           "RunWriteError", "TrainingInterrupted"]
+__all__ = [
+    "ReplayError",
+    "SetupError",
+    "RunDirError",
+    "CheckpointError",
+    "NonFiniteError",
+    "RunWriteError",
+    "TrainingInterrupted",
+]
 
 
 class SetupError(ValueError):
@@ -30,14 +37,14 @@ class SetupError(ValueError):
 class RunDirError(SetupError):
     """The run directory cannot be used as asked (not empty, or in use by another process).
 
-    Raised by :mod:`rl_replay.run_dir`.
+    Raised by :mod:`rl_replay.run.run_dir`.
     """
 
 
 class CheckpointError(SetupError):
     """A checkpoint file is missing, empty, truncated, corrupt, or would hold non-finite weights.
 
-    Raised by :mod:`rl_replay.checkpoint`.
+    Raised by :mod:`rl_replay.run.checkpoint`.
     """
 
 
@@ -51,7 +58,7 @@ class NonFiniteError(RuntimeError):
 class RunWriteError(RuntimeError):
     """Writing the run directory failed (disk full, read-only file system, quota, I/O error).
 
-    Raised by :class:`rl_replay.trainer.Trainer` for the ``OSError`` of a checkpoint or
+    Raised by :class:`rl_replay.run.trainer.Trainer` for the ``OSError`` of a checkpoint or
     metrics write; the message names the file, the reason and the last good checkpoint
     (a failed checkpoint write never replaces it).
     """
@@ -60,8 +67,7 @@ class RunWriteError(RuntimeError):
         self.path = exc.filename or os.fspath(path)  # a failed write() does not name its file
         code = errno.errorcode.get(exc.errno or 0)
         reason = f"{exc.strerror or exc}{f' ({code})' if code else ''}"
-        kept = (f"the last good checkpoint is {last_checkpoint}" if last_checkpoint
-                else "no checkpoint was written yet")
+        kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
         super().__init__(
             f"cannot write {self.path}: {reason}; {kept}. Free space or make the file system writable, "
             f"then continue with --resume {run_dir}"
@@ -71,7 +77,7 @@ class RunWriteError(RuntimeError):
 class TrainingInterrupted(Exception):
     """Training stopped on a signal after writing a checkpoint.
 
-    Raised by :meth:`rl_replay.trainer.Trainer.train` (see :mod:`rl_replay.interrupt`).
+    Raised by :meth:`rl_replay.run.trainer.Trainer.train` (see :mod:`rl_replay.run.interrupt`).
     ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM).
     """
 

@@ -49,9 +49,16 @@ def _where(last_checkpoint: str | None) -> str:
     return f"last good checkpoint: {last_checkpoint}" if last_checkpoint else "no checkpoint written yet"
 
 
-def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, params: Callable[[], Iterable],
-                 *, update: int, last_checkpoint: str | None, budget: SkipBudget,
-                 any_rank: Callable[[bool], bool] = bool) -> bool:
+def check_update(
+    terms: Mapping[str, torch.Tensor],
+    grad_norm: torch.Tensor,
+    params: Callable[[], Iterable],
+    *,
+    update: int,
+    last_checkpoint: str | None,
+    budget: SkipBudget,
+    any_rank: Callable[[bool], bool] = bool,
+) -> bool:
     """True if the optimizer may step; False if this update is to be skipped.
 
     ``terms`` are this rank's loss terms, ``grad_norm`` the total norm returned by
@@ -60,8 +67,7 @@ def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, par
     local flag into "true on some rank" (an all-reduce under torchrun), so every rank
     takes the same decision.
     """
-    scalars = [t.detach().float().reshape(()) for t in terms.values()
-               if isinstance(t, torch.Tensor) and t.numel() == 1]
+    scalars = [t.detach().float().reshape(()) for t in terms.values() if isinstance(t, torch.Tensor) and t.numel() == 1]
     # Under FSDP with CPUOffload the loss terms live on the GPU while the gradients, and so
     # the clipped norm, live on the host: bring the norm to the terms' device (one sync).
     norm = grad_norm.detach().float().reshape(())
@@ -75,13 +81,20 @@ def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, par
     else:
         grads = {f"gradient of {n}": p.grad for n, p in params() if p.grad is not None}
         culprit = _first_bad(grads)
-        what = (f"{culprit[0]} is {culprit[1]} (gradient norm {float(grad_norm)})" if culprit
-                else f"gradient norm is {float(grad_norm)} (on another rank)")
+        what = (
+            f"{culprit[0]} is {culprit[1]} (gradient norm {float(grad_norm)})"
+            if culprit
+            else f"gradient norm is {float(grad_norm)} (on another rank)"
+        )
     if budget.left > 0:
         budget.left -= 1
         budget.skipped += 1
-        print(f"warning: update {update}: {what}; skipped this update without an optimizer step "
-              f"({budget.left} more may be skipped).", file=sys.stderr, flush=True)
+        print(
+            f"warning: update {update}: {what}; skipped this update without an optimizer step "
+            f"({budget.left} more may be skipped).",
+            file=sys.stderr,
+            flush=True,
+        )
         return False
     raise NonFiniteError(
         f"update {update}: {what}; stopped before the optimizer step ({_where(last_checkpoint)}). "
@@ -89,11 +102,14 @@ def check_update(terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor, par
     )
 
 
-def check_parameters(named_params: Iterable, *, update: int, last_checkpoint: str | None,
-                     any_rank: Callable[[bool], bool] = bool) -> None:
+def check_parameters(
+    named_params: Iterable, *, update: int, last_checkpoint: str | None, any_rank: Callable[[bool], bool] = bool
+) -> None:
     """Raise :class:`NonFiniteError` if any parameter (on any rank) holds NaN or infinity."""
     named = [(n, p) for n, p in named_params if p.numel()]
-    flags = torch.stack([torch.isfinite(p.detach()).all() for _, p in named]) if named else torch.ones(1, dtype=torch.bool)
+    flags = (
+        torch.stack([torch.isfinite(p.detach()).all() for _, p in named]) if named else torch.ones(1, dtype=torch.bool)
+    )
     if not any_rank(not bool(flags.all())):
         return
     culprit = _first_bad(dict(named))
@@ -108,14 +124,18 @@ def non_finite_env_step(env_id: str, observation, reward: np.ndarray) -> str | N
     """The one-line error for a step that returned a NaN/inf reward or observation, else None."""
     if not np.isfinite(reward).all():
         i = int(np.flatnonzero(~np.isfinite(reward))[0])
-        return (f"environment '{env_id}' returned a non-finite reward ({reward[i]}) in sub-env {i}; "
-                "fix the environment or wrap it to sanitise its rewards.")
+        return (
+            f"environment '{env_id}' returned a non-finite reward ({reward[i]}) in sub-env {i}; "
+            "fix the environment or wrap it to sanitise its rewards."
+        )
     leaves = observation.values() if isinstance(observation, Mapping) else (observation,)
     for leaf in leaves:
         if isinstance(leaf, np.ndarray) and leaf.dtype.kind == "f" and not np.isfinite(leaf).all():
             i = int(np.flatnonzero(~np.isfinite(leaf).reshape(len(leaf), -1).all(axis=1))[0])
-            return (f"environment '{env_id}' returned a non-finite observation in sub-env {i}; "
-                    "fix the environment or wrap it to sanitise its observations.")
+            return (
+                f"environment '{env_id}' returned a non-finite observation in sub-env {i}; "
+                "fix the environment or wrap it to sanitise its observations."
+            )
     return None
 
 
@@ -128,8 +148,7 @@ class StepGuard:
     after clipping and :meth:`after_step` after ``optimizer.step()``.
     """
 
-    def __init__(self, model: torch.nn.Module, budget: SkipBudget,
-                 any_rank: Callable[[bool], bool] = bool) -> None:
+    def __init__(self, model: torch.nn.Module, budget: SkipBudget, any_rank: Callable[[bool], bool] = bool) -> None:
         self.model = model
         self.budget = budget
         self.any_rank = any_rank
@@ -138,10 +157,21 @@ class StepGuard:
 
     def allows_step(self, terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor) -> bool:
         """See :func:`check_update`: False means skip this step (budget), raises when spent."""
-        return check_update(terms, grad_norm, self.model.named_parameters, update=self.update,
-                            last_checkpoint=self.last_checkpoint, budget=self.budget, any_rank=self.any_rank)
+        return check_update(
+            terms,
+            grad_norm,
+            self.model.named_parameters,
+            update=self.update,
+            last_checkpoint=self.last_checkpoint,
+            budget=self.budget,
+            any_rank=self.any_rank,
+        )
 
     def after_step(self) -> None:
         """See :func:`check_parameters`."""
-        check_parameters(self.model.named_parameters(), update=self.update,
-                         last_checkpoint=self.last_checkpoint, any_rank=self.any_rank)
+        check_parameters(
+            self.model.named_parameters(),
+            update=self.update,
+            last_checkpoint=self.last_checkpoint,
+            any_rank=self.any_rank,
+        )

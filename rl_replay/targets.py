@@ -8,9 +8,8 @@ One grammar serves every config key that names code:
 * ``package.module:EnvId-v0`` for ``env.id`` (gymnasium's own form: import the module, which
   registers the id, then make the id); ``env.imports`` lists bare module names.
 
-The reference agents and envs were once installed as the top-level packages ``agents`` and
-``envs``; they are now ``rl_replay.agents`` and ``rl_replay.envs``, and the old module names
-that configs already hold (``agents.gru:GRUAgent``) resolve to the same modules.
+Old module names that configs and pickles already hold (``agents.gru:GRUAgent``) resolve to
+the modules' current names (:mod:`rl_replay._compat`).
 
 Errors are :class:`~rl_replay.errors.SetupError` (a ``ValueError``), one line of the form
 ``<key> '<value>': <what is wrong>``. Parsing imports nothing, so :mod:`rl_replay.config`
@@ -20,7 +19,6 @@ checks the grammar without loading the trainer side.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import io
 import pickle
 import re
@@ -28,13 +26,19 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any
 
+from rl_replay._compat import current_module_name
 from rl_replay.errors import SetupError
 
-__all__ = ["parse_target", "split_env_id", "is_short_name", "current_module_name", "import_module",
-           "resolve", "canonical_target", "unpickle"]
-
-# old top-level package -> where it lives now
-RENAMED_PACKAGES = {"agents": "rl_replay.agents", "envs": "rl_replay.envs"}
+__all__ = [
+    "parse_target",
+    "split_env_id",
+    "is_short_name",
+    "current_module_name",
+    "import_module",
+    "resolve",
+    "canonical_target",
+    "unpickle",
+]
 
 _MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 _FORM = "'package.module:Name' (or 'package.module.Name')"
@@ -69,23 +73,6 @@ def split_env_id(env_id: str) -> tuple[str | None, str]:
     if not (_MODULE.fullmatch(module) and name):
         raise SetupError(f"env.id '{env_id}' must look like 'package.module:EnvId-v0' or a registered id.")
     return module, name
-
-
-def current_module_name(module: str) -> str:
-    """``module``, or its new name if it is one of the old top-level packages' modules.
-
-    ``agents.gru`` becomes ``rl_replay.agents.gru`` only where that module exists, so a
-    user's own package that happens to be called ``agents`` keeps resolving to itself.
-    """
-    top, dot, rest = module.partition(".")
-    if top not in RENAMED_PACKAGES:
-        return module
-    renamed = RENAMED_PACKAGES[top] + dot + rest
-    try:
-        found = importlib.util.find_spec(renamed) is not None
-    except ImportError:  # a parent of ``renamed`` does not exist
-        found = False
-    return renamed if found else module
 
 
 def import_module(module: str, what: str) -> ModuleType:

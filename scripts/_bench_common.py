@@ -26,7 +26,8 @@ import sys
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -95,15 +96,18 @@ def source_state() -> str:
     """The commit benchmarked and whether the engine's files differ from it."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "rl_replay"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "rl_replay"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
     except Exception:  # pragma: no cover - no git
         return "source: unknown (no git)"
     return f"source: rl_replay at {head or '?'}" + (
-        f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
+        f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
+    )
 
 
 def describe_machine() -> str:
@@ -111,8 +115,10 @@ def describe_machine() -> str:
     load = i.get("loadavg")
     load_s = f", load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}" if load else ""
     gpu = f", GPU {i['gpu']}" if i.get("gpu") else ", no CUDA"
-    return (f"machine: {i.get('cpu')} ({i['nproc']} CPUs, {i.get('mem_total_gib', '?')} GiB RAM)"
-            f"{gpu}, torch {i['torch']}, python {i['python']}{load_s}\n{source_state()}")
+    return (
+        f"machine: {i.get('cpu')} ({i['nproc']} CPUs, {i.get('mem_total_gib', '?')} GiB RAM)"
+        f"{gpu}, torch {i['torch']}, python {i['python']}{load_s}\n{source_state()}"
+    )
 
 
 # ----------------------------------------------------------------------------- memory
@@ -260,8 +266,7 @@ class LiveTensorCensus:
 
         return torch.autograd.graph.saved_tensors_hooks(pack, unpack_inner)
 
-    def live_bytes(self, extra: Iterable[torch.Tensor] = (), slab_used: dict[int, int] | None = None
-                   ) -> dict[str, int]:
+    def live_bytes(self, extra: Iterable[torch.Tensor] = (), slab_used: dict[int, int] | None = None) -> dict[str, int]:
         """``{device_type: bytes}`` of storages alive now that were not alive before.
 
         ``extra``: tensors only C++ holds (e.g. ``p.grad``) to include as well.
@@ -293,8 +298,7 @@ class LiveTensorCensus:
 
 # ----------------------------------------------------------------------------- gradients
 def grad_snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {n: (None if p.grad is None else p.grad.detach().cpu().clone())
-            for n, p in model.named_parameters()}
+    return {n: (None if p.grad is None else p.grad.detach().cpu().clone()) for n, p in model.named_parameters()}
 
 
 def grad_diff(got: dict, ref: dict) -> tuple[float, float]:
@@ -341,8 +345,15 @@ def _forkserver_context(preload: list[str]):
     return ctx
 
 
-def run_isolated(fn: Callable[[dict], dict], spec: dict, *, script: str, launcher: str,
-                 timeout: float, preload: list[str] | None = None) -> dict:
+def run_isolated(
+    fn: Callable[[dict], dict],
+    spec: dict,
+    *,
+    script: str,
+    launcher: str,
+    timeout: float,
+    preload: list[str] | None = None,
+) -> dict:
     """Run ``fn(spec)`` in a fresh process and return its result dict.
 
     ``launcher="forkserver"``: a child forked from a server process that imported the
@@ -360,11 +371,10 @@ def run_isolated(fn: Callable[[dict], dict], spec: dict, *, script: str, launche
             return {"error": f"timed out after {timeout:.0f} s"}
         for line in proc.stdout.splitlines():
             if line.startswith(WORKER_PREFIX):
-                result = json.loads(line[len(WORKER_PREFIX):])
+                result = json.loads(line[len(WORKER_PREFIX) :])
                 result["process_s"] = time.perf_counter() - start
                 return result
-        return {"error": f"worker exited {proc.returncode} without a result",
-                "traceback": proc.stderr[-4000:]}
+        return {"error": f"worker exited {proc.returncode} without a result", "traceback": proc.stderr[-4000:]}
     ctx = _forkserver_context(preload or ["torch"])
     parent, child = ctx.Pipe(duplex=False)
     proc = ctx.Process(target=_child_main, args=(fn, spec, child))
@@ -382,8 +392,10 @@ def run_isolated(fn: Callable[[dict], dict], spec: dict, *, script: str, launche
             result = {"error": f"timed out after {timeout:.0f} s"}
         else:
             proc.join()
-            result = {"error": f"worker died with exit code {proc.exitcode}"
-                      + (" (killed: out of memory?)" if proc.exitcode == -9 else "")}
+            result = {
+                "error": f"worker died with exit code {proc.exitcode}"
+                + (" (killed: out of memory?)" if proc.exitcode == -9 else "")
+            }
     proc.join(timeout=30)
     if proc.is_alive():  # pragma: no cover
         proc.kill()
@@ -400,4 +412,3 @@ def worker_cli(fn: Callable[[dict], dict], argv_spec: str) -> int:
         result = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
     print(WORKER_PREFIX + json.dumps(result), flush=True)
     return 0 if "error" not in result else 1
-

@@ -13,17 +13,16 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _bench_common import LiveTensorCensus, MemoryMeter, grad_diff, grad_snapshot, median, set_threads
+from _bench_policies import build_policy
 from torch.utils.checkpoint import checkpoint
 
 import rl_replay
-from _bench_common import LiveTensorCensus, MemoryMeter, grad_diff, grad_snapshot, median, set_threads
-from _bench_policies import build_policy
 
 METHODS = ("plain", "checkpoint", "checkpoint_cpu", "rl_replay")
 
 
-def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_seed=1234,
-                 loss="per-step"):
+def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_seed=1234, loss="per-step"):
     """One rollout of T policy calls; returns the scalar loss (attached to autograd).
 
     The per-step data (observation, action, advantage, return) comes from a private
@@ -48,8 +47,7 @@ def rollout_loss(policy, cfg, method, T, device, *, acc=None, census=None, data_
     offload = None
     if method == "checkpoint_cpu":
         pin = device.type == "cuda"
-        offload = (census.offload_hooks(pin) if census is not None
-                   else torch.autograd.graph.save_on_cpu(pin_memory=pin))
+        offload = census.offload_hooks(pin) if census is not None else torch.autograd.graph.save_on_cpu(pin_memory=pin)
         offload.__enter__()
     hooks = census.hooks() if (census is not None and offload is None) else None
     if hooks is not None:
@@ -159,10 +157,16 @@ def worker(spec: dict) -> dict:
     loss_kind = spec.get("loss", "per-step")
     policy = build_policy(cfg, seed=spec.get("seed", 0)).to(device)
     params = list(policy.parameters())
-    result: dict = dict(policy=spec["policy"], T=T, method=method, device=device.type, loss=loss_kind,
-                        threads=torch.get_num_threads(),
-                        params=sum(p.numel() for p in params),
-                        param_bytes=sum(p.numel() * p.element_size() for p in params))
+    result: dict = dict(
+        policy=spec["policy"],
+        T=T,
+        method=method,
+        device=device.type,
+        loss=loss_kind,
+        threads=torch.get_num_threads(),
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+    )
 
     # Warm-up (lazy kernel/allocator initialisation must not count as this method's
     # memory); the second, timed one tells how long this configuration would take.
@@ -174,8 +178,9 @@ def worker(spec: dict) -> dict:
     mode, reps, est = plan_reps(spec, f / warm_T, (f + b) / warm_T)
     result.update(mode=mode, estimate_s=est)
     if mode == "skip":
-        result["skipped"] = (f"skipped: would take ~{est:.0f} s for one rollout + backward "
-                             f"(budget {spec['budget_s']:.0f} s)")
+        result["skipped"] = (
+            f"skipped: would take ~{est:.0f} s for one rollout + backward (budget {spec['budget_s']:.0f} s)"
+        )
         return result
     gc.collect()
 
@@ -231,13 +236,20 @@ def worker(spec: dict) -> dict:
         del loss, acc
         policy.zero_grad(set_to_none=True)
     totals = [f + b for f, b in zip(fwds, bwds)]
-    result.update(fwd_s=median(fwds), bwd_s=median(bwds), total_s=median(totals),
-                  fwd_all=fwds, bwd_all=bwds, fwd_rep0=fwd0, bwd_rep0=bwd0, timing_reps=len(fwds))
+    result.update(
+        fwd_s=median(fwds),
+        bwd_s=median(bwds),
+        total_s=median(totals),
+        fwd_all=fwds,
+        bwd_all=bwds,
+        fwd_rep0=fwd0,
+        bwd_rep0=bwd0,
+        timing_reps=len(fwds),
+    )
     if replay_s:
         result["replay_seconds"] = median(replay_s)
     if method.startswith("rl_replay"):
         # One extra forward: what the recompute costs at the least.
-        ng = [run_once(policy, cfg, "nograd", T, device, loss_kind=loss_kind)[2]
-              for _ in range(max(1, reps))]
+        ng = [run_once(policy, cfg, "nograd", T, device, loss_kind=loss_kind)[2] for _ in range(max(1, reps))]
         result["nograd_fwd_s"] = median(ng)
     return result

@@ -19,6 +19,8 @@ POLICIES: dict[str, dict] = {
     "tiny_gru": dict(kind="gru", obs=8, width=32, layers=2, hidden=16, actions=4, batch=4),
     "tiny_mlp": dict(kind="mlp", obs=8, width=32, layers=3, actions=4, batch=4),
 }
+
+
 def encoder(obs: int, width: int, layers: int) -> nn.Sequential:
     mods: list[nn.Module] = []
     for _ in range(layers):

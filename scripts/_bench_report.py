@@ -43,9 +43,14 @@ def fmt_s(s: float | None) -> str:
 def add_write_docs_argument(parser: argparse.ArgumentParser, section: str) -> None:
     """``--write-docs [PATH]``: opt in to updating the ``section`` of a markdown file."""
     parser.add_argument(
-        "--write-docs", nargs="?", const=DOCS, default=None, metavar="PATH",
+        "--write-docs",
+        nargs="?",
+        const=DOCS,
+        default=None,
+        metavar="PATH",
         help=f"update the marked section '{section}' of PATH (default {os.path.relpath(DOCS, ROOT)}) "
-             "with the results; without it nothing but --json / --plot-dir output is written")
+        "with the results; without it nothing but --json / --plot-dir output is written",
+    )
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, section: str) -> None:
@@ -60,8 +65,10 @@ def add_worker_arguments(parser: argparse.ArgumentParser, section: str) -> None:
 def refuse_smoke_docs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """--smoke numbers are a test of the script, not results: never documented."""
     if getattr(args, "smoke", False) and args.write_docs:
-        parser.error("--smoke measures tiny policies to test the script; its numbers do not go into "
-                     "the docs: drop --write-docs, or drop --smoke to measure the real configuration")
+        parser.error(
+            "--smoke measures tiny policies to test the script; its numbers do not go into "
+            "the docs: drop --write-docs, or drop --smoke to measure the real configuration"
+        )
 
 
 def write_section(path: str, name: str, body: str) -> None:

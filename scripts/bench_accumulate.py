@@ -29,14 +29,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-
-import rl_replay  # noqa: E402
 from _bench_common import (  # noqa: E402
-    GLIBC_NOTE, LiveTensorCensus, MemoryMeter, describe_machine, load_line, grad_diff, grad_snapshot, median,
-    run_isolated, set_threads, worker_cli,
+    GLIBC_NOTE,
+    LiveTensorCensus,
+    MemoryMeter,
+    describe_machine,
+    grad_diff,
+    grad_snapshot,
+    load_line,
+    median,
+    run_isolated,
+    set_threads,
+    worker_cli,
 )
 from _bench_policies import MLPPolicy  # noqa: E402
 from _bench_report import add_worker_arguments, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
+
+import rl_replay  # noqa: E402
 
 PRELOAD = ["torch", "tensordict", "rl_replay", "_bench_common", "_bench_policies"]
 POLICY = dict(kind="mlp", obs=64, width=2048, layers=4, actions=8, batch=8)
@@ -70,7 +79,9 @@ def helper_checkpoint_fsdp_forward(model, accumulated, *, context_fn=None, **kwa
             tensors = [args[index] for index in ctx.tensor_indices]
             ctx.input_requires_grad = [value.requires_grad for value in tensors]
             ctx.save_for_backward(*tensors)
-            forward_context, ctx.replay_context = context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+            forward_context, ctx.replay_context = (
+                context_fn() if context_fn is not None else (nullcontext(), nullcontext())
+            )
             ctx.cpu_rng = torch.get_rng_state()
             ctx.cuda_rng = torch.cuda.get_rng_state(device) if cuda_devices else None
             ctx.autocast = torch.is_autocast_enabled(device.type)
@@ -90,20 +101,28 @@ def helper_checkpoint_fsdp_forward(model, accumulated, *, context_fn=None, **kwa
             # Clear gradient slots; the separate accumulator preserves earlier block gradients.
             previous_grads = [accumulated.get(parameter) for parameter in parameters]
             model.zero_grad(set_to_none=True)
-            tensors = [value.detach().requires_grad_(requires_grad)
-                       for value, requires_grad in zip(ctx.saved_tensors, ctx.input_requires_grad)]
+            tensors = [
+                value.detach().requires_grad_(requires_grad)
+                for value, requires_grad in zip(ctx.saved_tensors, ctx.input_requires_grad)
+            ]
             args = dict(ctx.other_args)
             args.update(zip(ctx.tensor_indices, tensors))
-            with torch.random.fork_rng(devices=cuda_devices), torch.enable_grad(), \
-                    torch.autocast(device.type, enabled=ctx.autocast, dtype=ctx.autocast_dtype):
+            with (
+                torch.random.fork_rng(devices=cuda_devices),
+                torch.enable_grad(),
+                torch.autocast(device.type, enabled=ctx.autocast, dtype=ctx.autocast_dtype),
+            ):
                 torch.set_rng_state(ctx.cpu_rng)
                 if cuda_devices:
                     torch.cuda.set_rng_state(ctx.cuda_rng, device)
                 with ctx.replay_context:
                     outputs = model(**{key: args[index] for index, key in enumerate(keys)})
             outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
-            active = [(output, grad) for output, grad in zip(outputs, output_grads)
-                      if grad is not None and output.requires_grad]
+            active = [
+                (output, grad)
+                for output, grad in zip(outputs, output_grads)
+                if grad is not None and output.requires_grad
+            ]
             if active:
                 torch.autograd.backward([output for output, _ in active], [grad for _, grad in active])
             # FSDP completes reduce-scatter and offload before accumulating local shards.
@@ -154,8 +173,12 @@ def worker(spec: dict) -> dict:
     torch.manual_seed(0)
     policy = MLPPolicy(**cfg)
     params = list(policy.parameters())
-    result = dict(method=method, T=T, params=sum(p.numel() for p in params),
-                  param_bytes=sum(p.numel() * p.element_size() for p in params))
+    result = dict(
+        method=method,
+        T=T,
+        params=sum(p.numel() for p in params),
+        param_bytes=sum(p.numel() * p.element_size() for p in params),
+    )
     loss, _ = rollout_loss(policy, cfg, method, min(T, 4))  # warm-up
     loss.backward()
     policy.zero_grad(set_to_none=True)
@@ -195,34 +218,50 @@ def worker(spec: dict) -> dict:
         del loss, acc
         policy.zero_grad(set_to_none=True)
         gc.collect()
-    result.update(fwd_s=median(fwds), bwd_s=median(bwds), fwd_all=fwds, bwd_all=bwds,
-                  live_fwd_bytes=live[0], live_after_bwd_bytes=live_after[0], rss_fwd_growth=rss_fwd[0], rss_bwd_growth=rss_total[0],
-                  rss_bwd_growth_all=rss_total)
+    result.update(
+        fwd_s=median(fwds),
+        bwd_s=median(bwds),
+        fwd_all=fwds,
+        bwd_all=bwds,
+        live_fwd_bytes=live[0],
+        live_after_bwd_bytes=live_after[0],
+        rss_fwd_growth=rss_fwd[0],
+        rss_bwd_growth=rss_total[0],
+        rss_bwd_growth_all=rss_total,
+    )
     return result
 
 
 def report(results: dict[str, dict]) -> tuple[list[str], str, str]:
     """(markdown table lines, summary line, gradient-check line) of the workers' results."""
     h, rr = results["helper"], results["rl_replay"]
-    lines = ["| method | rollout fwd | backward (median) | backward runs | tensors alive after backward "
-             "| peak RSS growth in backward | grad max abs / rel diff vs plain |",
-             "|---|---:|---:|---|---:|---:|---:|"]
+    lines = [
+        "| method | rollout fwd | backward (median) | backward runs | tensors alive after backward "
+        "| peak RSS growth in backward | grad max abs / rel diff vs plain |",
+        "|---|---:|---:|---|---:|---:|---:|",
+    ]
     for m in METHODS:
         r = results[m]
         g = f"{r['grad_abs']:.1e} / {r['grad_rel']:.1e}" if "grad_abs" in r else "(reference)"
-        lines.append(f"| {m} | {fmt_s(r['fwd_s'])} | {fmt_s(r['bwd_s'])} | "
-                     f"{', '.join(fmt_s(b) for b in r['bwd_all'])} | {fmt_bytes(r['live_after_bwd_bytes'])} | "
-                     f"{fmt_bytes(r['rss_bwd_growth'])} | {g} |")
-    summary = (f"summary accumulate: backward time rl_replay/helper = {rr['bwd_s'] / h['bwd_s']:.2f}x "
-               f"({fmt_s(rr['bwd_s'])} vs {fmt_s(h['bwd_s'])}); peak RSS growth in backward "
-               f"rl_replay/helper = {rr['rss_bwd_growth'] / max(1, h['rss_bwd_growth']):.2f}x "
-               f"({fmt_bytes(rr['rss_bwd_growth'])} vs {fmt_bytes(h['rss_bwd_growth'])}; "
-               f"one fp32 gradient = {fmt_bytes(rr['param_bytes'])}); tensors alive after backward "
-               f"rl_replay {fmt_bytes(rr['live_after_bwd_bytes'])} vs helper {fmt_bytes(h['live_after_bwd_bytes'])}")
+        lines.append(
+            f"| {m} | {fmt_s(r['fwd_s'])} | {fmt_s(r['bwd_s'])} | "
+            f"{', '.join(fmt_s(b) for b in r['bwd_all'])} | {fmt_bytes(r['live_after_bwd_bytes'])} | "
+            f"{fmt_bytes(r['rss_bwd_growth'])} | {g} |"
+        )
+    summary = (
+        f"summary accumulate: backward time rl_replay/helper = {rr['bwd_s'] / h['bwd_s']:.2f}x "
+        f"({fmt_s(rr['bwd_s'])} vs {fmt_s(h['bwd_s'])}); peak RSS growth in backward "
+        f"rl_replay/helper = {rr['rss_bwd_growth'] / max(1, h['rss_bwd_growth']):.2f}x "
+        f"({fmt_bytes(rr['rss_bwd_growth'])} vs {fmt_bytes(h['rss_bwd_growth'])}; "
+        f"one fp32 gradient = {fmt_bytes(rr['param_bytes'])}); tensors alive after backward "
+        f"rl_replay {fmt_bytes(rr['live_after_bwd_bytes'])} vs helper {fmt_bytes(h['live_after_bwd_bytes'])}"
+    )
     worst_abs = max(r["grad_abs"] for r in (h, rr))
     worst_rel = max(r["grad_rel"] for r in (h, rr))
-    grad_line = (f"gradient check: worst abs diff {worst_abs:.3e}, worst rel diff {worst_rel:.3e} "
-                 "(helper and rl_replay vs plain autograd)")
+    grad_line = (
+        f"gradient check: worst abs diff {worst_abs:.3e}, worst rel diff {worst_rel:.3e} "
+        "(helper and rl_replay vs plain autograd)"
+    )
     return lines, summary, grad_line
 
 
@@ -242,8 +281,11 @@ def main(argv=None) -> int:
     print(describe_machine(), f"| {args.threads} thread(s), launcher {args.launcher}", flush=True)
     with torch.device("meta"):
         n = sum(p.numel() for p in MLPPolicy(**cfg).parameters())
-    print(f"policy: MLP {cfg} = {n / 1e6:.2f} M parameters ({fmt_bytes(4 * n)} of fp32 gradient); "
-          f"T = {T} blocks; {reps} rep(s) per method, each method in a fresh process", flush=True)
+    print(
+        f"policy: MLP {cfg} = {n / 1e6:.2f} M parameters ({fmt_bytes(4 * n)} of fp32 gradient); "
+        f"T = {T} blocks; {reps} rep(s) per method, each method in a fresh process",
+        flush=True,
+    )
     results = {}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_accumulate_") as tmp:
@@ -254,17 +296,21 @@ def main(argv=None) -> int:
                 spec["grad_out"] = ref
             else:
                 spec["grad_ref"] = ref
-            r = run_isolated(worker, spec, script=os.path.abspath(__file__), launcher=args.launcher,
-                             timeout=1800, preload=PRELOAD)
+            r = run_isolated(
+                worker, spec, script=os.path.abspath(__file__), launcher=args.launcher, timeout=1800, preload=PRELOAD
+            )
             if "error" in r:
                 print(f"{method}: ERROR {r['error']}\n{r.get('traceback', '')}")
                 return 1
             results[method] = r
             g = f"  grad vs plain: abs {r['grad_abs']:.1e} rel {r['grad_rel']:.1e}" if "grad_abs" in r else ""
-            print(f"{method:<10} fwd {fmt_s(r['fwd_s']):>9}  backward {fmt_s(r['bwd_s']):>9} "
-                  f"(all {', '.join(fmt_s(b) for b in r['bwd_all'])})  live after fwd "
-                  f"{fmt_bytes(r['live_fwd_bytes']):>10}  live after bwd {fmt_bytes(r['live_after_bwd_bytes']):>10}  peak RSS growth: fwd {fmt_bytes(r['rss_fwd_growth'])}, "
-                  f"bwd {fmt_bytes(r['rss_bwd_growth'])}{g}", flush=True)
+            print(
+                f"{method:<10} fwd {fmt_s(r['fwd_s']):>9}  backward {fmt_s(r['bwd_s']):>9} "
+                f"(all {', '.join(fmt_s(b) for b in r['bwd_all'])})  live after fwd "
+                f"{fmt_bytes(r['live_fwd_bytes']):>10}  live after bwd {fmt_bytes(r['live_after_bwd_bytes']):>10}  peak RSS growth: fwd {fmt_bytes(r['rss_fwd_growth'])}, "
+                f"bwd {fmt_bytes(r['rss_bwd_growth'])}{g}",
+                flush=True,
+            )
     lines, summary, grad_line = report(results)
     print()
     print("\n".join(lines))
@@ -272,9 +318,10 @@ def main(argv=None) -> int:
     print(summary)
     print(grad_line)
     if args.write_docs:
-        head = (f"MLP {cfg} = {n / 1e6:.2f} M parameters, T = {T} blocks, {reps} runs per method\n\n")
-        write_section(args.write_docs, "bench_accumulate",
-                      head + "\n".join(lines) + f"\n\n    {summary}\n    {grad_line}\n")
+        head = f"MLP {cfg} = {n / 1e6:.2f} M parameters, T = {T} blocks, {reps} runs per method\n\n"
+        write_section(
+            args.write_docs, "bench_accumulate", head + "\n".join(lines) + f"\n\n    {summary}\n    {grad_line}\n"
+        )
     print(GLIBC_NOTE)
     print(f"wall time {time.perf_counter() - t_start:.0f} s; {load_line()}")
     return 0

@@ -36,15 +36,24 @@ def main() -> int:
     import torch
 
     from rl_replay.config import load_config
-    from rl_replay.run_checkpoint import load_trainer, read_trainer_state, save_trainer
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
+    from rl_replay.run.trainer_checkpoint import load_trainer, read_trainer_state, save_trainer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cfg = load_config(args.config, [*args.overrides, f"run_dir={run_dir}", "log.progress=false",
-                                        "log.wandb_mode=disabled", "checkpoint.every=0", "eval.every=0",
-                                        "log.horizon_every=0"])
+        cfg = load_config(
+            args.config,
+            [
+                *args.overrides,
+                f"run_dir={run_dir}",
+                "log.progress=false",
+                "log.wandb_mode=disabled",
+                "checkpoint.every=0",
+                "eval.every=0",
+                "log.horizon_every=0",
+            ],
+        )
         trainer = build(cfg)
         try:
             for _ in range(args.updates):
@@ -54,9 +63,14 @@ def main() -> int:
                 start = time.perf_counter()
                 save_trainer(trainer)
                 saves.append(time.perf_counter() - start)
-            files = {p.name: p.stat().st_size for p in sorted(run_dir.iterdir())
-                     if p.is_file() and not p.name.startswith(".") and "prev" not in p.name
-                     and p.name not in ("config.yaml", "metrics.jsonl")}
+            files = {
+                p.name: p.stat().st_size
+                for p in sorted(run_dir.iterdir())
+                if p.is_file()
+                and not p.name.startswith(".")
+                and "prev" not in p.name
+                and p.name not in ("config.yaml", "metrics.jsonl")
+            }
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 state, _, _ = read_trainer_state(run_dir, trainer.info)
@@ -69,8 +83,18 @@ def main() -> int:
     def summary(xs):
         return {"median_s": round(statistics.median(xs), 4), "min_s": round(min(xs), 4), "max_s": round(max(xs), 4)}
 
-    print(json.dumps({"config": args.config, "files": files, "total_bytes": sum(files.values()),
-                      "save": summary(saves), "load": summary(loads), "repeats": args.repeats}))
+    print(
+        json.dumps(
+            {
+                "config": args.config,
+                "files": files,
+                "total_bytes": sum(files.values()),
+                "save": summary(saves),
+                "load": summary(loads),
+                "repeats": args.repeats,
+            }
+        )
+    )
     return 0
 
 

@@ -1,6 +1,6 @@
 """Training throughput on CartPole-v1 (MLP agent): rl_replay's trainer vs the usual recipe.
 
-* ``rl_replay``: ``rl_replay.trainer.build(load_config('configs/default.yaml', overrides))``
+* ``rl_replay``: ``rl_replay.run.setup.build(load_config('configs/default.yaml', overrides))``
   and ``trainer.step()`` -- the rollout's policy calls as replay blocks (``collector.block_steps``:
   16 by default, the stored rollout replayed in 16-step blocks, one batched call each for this
   stateless MLP; 1, a block per collected step: ``--set collector.block_steps=1``), one backward.
@@ -35,22 +35,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
 from _bench_common import (  # noqa: E402
-    describe_machine, grad_diff, grad_snapshot, load_line, run_isolated, set_threads, worker_cli,
+    describe_machine,
+    grad_diff,
+    grad_snapshot,
+    load_line,
+    run_isolated,
+    set_threads,
+    worker_cli,
 )
 from _bench_report import add_worker_arguments, refuse_smoke_docs, write_section  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CONFIG = os.path.join(ROOT, "configs", "default.yaml")
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "rl_replay.trainer", "_bench_common"]
+PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "rl_replay.run.setup", "_bench_common"]
 
 
 def build_trainer(spec: dict, run_dir: str):
     from rl_replay.config import load_config
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
     overrides = [
         f"env.num_envs={spec['num_envs']}",
@@ -99,25 +104,29 @@ class BatchedA2C:
             action = self.agent.distribution(out).sample()
             valid = ~self.autoreset
             obs, reward, term, trunc, _ = self.envs.step(action.numpy())
-            rows.append(TensorDict(
-                observation=self.obs, is_first=self.is_first, action=action,
-                reward=torch.as_tensor(reward, dtype=torch.float32),
-                terminated=torch.as_tensor(term & valid), truncated=torch.as_tensor(trunc & valid),
-                valid=torch.as_tensor(valid), batch_size=[N],
-            ))
+            rows.append(
+                TensorDict(
+                    observation=self.obs,
+                    is_first=self.is_first,
+                    action=action,
+                    reward=torch.as_tensor(reward, dtype=torch.float32),
+                    terminated=torch.as_tensor(term & valid),
+                    truncated=torch.as_tensor(trunc & valid),
+                    valid=torch.as_tensor(valid),
+                    batch_size=[N],
+                )
+            )
             self.is_first = torch.as_tensor(self.autoreset)
             self.autoreset = term | trunc
             self.obs = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
-        bootstrap = self.agent(observation=self.obs, state=self._state(N),
-                               is_first=self.is_first)["value"]
+        bootstrap = self.agent(observation=self.obs, state=self._state(N), is_first=self.is_first)["value"]
         return torch.stack(rows), bootstrap  # [T, N], [N]
 
     def attach(self, data: TensorDict, bootstrap: torch.Tensor) -> TensorDict:
         """One batched forward over the T*N stored observations -> log_prob, entropy, value."""
         T, N = data.batch_size
         flat = data.reshape(T * N)
-        out = self.agent(observation=flat["observation"], state=self._state(T * N),
-                         is_first=flat["is_first"])
+        out = self.agent(observation=flat["observation"], state=self._state(T * N), is_first=flat["is_first"])
         dist = self.agent.distribution(out)
         data = data.clone(False)
         data.set("log_prob", dist.log_prob(flat["action"]).view(T, N))
@@ -131,13 +140,18 @@ class BatchedA2C:
         from rl_replay.algorithms import optimizer_step
 
         data = self.attach(*self.collect())
-        optimizer_step(self.trainer.algorithm.loss(data, self.cfg.loss), self.trainer.model, self.optimizer,
-                       self.cfg.optim.max_grad_norm, self.trainer.guard)
+        optimizer_step(
+            self.trainer.algorithm.loss(data, self.cfg.loss),
+            self.trainer.model,
+            self.optimizer,
+            self.cfg.optim.max_grad_norm,
+            self.trainer.guard,
+        )
 
 
 def gradient_check(trainer) -> tuple[float, float]:
     """One rl_replay rollout's gradient vs a batched recompute on the same rollout data."""
-    from rl_replay.losses import total_loss
+    from rl_replay.algorithms.losses import total_loss
 
     loss = trainer.algorithm.loss
     model = trainer.model
@@ -178,9 +192,12 @@ def worker(spec: dict) -> dict:
                 step()
                 times.append(time.perf_counter() - t)
             elapsed = time.perf_counter() - t0
-            result.update(env_steps=per_update * spec["updates"], seconds=elapsed,
-                          steps_per_s=per_update * spec["updates"] / elapsed,
-                          median_update_s=float(np.median(times)))
+            result.update(
+                env_steps=per_update * spec["updates"],
+                seconds=elapsed,
+                steps_per_s=per_update * spec["updates"] / elapsed,
+                median_update_s=float(np.median(times)),
+            )
             if spec["method"] == "rl_replay":
                 result["recent_return"] = float(np.mean(trainer.recent_returns)) if trainer.recent_returns else None
             return result
@@ -191,11 +208,14 @@ def worker(spec: dict) -> dict:
 
 def docs_section(args, rep: dict, bat: dict, summary: str, grad_line: str) -> str:
     """The marked docs section: the settings, a table of both methods and the summary lines."""
-    table = ("| method | env steps/s | median update | env steps timed |\n|---|---:|---:|---:|\n" + "".join(
+    table = "| method | env steps/s | median update | env steps timed |\n|---|---:|---:|---:|\n" + "".join(
         f"| {m} | {r['steps_per_s']:.0f} | {r['median_update_s'] * 1e3:.1f} ms | {r['env_steps']} |\n"
-        for m, r in (("rl_replay trainer", rep), ("batched (no-grad rollout + batched recompute)", bat))))
-    head = (f"CartPole-v1, MLPAgent (hidden 64, 64), N = {args.num_envs}, T = {args.num_steps}, "
-            f"{args.updates} timed updates after 1 warm-up\n\n")
+        for m, r in (("rl_replay trainer", rep), ("batched (no-grad rollout + batched recompute)", bat))
+    )
+    head = (
+        f"CartPole-v1, MLPAgent (hidden 64, 64), N = {args.num_envs}, T = {args.num_steps}, "
+        f"{args.updates} timed updates after 1 warm-up\n\n"
+    )
     return head + table + f"\n    {summary}\n    {grad_line}\n"
 
 
@@ -206,8 +226,13 @@ def main(argv=None) -> int:
     ap.add_argument("--updates", type=int, default=40)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config override for both methods, e.g. --set collector.block_steps=1 (repeatable)")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for both methods, e.g. --set collector.block_steps=1 (repeatable)",
+    )
     add_worker_arguments(ap, "bench_learning")
     args = ap.parse_args(argv)
     if args.worker:
@@ -216,28 +241,46 @@ def main(argv=None) -> int:
     if args.smoke:
         args.num_envs, args.num_steps, args.updates = 2, 8, 3
     print(describe_machine(), f"| {args.threads} thread(s), launcher {args.launcher}", flush=True)
-    print(f"CartPole-v1, agents.mlp:MLPAgent (configs/default.yaml), N = {args.num_envs} envs, "
-          f"T = {args.num_steps} steps, {args.updates} timed updates after 1 warm-up, "
-          "each method in a fresh process", flush=True)
+    print(
+        f"CartPole-v1, agents.mlp:MLPAgent (configs/default.yaml), N = {args.num_envs} envs, "
+        f"T = {args.num_steps} steps, {args.updates} timed updates after 1 warm-up, "
+        "each method in a fresh process",
+        flush=True,
+    )
     t_start = time.perf_counter()
     results = {}
     for method in ("rl_replay", "batched"):
-        spec = dict(method=method, num_envs=args.num_envs, num_steps=args.num_steps,
-                    updates=args.updates, threads=args.threads, seed=args.seed, set=args.set)
-        r = run_isolated(worker, spec, script=os.path.abspath(__file__), launcher=args.launcher,
-                         timeout=1800, preload=PRELOAD)
+        spec = dict(
+            method=method,
+            num_envs=args.num_envs,
+            num_steps=args.num_steps,
+            updates=args.updates,
+            threads=args.threads,
+            seed=args.seed,
+            set=args.set,
+        )
+        r = run_isolated(
+            worker, spec, script=os.path.abspath(__file__), launcher=args.launcher, timeout=1800, preload=PRELOAD
+        )
         if "error" in r:
             print(f"{method}: ERROR {r['error']}\n{r.get('traceback', '')}")
             return 1
         results[method] = r
-        print(f"{method:<10} {r['steps_per_s']:.0f} env steps/s  ({r['env_steps']} steps in "
-              f"{r['seconds']:.2f} s, median update {r['median_update_s'] * 1e3:.1f} ms)", flush=True)
+        print(
+            f"{method:<10} {r['steps_per_s']:.0f} env steps/s  ({r['env_steps']} steps in "
+            f"{r['seconds']:.2f} s, median update {r['median_update_s'] * 1e3:.1f} ms)",
+            flush=True,
+        )
     rep, bat = results["rl_replay"], results["batched"]
-    grad_line = (f"gradient check: worst abs diff {rep['grad_abs']:.3e}, worst rel diff {rep['grad_rel']:.3e} "
-                 "(one rollout: replayed blocks vs batched recompute on the same data)")
-    summary = (f"summary learning: rl_replay {rep['steps_per_s']:.0f} steps/s, batched no-grad + recompute "
-               f"{bat['steps_per_s']:.0f} steps/s, ratio rl_replay/batched = "
-               f"{rep['steps_per_s'] / bat['steps_per_s']:.2f}")
+    grad_line = (
+        f"gradient check: worst abs diff {rep['grad_abs']:.3e}, worst rel diff {rep['grad_rel']:.3e} "
+        "(one rollout: replayed blocks vs batched recompute on the same data)"
+    )
+    summary = (
+        f"summary learning: rl_replay {rep['steps_per_s']:.0f} steps/s, batched no-grad + recompute "
+        f"{bat['steps_per_s']:.0f} steps/s, ratio rl_replay/batched = "
+        f"{rep['steps_per_s'] / bat['steps_per_s']:.2f}"
+    )
     print(grad_line)
     print(summary)
     if args.write_docs:

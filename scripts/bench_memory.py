@@ -54,17 +54,29 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from _bench_common import GLIBC_NOTE, describe_machine, load_line, run_isolated, set_threads, worker_cli  # noqa: E402
 from _bench_memory_report import (  # noqa: E402
-    analyse, docs_section, markdown_table, ok, plot, result_line, summary_line,
+    analyse,
+    docs_section,
+    markdown_table,
+    ok,
+    plot,
+    result_line,
+    summary_line,
 )
 from _bench_memory_worker import METHODS, run_once, worker  # noqa: E402
 from _bench_policies import POLICIES, build_policy, count_params  # noqa: E402
 from _bench_report import add_write_docs_argument, refuse_smoke_docs, write_section  # noqa: E402
 
-PRELOAD = ["torch", "torch.utils.checkpoint", "tensordict", "rl_replay", "_bench_common", "_bench_policies",
-           "_bench_memory_worker"]
+PRELOAD = [
+    "torch",
+    "torch.utils.checkpoint",
+    "tensordict",
+    "rl_replay",
+    "_bench_common",
+    "_bench_policies",
+    "_bench_memory_worker",
+]
 DEFAULT_TS = (64, 256, 1024, 4096)
 
 
@@ -105,8 +117,7 @@ def run_policy(policy: str, args, tmpdir: str, log, deadline: float) -> list[dic
             est_b = estimate_plain_bytes(prev.get(method), T)
             remaining = deadline - time.perf_counter()
             if est_b is not None and est_b > args.mem_budget_gib * 2**30:
-                skipped = (f"skipped: would need {est_b / 2**30:.1f} GiB "
-                           f"(budget {args.mem_budget_gib:g} GiB)")
+                skipped = f"skipped: would need {est_b / 2**30:.1f} GiB (budget {args.mem_budget_gib:g} GiB)"
             elif method in too_slow:
                 skipped = "skipped: over the time budget at a smaller T already"
             elif remaining < 10:
@@ -116,15 +127,31 @@ def run_policy(policy: str, args, tmpdir: str, log, deadline: float) -> list[dic
                 results.append(dict(policy=policy, T=T, method=method, skipped=skipped))
                 continue
             budget = min(args.max_config_seconds, remaining)
-            spec = dict(policy=policy, cfg=cfg, T=T, method=method, reps=args.reps,
-                        threads=args.threads, device=args.device, seed=0, budget_s=budget,
-                        memory_only_ok=not args.smoke, loss=args.loss)
+            spec = dict(
+                policy=policy,
+                cfg=cfg,
+                T=T,
+                method=method,
+                reps=args.reps,
+                threads=args.threads,
+                device=args.device,
+                seed=0,
+                budget_s=budget,
+                memory_only_ok=not args.smoke,
+                loss=args.loss,
+            )
             if ref_file is None:
                 spec["grad_out"] = os.path.join(tmpdir, f"{policy}_{T}_{method}.pt")
             else:
                 spec["grad_ref"], spec["grad_ref_method"] = ref_file, ref_method
-            r = run_isolated(worker, spec, script=os.path.abspath(__file__),
-                             launcher=args.launcher, timeout=max(180.0, 4 * budget), preload=PRELOAD)
+            r = run_isolated(
+                worker,
+                spec,
+                script=os.path.abspath(__file__),
+                launcher=args.launcher,
+                timeout=max(180.0, 4 * budget),
+                preload=PRELOAD,
+            )
             r.setdefault("policy", policy)
             r.setdefault("T", T)
             r.setdefault("method", method)
@@ -189,30 +216,51 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", nargs="+", default=["gru"], choices=sorted(POLICIES))
     ap.add_argument("--T", type=int, nargs="+", help=f"rollout lengths (default {DEFAULT_TS})")
     ap.add_argument("--methods", nargs="+", choices=list(METHODS) + ["rl_replay_td"])
-    ap.add_argument("--reps", type=int, default=2,
-                    help="rollouts after the census rollout; times are the median of all 1 + reps")
+    ap.add_argument(
+        "--reps", type=int, default=2, help="rollouts after the census rollout; times are the median of all 1 + reps"
+    )
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads per worker")
-    ap.add_argument("--loss", choices=["per-step", "stacked"], default="per-step",
-                    help="per-step: A2C terms from one small graph per step (the tables' loss); "
-                         "stacked: the same terms on the stacked (T, B) outputs")
+    ap.add_argument(
+        "--loss",
+        choices=["per-step", "stacked"],
+        default="per-step",
+        help="per-step: A2C terms from one small graph per step (the tables' loss); "
+        "stacked: the same terms on the stacked (T, B) outputs",
+    )
     ap.add_argument("--device", default="auto", help="cpu | cuda | auto")
-    ap.add_argument("--mem-budget-gib", type=float, default=6.0,
-                    help="skip a configuration whose estimated peak exceeds this")
-    ap.add_argument("--max-config-seconds", type=float, default=150.0,
-                    help="per configuration: fewer timing reps, then forward-only memory, then "
-                         "skip, when it is estimated to take longer")
-    ap.add_argument("--budget-seconds", type=float, default=float("inf"),
-                    help="wall-time budget of the whole run; later configurations get what is left")
+    ap.add_argument(
+        "--mem-budget-gib", type=float, default=6.0, help="skip a configuration whose estimated peak exceeds this"
+    )
+    ap.add_argument(
+        "--max-config-seconds",
+        type=float,
+        default=150.0,
+        help="per configuration: fewer timing reps, then forward-only memory, then "
+        "skip, when it is estimated to take longer",
+    )
+    ap.add_argument(
+        "--budget-seconds",
+        type=float,
+        default=float("inf"),
+        help="wall-time budget of the whole run; later configurations get what is left",
+    )
     ap.add_argument("--launcher", choices=["forkserver", "subprocess"], default="forkserver")
     add_write_docs_argument(ap, "bench_memory POLICY ...")
-    ap.add_argument("--plot-dir", help="directory for the plots (default: with --write-docs, the docs "
-                                       "file's directory; otherwise a temporary one)")
+    ap.add_argument(
+        "--plot-dir",
+        help="directory for the plots (default: with --write-docs, the docs "
+        "file's directory; otherwise a temporary one)",
+    )
     ap.add_argument("--json", help="also write all results to this JSON file")
-    ap.add_argument("--merge", action="store_true",
-                    help="with --json: start from the results already in that file; configurations "
-                         "measured now replace the same (policy, T, method) there, skipped ones do not")
-    ap.add_argument("--render-only", action="store_true",
-                    help="measure nothing: tables, plots and docs from the results in --json")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="with --json: start from the results already in that file; configurations "
+        "measured now replace the same (policy, T, method) there, skipped ones do not",
+    )
+    ap.add_argument(
+        "--render-only", action="store_true", help="measure nothing: tables, plots and docs from the results in --json"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny policies, T=8, a few seconds")
     ap.add_argument("--profile", action="store_true", help="cProfile rl_replay for the first --policy")
     ap.add_argument("--verbose", action="store_true")
@@ -229,11 +277,16 @@ def main(argv=None) -> int:
     if args.smoke:
         args.policy = ["tiny_gru", "tiny_mlp"]
         args.reps = min(args.reps, 1)
-    print(describe_machine(), f"| device {args.device}, {args.threads} thread(s) per worker, "
-          f"launcher {args.launcher}", flush=True)
+    print(
+        describe_machine(),
+        f"| device {args.device}, {args.threads} thread(s) per worker, launcher {args.launcher}",
+        flush=True,
+    )
     if args.device == "cpu":
-        print("CUDA column: not measured (no CUDA device); the torch.cuda.max_memory_allocated "
-              "path runs with --device cuda.")
+        print(
+            "CUDA column: not measured (no CUDA device); the torch.cuda.max_memory_allocated "
+            "path runs with --device cuda."
+        )
     print(GLIBC_NOTE, flush=True)
 
     def log(msg):
@@ -251,8 +304,7 @@ def main(argv=None) -> int:
                 earlier = json.load(fh)["results"]
             all_results = merge_results(earlier, all_results)
             print(f"merged with {len(earlier)} earlier results from {args.json}")
-        plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.write_docs)) if args.write_docs
-                                     else None)
+        plot_dir = args.plot_dir or (os.path.dirname(os.path.abspath(args.write_docs)) if args.write_docs else None)
         analyses = [analyse(all_results, p) for p in args.policy]
         print()
         for p in args.policy:
@@ -270,9 +322,11 @@ def main(argv=None) -> int:
                 print(t)
     worst = [(r["grad_abs"], r["grad_rel"]) for r in all_results if ok(r) and "grad_abs" in r]
     if worst:
-        print(f"gradient check: worst abs diff {max(w[0] for w in worst):.3e}, "
-              f"worst rel diff {max(w[1] for w in worst):.3e} "
-              f"({len(worst)} configurations of checkpoint / checkpoint_cpu / rl_replay vs plain)")
+        print(
+            f"gradient check: worst abs diff {max(w[0] for w in worst):.3e}, "
+            f"worst rel diff {max(w[1] for w in worst):.3e} "
+            f"({len(worst)} configurations of checkpoint / checkpoint_cpu / rl_replay vs plain)"
+        )
     else:
         print("gradient check: nothing compared")
     errors = [r for r in all_results if "error" in r]
@@ -280,11 +334,16 @@ def main(argv=None) -> int:
     print(f"wall time {time.perf_counter() - t_start:.0f} s; {load_line()}")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": describe_machine(), "args": vars(args), "results": all_results,
-                       "analysis": analyses}, fh, indent=1, default=str)
+            json.dump(
+                {"machine": describe_machine(), "args": vars(args), "results": all_results, "analysis": analyses},
+                fh,
+                indent=1,
+                default=str,
+            )
     if args.write_docs:
-        write_section(args.write_docs, "bench_memory " + " ".join(args.policy),
-                      docs_section(all_results, analyses, args.policy))
+        write_section(
+            args.write_docs, "bench_memory " + " ".join(args.policy), docs_section(all_results, analyses, args.policy)
+        )
     return 1 if errors else 0
 
 

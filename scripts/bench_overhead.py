@@ -60,15 +60,22 @@ def build(config: str, overrides: tuple[str, ...] = (), device: str = "cpu"):
     """The agent, observation sampler and action space of a config (one env built to read spaces)."""
     from rl_replay.agent import build_agent
     from rl_replay.config import load_config
-    from rl_replay.environment import make_vector_env
-    from rl_replay.spaces import obs_converter
+    from rl_replay.rollout.environment import make_vector_env
+    from rl_replay.rollout.spaces import obs_converter
 
     cfg = load_config(os.path.join(ROOT, config), overrides)
-    envs = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-                           imports=cfg.env.imports, wrappers=cfg.env.wrappers)
+    envs = make_vector_env(
+        cfg.env.id,
+        1,
+        kwargs=cfg.env.kwargs,
+        max_episode_steps=cfg.env.max_episode_steps,
+        imports=cfg.env.imports,
+        wrappers=cfg.env.wrappers,
+    )
     torch.manual_seed(0)
-    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
-                        envs.single_action_space).to(device)
+    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space).to(
+        device
+    )
     convert = obs_converter(envs.single_observation_space, device)
     space = envs.single_observation_space
     envs.close()
@@ -96,7 +103,7 @@ def run_plain(agent, obs, B):
     state = agent.initial_state(B, dev)
     is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
-    for t, o in enumerate(obs):
+    for _t, o in enumerate(obs):
         out = agent(observation=o, state=state, is_first=is_first)
         total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
@@ -111,9 +118,8 @@ def run_replay(agent, obs, B):
     state = agent.initial_state(B, dev)
     is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
-    for t, o in enumerate(obs):
-        out = rl_replay.replay(agent, acc, TensorDict(observation=o, state=state, is_first=is_first,
-                                                      batch_size=[B]))
+    for _t, o in enumerate(obs):
+        out = rl_replay.replay(agent, acc, TensorDict(observation=o, state=state, is_first=is_first, batch_size=[B]))
         total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
     total.backward()
@@ -132,8 +138,8 @@ def run_replay_steps(agent, obs, B, k):
     for t0 in range(0, len(obs), k):
         t1 = min(len(obs), t0 + k)
         heads, state = rl_replay.replay_steps(
-            agent, acc, TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]),
-            state)
+            agent, acc, TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]), state
+        )
         for i in range(t1 - t0):  # the same per-step loss terms as the other loops
             total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long, device=dev))
     total.backward()
@@ -150,8 +156,11 @@ class _BareBlock(torch.autograd.Function):
     def forward(ctx, agent, state_keys, out_keys, anchor, observation, is_first, *state):
         ctx.agent, ctx.state_keys, ctx.out_keys = agent, state_keys, out_keys
         ctx.save_for_backward(observation, is_first, *state)
-        out = agent(observation=observation, is_first=is_first,
-                    state=TensorDict(dict(zip(state_keys, state)), batch_size=[observation.shape[0]]))
+        out = agent(
+            observation=observation,
+            is_first=is_first,
+            state=TensorDict(dict(zip(state_keys, state)), batch_size=[observation.shape[0]]),
+        )
         if not out_keys:
             out_keys.extend(out.keys(include_nested=True, leaves_only=True))
         return tuple(out.get(k) for k in out_keys)
@@ -161,8 +170,11 @@ class _BareBlock(torch.autograd.Function):
         observation, is_first, *state = ctx.saved_tensors
         state = [t.detach().requires_grad_(True) for t in state]
         with torch.enable_grad():
-            out = ctx.agent(observation=observation, is_first=is_first,
-                            state=TensorDict(dict(zip(ctx.state_keys, state)), batch_size=[observation.shape[0]]))
+            out = ctx.agent(
+                observation=observation,
+                is_first=is_first,
+                state=TensorDict(dict(zip(ctx.state_keys, state)), batch_size=[observation.shape[0]]),
+            )
         pairs = [(out.get(k), g) for k, g in zip(ctx.out_keys, grads) if g is not None]
         pairs = [(o, g) for o, g in pairs if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -179,8 +191,7 @@ def run_bare(agent, obs, B):
     out_keys: list = []
     total = 0.0
     for o in obs:
-        leaves = _BareBlock.apply(agent, state_keys, out_keys, anchor, o, is_first,
-                                  *[state.get(k) for k in state_keys])
+        leaves = _BareBlock.apply(agent, state_keys, out_keys, anchor, o, is_first, *[state.get(k) for k in state_keys])
         out = TensorDict({}, batch_size=[B])
         for k, v in zip(out_keys, leaves):
             out.set(k, v)
@@ -203,8 +214,17 @@ def grads(agent):
     return [None if p.grad is None else p.grad.clone() for p in agent.parameters()]
 
 
-def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps: int = 1,
-            device: str = "cpu", compile: bool = False, bare: bool = False) -> dict:
+def measure(
+    config: str,
+    T: int,
+    B: int,
+    repeats: int,
+    overrides=(),
+    block_steps: int = 1,
+    device: str = "cpu",
+    compile: bool = False,
+    bare: bool = False,
+) -> dict:
     module, convert, space = build(config, tuple(overrides), device)
     # The compiled wrapper shares the module's parameters; gradients are read from the module.
     agent = torch.compile(module, dynamic=False) if compile else module
@@ -218,15 +238,19 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     replayed(agent, obs, B)
     g_replay = grads(module)
     agent.zero_grad(set_to_none=True)
-    identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                    for a, b in zip(g_plain, g_replay))
+    identical = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in zip(g_plain, g_replay)
+    )
     loops = [("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)]
     if bare:
         run_bare(agent, obs, B)  # warm-up
         g_bare = grads(module)
         agent.zero_grad(set_to_none=True)
-        bare_identical = all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
-                             for a, b in zip(g_plain, g_bare))
+        bare_identical = all(
+            (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+            for a, b in zip(g_plain, g_bare)
+        )
         loops.append(("bare", run_bare))
     times = {name: [] for name, _ in loops}
     for _ in range(repeats):
@@ -242,14 +266,27 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
     extra = {}
     if bare:
-        extra = {"bare_ms_per_step": ms["bare"], "bare_identical_grads": bare_identical,
-                 "bare_over_plain": statistics.median(b / p for b, p in zip(times["bare"], times["plain"]))}
-    return {**extra,
-        "config": config, "device": device, "compiled": compile, "T": T, "batch": B, "block_steps": block_steps, "repeats": repeats,
+        extra = {
+            "bare_ms_per_step": ms["bare"],
+            "bare_identical_grads": bare_identical,
+            "bare_over_plain": statistics.median(b / p for b, p in zip(times["bare"], times["plain"])),
+        }
+    return {
+        **extra,
+        "config": config,
+        "device": device,
+        "compiled": compile,
+        "T": T,
+        "batch": B,
+        "block_steps": block_steps,
+        "repeats": repeats,
         "identical_grads": identical,
-        "plain_ms_per_step": ms["plain"], "replay_ms_per_step": ms["replay"], "nograd_ms_per_step": ms["nograd"],
+        "plain_ms_per_step": ms["plain"],
+        "replay_ms_per_step": ms["replay"],
+        "nograd_ms_per_step": ms["nograd"],
         "replay_over_plain": statistics.median(ratios),
-        "replay_over_plain_min": min(ratios), "replay_over_plain_max": max(ratios),
+        "replay_over_plain_min": min(ratios),
+        "replay_over_plain_max": max(ratios),
         "floor_over_plain": (ms["plain"] + ms["nograd"]) / ms["plain"],
         "overhead_ms_per_block": statistics.median(overheads),
     }
@@ -257,25 +294,33 @@ def measure(config: str, T: int, B: int, repeats: int, overrides=(), block_steps
 
 def bare_table(rows: list[dict], labels: list[str]) -> str:
     """``--bare``: replay next to the least a replay block can be, both against plain autograd."""
-    lines = ["| agent | T | batch | plain ms/step | bare Function ms/step | replay ms/step | bare / plain | "
-             "replay / plain | floor / plain |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| agent | T | batch | plain ms/step | bare Function ms/step | replay ms/step | bare / plain | "
+        "replay / plain | floor / plain |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, r in zip(labels, rows):
-        lines.append(f"| {label} | {r['T']} | {r['batch']} | {r['plain_ms_per_step']:.3f} | {r['bare_ms_per_step']:.3f} | "
-                     f"{r['replay_ms_per_step']:.3f} | {r['bare_over_plain']:.2f}x | {r['replay_over_plain']:.2f}x | "
-                     f"{r['floor_over_plain']:.2f}x |")
+        lines.append(
+            f"| {label} | {r['T']} | {r['batch']} | {r['plain_ms_per_step']:.3f} | {r['bare_ms_per_step']:.3f} | "
+            f"{r['replay_ms_per_step']:.3f} | {r['bare_over_plain']:.2f}x | {r['replay_over_plain']:.2f}x | "
+            f"{r['floor_over_plain']:.2f}x |"
+        )
     return "\n".join(lines)
 
 
 def table(rows: list[dict], labels: list[str]) -> str:
-    lines = ["| agent | T | batch | steps per block | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
-             "(median, min-max) | floor / plain | overhead ms/block | grads identical |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| agent | T | batch | steps per block | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
+        "(median, min-max) | floor / plain | overhead ms/block | grads identical |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for label, r in zip(labels, rows):
         lines.append(
             f"| {label}{' (compiled)' if r.get('compiled') else ''} | {r['T']} | {r['batch']} | {r['block_steps']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
             f"{r['nograd_ms_per_step']:.3f} | {r['replay_over_plain']:.2f}x ({r['replay_over_plain_min']:.2f}-"
             f"{r['replay_over_plain_max']:.2f}) | {r['floor_over_plain']:.2f}x | {r['overhead_ms_per_block']:.3f} | "
-            f"{'yes' if r['identical_grads'] else 'NO'} |")
+            f"{'yes' if r['identical_grads'] else 'NO'} |"
+        )
     return "\n".join(lines)
 
 
@@ -288,12 +333,20 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--compile", action="store_true", help="run the agent under torch.compile (inductor)")
-    ap.add_argument("--block-steps", type=int, nargs="+", default=[1],
-                    help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)")
+    ap.add_argument(
+        "--block-steps",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="steps per replay block (1: rl_replay.replay per step; k > 1: rl_replay.replay_steps)",
+    )
     ap.add_argument("--all", action="store_true", help="every shipped agent (SHIPPED), as a markdown table")
-    ap.add_argument("--bare", action="store_true",
-                    help="also time a bare replay Function (no checks, no slabs, one nested backward per block): "
-                         "what the design itself costs per one-step block")
+    ap.add_argument(
+        "--bare",
+        action="store_true",
+        help="also time a bare replay Function (no checks, no slabs, one nested backward per block): "
+        "what the design itself costs per one-step block",
+    )
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     ap.add_argument("overrides", nargs="*", help="config overrides, e.g. agent.kwargs.hidden_size=64")
     args = ap.parse_args(argv)
@@ -312,8 +365,19 @@ def main(argv=None) -> int:
         if "lstm" in label.lower():
             overrides.append("agent.target=lstm")
         for k in args.block_steps:
-            rows.append(measure(cfg, T, args.batch, args.repeats, overrides, block_steps=k, device=args.device,
-                                compile=args.compile, bare=args.bare and k == 1))
+            rows.append(
+                measure(
+                    cfg,
+                    T,
+                    args.batch,
+                    args.repeats,
+                    overrides,
+                    block_steps=k,
+                    device=args.device,
+                    compile=args.compile,
+                    bare=args.bare and k == 1,
+                )
+            )
             labels.append(label)
     print(json.dumps(rows, indent=1) if args.json else table(rows, labels))
     bare_rows = [(r, label) for r, label in zip(rows, labels) if "bare_ms_per_step" in r]

@@ -40,16 +40,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gymnasium as gym  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
 from _bench_common import MemoryMeter, describe_machine, run_isolated, set_threads, worker_cli  # noqa: E402
 from _bench_report import fmt_bytes, fmt_s  # noqa: E402
 from bench_ppo import grad_check, plain_optimize  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
-SMOKE = dict(frame=(36, 36, 3), channels=[4, 8, 8], linear=[16], hidden=16, actions=4, envs=4, epochs=1,
-             minibatches=2)
+SMOKE = dict(frame=(36, 36, 3), channels=[4, 8, 8], linear=[16], hidden=16, actions=4, envs=4, epochs=1, minibatches=2)
 LIMIT = 16 * 2**30  # the plain-autograd budget asked about
 
 
@@ -60,25 +58,43 @@ def build(spec: dict, T: int):
     from rl_replay.config import load_config
 
     p = spec["policy"]
-    cfg = load_config(None, [
-        "loss.algorithm=ppo", f"env.num_envs={p['envs']}", f"collector.num_steps={T}",
-        f"ppo.epochs={spec.get('epochs') or p['epochs']}", f"ppo.num_minibatches={p['minibatches']}",
-        "loss.entropy_coef=0.01", "optim.name=adam", "optim.lr=2.5e-4", "log.wandb_mode=disabled",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "loss.algorithm=ppo",
+            f"env.num_envs={p['envs']}",
+            f"collector.num_steps={T}",
+            f"ppo.epochs={spec.get('epochs') or p['epochs']}",
+            f"ppo.num_minibatches={p['minibatches']}",
+            "loss.entropy_coef=0.01",
+            "optim.name=adam",
+            "optim.lr=2.5e-4",
+            "log.wandb_mode=disabled",
+        ],
+    )
     device = torch.device(spec.get("device", "cpu"))
     obs_space = gym.spaces.Box(0, 255, tuple(p["frame"]), np.uint8)
     encoder_kwargs = {} if p["channels"] is None else {"channels": p["channels"]}
     torch.manual_seed(spec.get("seed", 0))
-    agent = build_agent("gru", {"encoder": "nature_cnn", "encoder_sizes": p["linear"], "activation": "relu",
-                                "hidden_size": p["hidden"], "encoder_kwargs": encoder_kwargs},
-                        obs_space, gym.spaces.Discrete(p["actions"])).to(device)
+    agent = build_agent(
+        "gru",
+        {
+            "encoder": "nature_cnn",
+            "encoder_sizes": p["linear"],
+            "activation": "relu",
+            "hidden_size": p["hidden"],
+            "encoder_kwargs": encoder_kwargs,
+        },
+        obs_space,
+        gym.spaces.Discrete(p["actions"]),
+    ).to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)
     return cfg, agent, optimizer, synthetic_rollout(agent, T, p["envs"], tuple(p["frame"]), device)
 
 
 def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: torch.device):
     """A stored rollout as ``Collector.collect(graph=False)`` returns it: seeded uint8 frames."""
-    from rl_replay.collector import Rollout
+    from rl_replay.rollout.collector import Rollout
 
     g = torch.Generator().manual_seed(1234)
     observation = torch.randint(0, 256, (T, N, *frame), generator=g, dtype=torch.uint8).to(device)
@@ -100,11 +116,18 @@ def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: tor
     value = torch.stack(value)
     terminated = torch.cat([is_first[1:], torch.zeros(1, N, dtype=torch.bool, device=device)])
     data = TensorDict(
-        observation=observation, is_first=is_first, action=torch.stack(action),
-        log_prob=torch.stack(log_prob), entropy=torch.stack(entropy), value=value,
-        reward=torch.randn(T, N, generator=g).to(device), terminated=terminated,
-        truncated=torch.zeros_like(is_first), valid=torch.ones_like(is_first),
-        next_value=torch.cat([value[1:], torch.zeros(1, N, device=device)]), batch_size=[T, N],
+        observation=observation,
+        is_first=is_first,
+        action=torch.stack(action),
+        log_prob=torch.stack(log_prob),
+        entropy=torch.stack(entropy),
+        value=value,
+        reward=torch.randn(T, N, generator=g).to(device),
+        terminated=terminated,
+        truncated=torch.zeros_like(is_first),
+        valid=torch.ones_like(is_first),
+        next_value=torch.cat([value[1:], torch.zeros(1, N, device=device)]),
+        batch_size=[T, N],
     )
     return Rollout(data, None, T * N, start_state=start_state)
 
@@ -157,14 +180,18 @@ def summarize(results: dict, Ts: list[int], memory: str) -> list[str]:
     for T, r in rep:
         p = dict(plain).get(T)
         if p:
-            lines.append(f"summary T={T}: {memory} rl_replay/plain {r['peak_growth'] / max(p['peak_growth'], 1):.3f}x, "
-                         f"time rl_replay/plain {r['seconds'] / p['seconds']:.2f}x")
+            lines.append(
+                f"summary T={T}: {memory} rl_replay/plain {r['peak_growth'] / max(p['peak_growth'], 1):.3f}x, "
+                f"time rl_replay/plain {r['seconds'] / p['seconds']:.2f}x"
+            )
     if len(rep) >= 2:
         per_step, const = slope([(T, r["peak_growth"]) for T, r in rep])
         inputs = rep[-1][1]["block_input_bytes"] / rep[-1][0]
         ratio = per_step / inputs
-        lines.append(f"summary rl_replay memory: {fmt_bytes(per_step)} per step + {fmt_bytes(const)}; block inputs "
-                     f"{fmt_bytes(inputs)} per step; ratio {ratio:.2f} ({'within' if ratio <= 1.25 else 'over'} 1.25x)")
+        lines.append(
+            f"summary rl_replay memory: {fmt_bytes(per_step)} per step + {fmt_bytes(const)}; block inputs "
+            f"{fmt_bytes(inputs)} per step; ratio {ratio:.2f} ({'within' if ratio <= 1.25 else 'over'} 1.25x)"
+        )
     if plain:
         over = [T for T, p in plain if p["peak_growth"] > LIMIT]
         if over:
@@ -172,8 +199,10 @@ def summarize(results: dict, Ts: list[int], memory: str) -> list[str]:
         elif len(plain) >= 2:
             per_step, const = slope([(T, p["peak_growth"]) for T, p in plain])
             T16 = (LIMIT - const) / per_step
-            lines.append(f"summary plain autograd: {fmt_bytes(per_step)} per step + {fmt_bytes(const)}; it would pass "
-                         f"16 GiB at T={T16:.0f} (extrapolated from T={plain[0][0]}..{plain[-1][0]}, not measured)")
+            lines.append(
+                f"summary plain autograd: {fmt_bytes(per_step)} per step + {fmt_bytes(const)}; it would pass "
+                f"16 GiB at T={T16:.0f} (extrapolated from T={plain[0][0]}..{plain[-1][0]}, not measured)"
+            )
     return lines
 
 
@@ -202,13 +231,21 @@ def main(argv=None) -> int:
     results = {}
     for T in Ts:
         for method in args.methods:
-            r = run_isolated(worker, {**spec, "T": T, "method": method}, script=os.path.abspath(__file__),
-                             launcher="forkserver", timeout=args.timeout, preload=PRELOAD)
+            r = run_isolated(
+                worker,
+                {**spec, "T": T, "method": method},
+                script=os.path.abspath(__file__),
+                launcher="forkserver",
+                timeout=args.timeout,
+                preload=PRELOAD,
+            )
             results[(T, method)] = r
             if "error" in r:
                 print(f"T={T} {method}: ERROR {r['error']}\n{r.get('traceback', '')}")
                 continue
-            line = f"T={T:<5d} {method:<10s} {memory} {fmt_bytes(r['peak_growth']):>10s}  update {fmt_s(r['seconds']):>9s}"
+            line = (
+                f"T={T:<5d} {method:<10s} {memory} {fmt_bytes(r['peak_growth']):>10s}  update {fmt_s(r['seconds']):>9s}"
+            )
             if r["block_input_bytes"]:
                 line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
             print(line, flush=True)

@@ -8,7 +8,7 @@ steps x N envs; each minibatch holds the whole T-step sequences of N / M envs. T
 2. ``rl_replay``  :meth:`rl_replay.algorithms.ppo.PPO.optimize`, the trainer's code path:
                   each step of the sequence is a replay block.
 
-Both run the same sequence loop (:func:`rl_replay.sequence.replay_sequence`, without and
+Both run the same sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence`, without and
 with a gradient accumulator) and use the same loss (``PPO.loss``), the same minibatch order
 and ``optimizer_step``. The policy is the ``gru`` agent with a 3 x 1024 tanh encoder
 (hidden 512, 64-dim observations, 8 actions), 16 envs, 4 epochs, 4 minibatches; the
@@ -49,12 +49,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gymnasium as gym  # noqa: E402
 import torch  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
-
 from _bench_common import (  # noqa: E402
-    GLIBC_NOTE, MemoryMeter, describe_machine, grad_diff, run_isolated, set_threads, worker_cli,
+    GLIBC_NOTE,
+    MemoryMeter,
+    describe_machine,
+    grad_diff,
+    run_isolated,
+    set_threads,
+    worker_cli,
 )
 from _bench_report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common"]
 FULL = dict(obs=64, encoder=[1024, 1024, 1024], hidden=512, actions=8, envs=16, epochs=4, minibatches=4)
@@ -70,16 +75,25 @@ def build(spec: dict, T: int):
     if spec.get("config"):
         return build_from_config(spec, T)
     p = spec["policy"]
-    cfg = load_config(None, [
-        "loss.algorithm=ppo", f"env.num_envs={p['envs']}", f"collector.num_steps={T}",
-        f"ppo.epochs={spec.get('epochs', p['epochs'])}",
-        f"ppo.num_minibatches={spec.get('minibatches', p['minibatches'])}",
-        "loss.entropy_coef=0.01", "optim.name=adam", "optim.lr=2.5e-4", "log.wandb_mode=disabled",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "loss.algorithm=ppo",
+            f"env.num_envs={p['envs']}",
+            f"collector.num_steps={T}",
+            f"ppo.epochs={spec.get('epochs', p['epochs'])}",
+            f"ppo.num_minibatches={spec.get('minibatches', p['minibatches'])}",
+            "loss.entropy_coef=0.01",
+            "optim.name=adam",
+            "optim.lr=2.5e-4",
+            "log.wandb_mode=disabled",
+        ],
+    )
     obs_space = gym.spaces.Box(-10.0, 10.0, shape=(p["obs"],))
     torch.manual_seed(spec.get("seed", 0))
-    agent = build_agent("gru", {"hidden_size": p["hidden"], "encoder_sizes": p["encoder"]},
-                        obs_space, gym.spaces.Discrete(p["actions"]))
+    agent = build_agent(
+        "gru", {"hidden_size": p["hidden"], "encoder_sizes": p["encoder"]}, obs_space, gym.spaces.Discrete(p["actions"])
+    )
     optimizer = torch.optim.Adam(agent.parameters(), lr=cfg.optim.lr, eps=cfg.optim.eps)
     return cfg, agent, optimizer, synthetic_rollout(agent, T, p["envs"], p["obs"])
 
@@ -88,8 +102,8 @@ def build_from_config(spec: dict, T: int):
     """(cfg, agent, optimizer, rollout) with a shipped config's agent, envs and PPO settings."""
     from rl_replay.agent import build_agent
     from rl_replay.config import load_config
-    from rl_replay.environment import make_vector_env
-    from rl_replay.trainer import make_optimizer
+    from rl_replay.rollout.environment import make_vector_env
+    from rl_replay.run.setup import make_optimizer
 
     overrides = [f"collector.num_steps={T}", "log.wandb_mode=disabled"]
     if spec.get("epochs"):
@@ -98,14 +112,18 @@ def build_from_config(spec: dict, T: int):
     cfg = load_config(spec["config"], overrides)
     if cfg.loss.algorithm != "ppo":
         raise SystemExit(f"bench_ppo: {spec['config']} trains with {cfg.loss.algorithm!r}, not ppo")
-    probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, imports=cfg.env.imports,
-                            wrappers=cfg.env.wrappers)
+    probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, imports=cfg.env.imports, wrappers=cfg.env.wrappers)
     obs_space, act_space = probe.single_observation_space, probe.single_action_space
     probe.close()
-    if not (isinstance(obs_space, gym.spaces.Box) and len(obs_space.shape) == 1
-            and isinstance(act_space, gym.spaces.Discrete)):
-        raise SystemExit(f"bench_ppo: --config needs a flat Box observation and a Discrete action space; "
-                         f"{cfg.env.id} has {obs_space} and {act_space}")
+    if not (
+        isinstance(obs_space, gym.spaces.Box)
+        and len(obs_space.shape) == 1
+        and isinstance(act_space, gym.spaces.Discrete)
+    ):
+        raise SystemExit(
+            f"bench_ppo: --config needs a flat Box observation and a Discrete action space; "
+            f"{cfg.env.id} has {obs_space} and {act_space}"
+        )
     torch.manual_seed(spec.get("seed", 0))
     agent = build_agent(cfg.agent.target, cfg.agent.kwargs, obs_space, act_space)
     optimizer = make_optimizer(agent.parameters(), cfg.optim)
@@ -114,7 +132,7 @@ def build_from_config(spec: dict, T: int):
 
 def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
     """A stored rollout as ``Collector.collect(graph=False)`` returns it, from seeded data."""
-    from rl_replay.collector import Rollout
+    from rl_replay.rollout.collector import Rollout
 
     g = torch.Generator().manual_seed(1234)
     observation = torch.randn(T, N, obs_dim, generator=g)
@@ -136,11 +154,18 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
     value = torch.stack(value)
     terminated = torch.cat([is_first[1:], torch.zeros(1, N, dtype=torch.bool)])
     data = TensorDict(
-        observation=observation, is_first=is_first, action=torch.stack(action),
-        log_prob=torch.stack(log_prob), entropy=torch.stack(entropy), value=value,
-        reward=torch.randn(T, N, generator=g), terminated=terminated,
-        truncated=torch.zeros(T, N, dtype=torch.bool), valid=torch.ones(T, N, dtype=torch.bool),
-        next_value=torch.cat([value[1:], torch.zeros(1, N)]), batch_size=[T, N],
+        observation=observation,
+        is_first=is_first,
+        action=torch.stack(action),
+        log_prob=torch.stack(log_prob),
+        entropy=torch.stack(entropy),
+        value=value,
+        reward=torch.randn(T, N, generator=g),
+        terminated=terminated,
+        truncated=torch.zeros(T, N, dtype=torch.bool),
+        valid=torch.ones(T, N, dtype=torch.bool),
+        next_value=torch.cat([value[1:], torch.zeros(1, N)]),
+        batch_size=[T, N],
     )
     return Rollout(data, None, T * N, start_state=start_state)
 
@@ -148,14 +173,14 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
 def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
     """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph.
 
-    The same minibatches, sequence loop (:func:`rl_replay.sequence.replay_sequence` without an
+    The same minibatches, sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence` without an
     accumulator: plain autograd) and loss (``PPO.loss``) as the replay path, so only the replay
     blocks differ.
     """
     from rl_replay.algorithms.common import optimizer_step
+    from rl_replay.algorithms.losses import gae_targets
     from rl_replay.algorithms.ppo import PPO
-    from rl_replay.losses import gae_targets
-    from rl_replay.sequence import replay_sequence
+    from rl_replay.rollout.sequence import replay_sequence
 
     p = cfg.ppo
     data = rollout.data
@@ -165,12 +190,18 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
     for _ in range(p.epochs):
         order = torch.randperm(N)
         for k in range(p.num_minibatches):
-            envs = order[k * per_mb:(k + 1) * per_mb]
+            envs = order[k * per_mb : (k + 1) * per_mb]
             mb = data[:, envs]
-            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None).update(TensorDict(
-                old_log_prob=mb["log_prob"], old_value=mb["value"], advantage=advantages[:, envs],
-                valid=mb["valid"], **{"return": returns[:, envs]}, batch_size=[T, per_mb],
-            ))
+            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None).update(
+                TensorDict(
+                    old_log_prob=mb["log_prob"],
+                    old_value=mb["value"],
+                    advantage=advantages[:, envs],
+                    valid=mb["valid"],
+                    **{"return": returns[:, envs]},
+                    batch_size=[T, per_mb],
+                )
+            )
             optimizer_step(PPO.loss(batch, cfg), agent, optimizer, cfg.optim.max_grad_norm)
     return {}
 
@@ -190,9 +221,10 @@ def run_update(method: str, cfg, agent, optimizer, rollout) -> dict:
 def _record_minibatch_forwards(records: list) -> None:
     """Wrap PPO's replay_sequence: per minibatch, what its forward left in use (the slab's
     bytes handed out, glibc heap in use, RSS) once its T blocks have run."""
-    from rl_replay.algorithms import ppo as ppo_module
     from _bench_common import current_rss
-    from rl_replay.memory_stats import heap_in_use
+
+    from rl_replay.algorithms import ppo as ppo_module
+    from rl_replay.run.memory_stats import heap_in_use
 
     real = ppo_module.replay_sequence
 
@@ -200,9 +232,14 @@ def _record_minibatch_forwards(records: list) -> None:
         heap0, rss0 = heap_in_use(), current_rss()
         out = real(model, policy, data, start_state, accumulator, bptt_truncate, **kwargs)
         heap1 = heap_in_use()
-        records.append(dict(slab=sum(accumulator.slabs.used_bytes().values()),
-                            heap=None if heap0 is None else heap1 - heap0,
-                            rss=current_rss() - rss0, saved=accumulator.saved_bytes))
+        records.append(
+            dict(
+                slab=sum(accumulator.slabs.used_bytes().values()),
+                heap=None if heap0 is None else heap1 - heap0,
+                rss=current_rss() - rss0,
+                saved=accumulator.saved_bytes,
+            )
+        )
         return out
 
     ppo_module.replay_sequence = recording
@@ -223,11 +260,15 @@ def worker(spec: dict) -> dict:
     t0 = time.perf_counter()
     metrics = run_update(spec["method"], cfg, agent, optimizer, rollout)
     seconds = time.perf_counter() - t0
-    out = {"peak_rss_growth": meter.peak_rss_growth(), "seconds": seconds,
-           "block_input_bytes": metrics.get("memory/replay_saved_bytes")}
+    out = {
+        "peak_rss_growth": meter.peak_rss_growth(),
+        "seconds": seconds,
+        "block_input_bytes": metrics.get("memory/replay_saved_bytes"),
+    }
     if records:
-        out["minibatch_forward"] = {k: max((r[k] for r in records if r[k] is not None), default=None)
-                                    for k in ("slab", "heap", "rss", "saved")}
+        out["minibatch_forward"] = {
+            k: max((r[k] for r in records if r[k] is not None), default=None) for k in ("slab", "heap", "rss", "saved")
+        }
     return out
 
 
@@ -270,15 +311,22 @@ def grad_check(spec: dict, T: int, build=None, run_update=None) -> tuple[float, 
 # ============================================================================ report
 def docs_section(rows: list[tuple[int, dict, dict]], check_T: int, worst: tuple[float, float]) -> str:
     """The marked docs section: one row per T (plain and rl_replay results) and the gradient check."""
-    body = ["| T | plain peak RSS growth | rl_replay peak RSS growth | rl_replay block inputs "
-            "| plain update | rl_replay update | time ratio |", "|---|---|---|---|---|---|---|"]
+    body = [
+        "| T | plain peak RSS growth | rl_replay peak RSS growth | rl_replay block inputs "
+        "| plain update | rl_replay update | time ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for T, plain, rep in rows:
-        body.append(f"| {T} | {fmt_bytes(plain['peak_rss_growth'])} | {fmt_bytes(rep['peak_rss_growth'])} | "
-                    f"{fmt_bytes(rep['block_input_bytes'])} | {fmt_s(plain['seconds'])} | "
-                    f"{fmt_s(rep['seconds'])} | {rep['seconds'] / plain['seconds']:.2f}x |")
+        body.append(
+            f"| {T} | {fmt_bytes(plain['peak_rss_growth'])} | {fmt_bytes(rep['peak_rss_growth'])} | "
+            f"{fmt_bytes(rep['block_input_bytes'])} | {fmt_s(plain['seconds'])} | "
+            f"{fmt_s(rep['seconds'])} | {rep['seconds'] / plain['seconds']:.2f}x |"
+        )
     body.append("")
-    body.append(f"Gradient check (every minibatch of one epoch, T={check_T}): worst abs diff "
-                f"{worst[0]:.1e}, worst rel diff {worst[1]:.1e}. {describe_machine()}")
+    body.append(
+        f"Gradient check (every minibatch of one epoch, T={check_T}): worst abs diff "
+        f"{worst[0]:.1e}, worst rel diff {worst[1]:.1e}. {describe_machine()}"
+    )
     return "\n".join(body)
 
 
@@ -290,8 +338,13 @@ def main(argv=None) -> int:
     parser.add_argument("--config", help="a shipped PPO config: its agent, envs and PPO settings (see above)")
     parser.add_argument("--methods", nargs="+", default=["plain", "rl_replay"])
     parser.add_argument("--epochs", type=int, help="override the 4 epochs (peak memory is one minibatch's)")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="with --config: config overrides, e.g. ppo.block_steps=16")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --config: config overrides, e.g. ppo.block_steps=16",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     add_write_docs_argument(parser, "bench_ppo")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -325,42 +378,58 @@ def main(argv=None) -> int:
     rows, results = [], {}
     for T in Ts:
         for method in args.methods:
-            r = run_isolated(worker, {**spec, "T": T, "method": method}, script=os.path.abspath(__file__),
-                             launcher="forkserver", timeout=args.timeout, preload=PRELOAD)
+            r = run_isolated(
+                worker,
+                {**spec, "T": T, "method": method},
+                script=os.path.abspath(__file__),
+                launcher="forkserver",
+                timeout=args.timeout,
+                preload=PRELOAD,
+            )
             results[(T, method)] = r
             if "error" in r:
                 print(f"T={T} {method}: ERROR {r['error']}\n{r.get('traceback', '')}")
                 continue
-            line = (f"T={T:<5d} {method:<10s} peak RSS growth {fmt_bytes(r['peak_rss_growth']):>10s}  "
-                    f"update {fmt_s(r['seconds']):>9s}")
+            line = (
+                f"T={T:<5d} {method:<10s} peak RSS growth {fmt_bytes(r['peak_rss_growth']):>10s}  "
+                f"update {fmt_s(r['seconds']):>9s}"
+            )
             if r["block_input_bytes"]:
                 line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
             mf = r.get("minibatch_forward")
             if mf:
-                line += (f"  largest minibatch forward: slab {fmt_bytes(mf['slab'])}, heap +"
-                         f"{fmt_bytes(mf['heap'] or 0)}, RSS +{fmt_bytes(mf['rss'])}")
+                line += (
+                    f"  largest minibatch forward: slab {fmt_bytes(mf['slab'])}, heap +"
+                    f"{fmt_bytes(mf['heap'] or 0)}, RSS +{fmt_bytes(mf['rss'])}"
+                )
             print(line, flush=True)
     ok = [T for T in Ts if all("error" not in results[(T, m)] for m in args.methods)]
     for T in ok:
         plain, rep = results.get((T, "plain")), results.get((T, "rl_replay"))
         if plain and rep:
             rows.append((T, plain, rep))
-            print(f"summary T={T}: time rl_replay/plain {rep['seconds'] / plain['seconds']:.2f}x, "
-                  f"memory rl_replay/plain {rep['peak_rss_growth'] / max(plain['peak_rss_growth'], 1):.2f}x")
+            print(
+                f"summary T={T}: time rl_replay/plain {rep['seconds'] / plain['seconds']:.2f}x, "
+                f"memory rl_replay/plain {rep['peak_rss_growth'] / max(plain['peak_rss_growth'], 1):.2f}x"
+            )
     reps = [(T, results[(T, "rl_replay")]) for T in ok if (T, "rl_replay") in results]
     if len(reps) >= 2:
         (t0, a), (t1, b) = reps[0], reps[-1]
         slope = (b["peak_rss_growth"] - a["peak_rss_growth"]) / (t1 - t0)
         per_step = b["block_input_bytes"] / t1
-        print(f"summary memory slope rl_replay: {fmt_bytes(slope)} per step between T={t0} and T={t1}; "
-              f"block inputs {fmt_bytes(per_step)} per step; ratio {slope / per_step:.2f}")
+        print(
+            f"summary memory slope rl_replay: {fmt_bytes(slope)} per step between T={t0} and T={t1}; "
+            f"block inputs {fmt_bytes(per_step)} per step; ratio {slope / per_step:.2f}"
+        )
         if a.get("minibatch_forward") and b.get("minibatch_forward"):
             fa, fb = a["minibatch_forward"], b["minibatch_forward"]
             for key in ("slab", "heap", "rss"):
                 if fa[key] is not None and fb[key] is not None:
                     d = (fb[key] - fa[key]) / (t1 - t0)
-                    print(f"summary minibatch forward {key}: {fmt_bytes(d)} per step "
-                          f"({d / per_step:.2f}x the block inputs)")
+                    print(
+                        f"summary minibatch forward {key}: {fmt_bytes(d)} per step "
+                        f"({d / per_step:.2f}x the block inputs)"
+                    )
     print(GLIBC_NOTE)
     if args.write_docs and rows:
         write_section(args.write_docs, "bench_ppo", docs_section(rows, check_T, worst))

@@ -69,6 +69,7 @@ def _trim_heap() -> None:
     """
     try:
         import ctypes
+
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
@@ -150,10 +151,18 @@ def worker(T: int, keep: bool, loss: str = "stacked") -> dict:
     peak = _status_bytes("VmHWM") - base
     after_backward = _status_bytes("VmRSS") - base
     copied = getattr(acc, "slab_bytes", None)
-    return dict(T=T, loss=loss, keep_freed_memory=keep, keep_applied=kept, peak_growth=peak,
-                after_forward=after_forward, after_backward=after_backward,
-                saved_bytes=acc.saved_bytes, slab_bytes=copied,
-                state_bytes_per_step=BATCH * HIDDEN * 4)
+    return dict(
+        T=T,
+        loss=loss,
+        keep_freed_memory=keep,
+        keep_applied=kept,
+        peak_growth=peak,
+        after_forward=after_forward,
+        after_backward=after_backward,
+        saved_bytes=acc.saved_bytes,
+        slab_bytes=copied,
+        state_bytes_per_step=BATCH * HIDDEN * 4,
+    )
 
 
 def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -> dict:
@@ -164,21 +173,27 @@ def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
-            return dict(json.loads(line[len(PREFIX):]), setting=setting)
+            return dict(json.loads(line[len(PREFIX) :]), setting=setting)
     raise RuntimeError(f"worker {setting} T={T} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
 
 def slope(results: list[dict], setting: str, rep: int = 0) -> dict:
-    rs = sorted((r for r in results if r["setting"] == setting and r.get("rep", 0) == rep),
-                key=lambda r: r["T"])
+    rs = sorted((r for r in results if r["setting"] == setting and r.get("rep", 0) == rep), key=lambda r: r["T"])
     lo, hi = rs[0], rs[-1]
     dT = hi["T"] - lo["T"]
     per_step = (hi["peak_growth"] - lo["peak_growth"]) / dT
     fwd_per_step = (hi["after_forward"] - lo["after_forward"]) / dT
     inputs = hi["state_bytes_per_step"]
-    return dict(setting=setting, rep=rep, T=(lo["T"], hi["T"]), peak_per_step=per_step,
-                forward_per_step=fwd_per_step, inputs_per_step=inputs,
-                ratio=per_step / inputs, forward_ratio=fwd_per_step / inputs)
+    return dict(
+        setting=setting,
+        rep=rep,
+        T=(lo["T"], hi["T"]),
+        peak_per_step=per_step,
+        forward_per_step=fwd_per_step,
+        inputs_per_step=inputs,
+        ratio=per_step / inputs,
+        forward_ratio=fwd_per_step / inputs,
+    )
 
 
 def median(xs: list[float]) -> float:
@@ -191,29 +206,40 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--repeats", type=int, default=1,
-                    help="fresh-process measurements per (setting, T); slopes pair the runs of "
-                         "one repeat and are summarised by their median")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="fresh-process measurements per (setting, T); slopes pair the runs of "
+        "one repeat and are summarised by their median",
+    )
     ap.add_argument("--json", help="write the raw results and slopes here")
-    ap.add_argument("--loss", choices=LOSSES, default="stacked",
-                    help="stacked (default): the probe loss on the stacked (T, B) outputs; "
-                         "a2c: A2C terms on the stacked outputs; per-step, a2c-per-step: the "
-                         "same sums built from one small graph per step")
+    ap.add_argument(
+        "--loss",
+        choices=LOSSES,
+        default="stacked",
+        help="stacked (default): the probe loss on the stacked (T, B) outputs; "
+        "a2c: A2C terms on the stacked outputs; per-step, a2c-per-step: the "
+        "same sums built from one small graph per step",
+    )
     ap.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
         T, keep, loss = int(args.worker[0]), bool(int(args.worker[1])), args.worker[2]
         print(PREFIX + json.dumps(worker(T, keep, loss)), flush=True)
         return 0
-    results = [dict(measure(s, T, args.loss), rep=rep)
-               for rep in range(args.repeats) for s in args.settings for T in args.T]
+    results = [
+        dict(measure(s, T, args.loss), rep=rep) for rep in range(args.repeats) for s in args.settings for T in args.T
+    ]
     slopes = [slope(results, s, rep) for s in args.settings for rep in range(args.repeats)]
     print("| allocator | keep_freed_memory | T | repeat | peak RSS growth | RSS after forward | saved input bytes |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in sorted(results, key=lambda r: (args.settings.index(r["setting"]), r["T"], r["rep"])):
-        print(f"| {r['setting'].split('+')[0]} | {'yes' if r['keep_freed_memory'] else 'no'} | {r['T']} | "
-              f"{r['rep']} | {r['peak_growth'] / 2**20:.2f} MiB | {r['after_forward'] / 2**20:.2f} MiB | "
-              f"{r['saved_bytes'] / 2**20:.2f} MiB |")
+        print(
+            f"| {r['setting'].split('+')[0]} | {'yes' if r['keep_freed_memory'] else 'no'} | {r['T']} | "
+            f"{r['rep']} | {r['peak_growth'] / 2**20:.2f} MiB | {r['after_forward'] / 2**20:.2f} MiB | "
+            f"{r['saved_bytes'] / 2**20:.2f} MiB |"
+        )
     print()
     summary = []
     for setting in args.settings:
@@ -222,17 +248,25 @@ def main(argv=None) -> int:
         fwd = median([s["forward_per_step"] for s in mine])
         inputs = mine[0]["inputs_per_step"]
         each = ", ".join(f"{s['ratio']:.3f}x" for s in mine)
-        summary.append(dict(setting=setting, peak_per_step=peak, forward_per_step=fwd,
-                            ratio=peak / inputs, forward_ratio=fwd / inputs,
-                            ratios=[s["ratio"] for s in mine]))
-        print(f"{setting:>13}: peak RSS grows {peak / 1024:.1f} KiB/step = {peak / inputs:.3f}x the new "
-              f"saved inputs ({inputs / 1024:.0f} KiB/step), T {args.T[0]}->{args.T[1]}"
-              f"{f' (median of {len(mine)}: {each})' if len(mine) > 1 else ''}; "
-              f"after the forward {fwd / 1024:.1f} KiB/step ({fwd / inputs:.3f}x)")
+        summary.append(
+            dict(
+                setting=setting,
+                peak_per_step=peak,
+                forward_per_step=fwd,
+                ratio=peak / inputs,
+                forward_ratio=fwd / inputs,
+                ratios=[s["ratio"] for s in mine],
+            )
+        )
+        print(
+            f"{setting:>13}: peak RSS grows {peak / 1024:.1f} KiB/step = {peak / inputs:.3f}x the new "
+            f"saved inputs ({inputs / 1024:.0f} KiB/step), T {args.T[0]}->{args.T[1]}"
+            f"{f' (median of {len(mine)}: {each})' if len(mine) > 1 else ''}; "
+            f"after the forward {fwd / 1024:.1f} KiB/step ({fwd / inputs:.3f}x)"
+        )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"loss": args.loss, "results": results, "slopes": slopes, "summary": summary},
-                      fh, indent=1)
+            json.dump({"loss": args.loss, "results": results, "slopes": slopes, "summary": summary}, fh, indent=1)
     return 0
 
 

@@ -57,8 +57,10 @@ def second_half_slopes(samples: list[dict], updates: int) -> dict[str, float]:
     """KiB (and objects) per update over the samples of the run's second half."""
     late = [s for s in samples if s["update"] >= updates / 2]
     xs = [s["update"] for s in late]
-    out = {"rss_kib_per_update": fit_slope(xs, [s["rss_kib"] for s in late]),
-           "objects_per_update": fit_slope(xs, [s["gc_objects"] for s in late])}
+    out = {
+        "rss_kib_per_update": fit_slope(xs, [s["rss_kib"] for s in late]),
+        "objects_per_update": fit_slope(xs, [s["gc_objects"] for s in late]),
+    }
     if all(s["heap_kib"] is not None for s in late):
         out["heap_kib_per_update"] = fit_slope(xs, [s["heap_kib"] for s in late])
     return out
@@ -67,12 +69,13 @@ def second_half_slopes(samples: list[dict], updates: int) -> dict[str, float]:
 def soak(config: str, overrides: list[str], updates: int, every: int, run_dir: str) -> list[dict]:
     """Train ``updates`` updates of ``config`` into ``run_dir``; the RSS samples."""
     from rl_replay.config import batch_size_per_rank, load_config
-    from rl_replay.memory_stats import heap_in_use
-    from rl_replay.trainer import build
+    from rl_replay.run.memory_stats import heap_in_use
+    from rl_replay.run.setup import build
 
     cfg = load_config(config, overrides)
-    cfg = replace(cfg, total_env_steps=updates * batch_size_per_rank(cfg), run_dir=run_dir,
-                  log=replace(cfg.log, progress=False))
+    cfg = replace(
+        cfg, total_env_steps=updates * batch_size_per_rank(cfg), run_dir=run_dir, log=replace(cfg.log, progress=False)
+    )
     trainer = build(cfg)
     samples: list[dict] = []
     t0 = time.perf_counter()
@@ -80,9 +83,15 @@ def soak(config: str, overrides: list[str], updates: int, every: int, run_dir: s
 
     def sample() -> None:
         heap = heap_in_use()
-        samples.append({"update": trainer.update, "seconds": round(time.perf_counter() - t0, 2),
-                        "rss_kib": _rss_kib(), "heap_kib": None if heap is None else heap // 1024,
-                        "gc_objects": len(gc.get_objects())})
+        samples.append(
+            {
+                "update": trainer.update,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "rss_kib": _rss_kib(),
+                "heap_kib": None if heap is None else heap // 1024,
+                "gc_objects": len(gc.get_objects()),
+            }
+        )
 
     def step():
         # The trainer's own step, sampled after every ``every``-th update (and the first).
@@ -128,16 +137,28 @@ def main(argv=None) -> int:
             print(f"| {s['update']} | {s['seconds']:.0f} | {s['rss_kib'] / 1024:.1f} | {heap} | {s['gc_objects']} |")
     first, last = samples[0], samples[-1]
     heap = slopes.get("heap_kib_per_update")
-    print(f"\nRSS {first['rss_kib'] / 1024:.1f} MiB at update {first['update']} -> "
-          f"{last['rss_kib'] / 1024:.1f} MiB at update {last['update']} "
-          f"({last['seconds'] / max(last['update'], 1) * 100:.2f} s per 100 updates); second half: "
-          f"RSS {slopes['rss_kib_per_update']:+.3f} KiB/update, "
-          f"heap in use {'n/a' if heap is None else f'{heap:+.3f}'} KiB/update, "
-          f"{slopes['objects_per_update']:+.3f} gc-tracked objects/update")
+    print(
+        f"\nRSS {first['rss_kib'] / 1024:.1f} MiB at update {first['update']} -> "
+        f"{last['rss_kib'] / 1024:.1f} MiB at update {last['update']} "
+        f"({last['seconds'] / max(last['update'], 1) * 100:.2f} s per 100 updates); second half: "
+        f"RSS {slopes['rss_kib_per_update']:+.3f} KiB/update, "
+        f"heap in use {'n/a' if heap is None else f'{heap:+.3f}'} KiB/update, "
+        f"{slopes['objects_per_update']:+.3f} gc-tracked objects/update"
+    )
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"config": args.config, "overrides": args.overrides, "updates": args.updates,
-                       "every": args.every, "samples": samples, "second_half": slopes}, fh, indent=1)
+            json.dump(
+                {
+                    "config": args.config,
+                    "overrides": args.overrides,
+                    "updates": args.updates,
+                    "every": args.every,
+                    "samples": samples,
+                    "second_half": slopes,
+                },
+                fh,
+                indent=1,
+            )
     return 0
 
 

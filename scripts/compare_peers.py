@@ -50,7 +50,7 @@ import gymnasium  # noqa: E402
 import numpy as np  # noqa: E402
 import yaml  # noqa: E402
 
-from rl_replay.logger import METRICS_NAME  # noqa: E402
+from rl_replay.run.logger import METRICS_NAME  # noqa: E402
 
 
 def _yaml_mapping(text: str, flag: str) -> dict:
@@ -77,19 +77,27 @@ def make_env_fn(env_id: str, kwargs: dict):
         if not isinstance(env.observation_space, gymnasium.spaces.Box):
             env = gymnasium.wrappers.FlattenObservation(env)  # Discrete -> one-hot
         return env
+
     return make
 
 
 def make_config_env_fn(config_path: str):
     """The env of a project config, built as the trainer builds each of its sub-envs."""
     from rl_replay.config import load_config
-    from rl_replay.environment import make_env
+    from rl_replay.rollout.environment import make_env
 
     env_cfg = load_config(config_path).env
 
     def make():
-        return make_env(env_cfg.id, imports=env_cfg.imports, wrappers=env_cfg.wrappers, kwargs=env_cfg.kwargs,
-                        max_episode_steps=env_cfg.max_episode_steps, observation_keys=env_cfg.observation_keys)
+        return make_env(
+            env_cfg.id,
+            imports=env_cfg.imports,
+            wrappers=env_cfg.wrappers,
+            kwargs=env_cfg.kwargs,
+            max_episode_steps=env_cfg.max_episode_steps,
+            observation_keys=env_cfg.observation_keys,
+        )
+
     return make, env_cfg
 
 
@@ -108,8 +116,11 @@ def grid_cnn_extractor():
 
         def __init__(self, observation_space, image_scale: float = 0.1, image_layout: str | None = None):
             super().__init__(observation_space, features_dim=1)
-            spaces = (dict(observation_space.spaces) if isinstance(observation_space, gymnasium.spaces.Dict)
-                      else {None: observation_space})
+            spaces = (
+                dict(observation_space.spaces)
+                if isinstance(observation_space, gymnasium.spaces.Dict)
+                else {None: observation_space}
+            )
             images = [k for k, sp in spaces.items() if len(sp.shape or ()) == 3]
             if len(images) != 1:
                 raise SystemExit(f"compare_peers: --grid-cnn needs exactly one image in {observation_space}")
@@ -139,7 +150,7 @@ def grid_cnn_extractor():
 def build_callback(metrics_path: Path, window: int = 100):
     from stable_baselines3.common.callbacks import BaseCallback
 
-    from rl_replay.memory_stats import update_memory
+    from rl_replay.run.memory_stats import update_memory
 
     class MetricsCallback(BaseCallback):
         """Per-iteration records in the trainer's metrics.jsonl format."""
@@ -168,8 +179,7 @@ def build_callback(metrics_path: Path, window: int = 100):
             # counted in the next record, so steps/s covers collect + update like the trainer's.
             now = time.perf_counter()
             self.update += 1
-            record = {"update": self.update, "env_steps": int(self.num_timesteps),
-                      "rollout/episodes": self.episodes}
+            record = {"update": self.update, "env_steps": int(self.num_timesteps), "rollout/episodes": self.episodes}
             if self.recent:
                 record["rollout/return_recent"] = float(np.mean(self.recent))
             if self.judged:
@@ -190,20 +200,35 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--env", help="gymnasium id, e.g. rl_replay/MemoryCue-v0")
-    source.add_argument("--config", help="a project config whose env (id, imports, wrappers, kwargs, "
-                        "observation_keys) the peer trains on")
-    parser.add_argument("--policy", default="MlpLstmPolicy",
-                        help="RecurrentPPO policy: MlpLstmPolicy, CnnLstmPolicy or MultiInputLstmPolicy")
-    parser.add_argument("--grid-cnn", type=float, default=None, metavar="SCALE",
-                        help="the project's grid_cnn as features extractor, the image times SCALE")
-    parser.add_argument("--grid-cnn-layout", choices=("hwc", "chw"), default=None,
-                        help="the image layout the extractor receives where the shape does not tell "
-                             "(MiniGrid's one-hot (7, 7, 20) views: hwc)")
+    source.add_argument(
+        "--config",
+        help="a project config whose env (id, imports, wrappers, kwargs, observation_keys) the peer trains on",
+    )
+    parser.add_argument(
+        "--policy",
+        default="MlpLstmPolicy",
+        help="RecurrentPPO policy: MlpLstmPolicy, CnnLstmPolicy or MultiInputLstmPolicy",
+    )
+    parser.add_argument(
+        "--grid-cnn",
+        type=float,
+        default=None,
+        metavar="SCALE",
+        help="the project's grid_cnn as features extractor, the image times SCALE",
+    )
+    parser.add_argument(
+        "--grid-cnn-layout",
+        choices=("hwc", "chw"),
+        default=None,
+        help="the image layout the extractor receives where the shape does not tell "
+        "(MiniGrid's one-hot (7, 7, 20) views: hwc)",
+    )
     parser.add_argument("--env-kwargs", default="", help="YAML mapping passed to gymnasium.make")
     parser.add_argument("--total-env-steps", type=int, required=True, help="env steps, all envs together")
     parser.add_argument("--num-envs", type=int, default=8)
-    parser.add_argument("--algo-kwargs", default="",
-                        help="YAML mapping of RecurrentPPO arguments (default: sb3-contrib's, n_steps 128)")
+    parser.add_argument(
+        "--algo-kwargs", default="", help="YAML mapping of RecurrentPPO arguments (default: sb3-contrib's, n_steps 128)"
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--out", required=True, help="output directory (must not exist or be empty)")
@@ -221,7 +246,7 @@ def main(argv=None) -> int:
         from sb3_contrib import RecurrentPPO
         from stable_baselines3.common.env_util import make_vec_env
     except ImportError as exc:
-        raise SystemExit(f"compare_peers: needs the peer libraries ({exc}): pip install -e \".[compare]\"") from None
+        raise SystemExit(f'compare_peers: needs the peer libraries ({exc}): pip install -e ".[compare]"') from None
     if args.config is not None:
         if env_kwargs:
             parser.error("--env-kwargs goes with --env; with --config the config's env.kwargs apply")
@@ -238,10 +263,11 @@ def main(argv=None) -> int:
         if not args.grid_cnn > 0:
             parser.error(f"--grid-cnn SCALE must be positive, got {args.grid_cnn}")
         policy_kwargs = dict(algo_kwargs.pop("policy_kwargs", None) or {})
-        policy_kwargs.update(features_extractor_class=grid_cnn_extractor(),
-                             features_extractor_kwargs={"image_scale": args.grid_cnn,
-                                                        "image_layout": args.grid_cnn_layout},
-                             normalize_images=False)
+        policy_kwargs.update(
+            features_extractor_class=grid_cnn_extractor(),
+            features_extractor_kwargs={"image_scale": args.grid_cnn, "image_layout": args.grid_cnn_layout},
+            normalize_images=False,
+        )
         algo_kwargs["policy_kwargs"] = policy_kwargs
 
     torch.set_num_threads(args.threads)
@@ -249,12 +275,21 @@ def main(argv=None) -> int:
     model = RecurrentPPO(args.policy, vec_env, seed=args.seed, device="cpu", verbose=0, **algo_kwargs)
     out.mkdir(parents=True, exist_ok=True)
     algo_kwargs.pop("policy_kwargs", None)
-    settings = {"peer": "sb3_contrib.RecurrentPPO", "policy": args.policy, "env": env_name,
-                "config": args.config, "grid_cnn_image_scale": args.grid_cnn,
-                "grid_cnn_layout": args.grid_cnn_layout,
-                "env_kwargs": env_kwargs, "num_envs": args.num_envs, "total_env_steps": args.total_env_steps,
-                "seed": args.seed, "algo_kwargs": algo_kwargs, "n_steps": model.n_steps,
-                "observation_space": str(vec_env.observation_space)}
+    settings = {
+        "peer": "sb3_contrib.RecurrentPPO",
+        "policy": args.policy,
+        "env": env_name,
+        "config": args.config,
+        "grid_cnn_image_scale": args.grid_cnn,
+        "grid_cnn_layout": args.grid_cnn_layout,
+        "env_kwargs": env_kwargs,
+        "num_envs": args.num_envs,
+        "total_env_steps": args.total_env_steps,
+        "seed": args.seed,
+        "algo_kwargs": algo_kwargs,
+        "n_steps": model.n_steps,
+        "observation_space": str(vec_env.observation_space),
+    }
     (out / "peer.json").write_text(json.dumps(settings, indent=1) + "\n")
     start = time.perf_counter()
     try:
@@ -262,11 +297,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         # `timeout -s INT` is how a peer run gets a wall-clock budget: a stop, not a crash. The
         # metrics file is line-buffered, so every finished iteration is already on disk.
-        print(f"compare_peers: stopped by SIGINT after {model.num_timesteps} env steps "
-              f"({time.perf_counter() - start:.1f} s); metrics so far in {out / METRICS_NAME}")
+        print(
+            f"compare_peers: stopped by SIGINT after {model.num_timesteps} env steps "
+            f"({time.perf_counter() - start:.1f} s); metrics so far in {out / METRICS_NAME}"
+        )
         return 130
-    print(f"compare_peers: {model.num_timesteps} env steps in {time.perf_counter() - start:.1f} s; "
-          f"metrics in {out / METRICS_NAME}")
+    print(
+        f"compare_peers: {model.num_timesteps} env steps in {time.perf_counter() - start:.1f} s; "
+        f"metrics in {out / METRICS_NAME}"
+    )
     return 0
 
 

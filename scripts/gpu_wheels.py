@@ -24,10 +24,14 @@ import subprocess
 import sys
 import zipfile
 
-ROOTS = ["tensordict", "safetensors", "gymnasium", "wandb", "pyyaml", "tqdm", "psutil", "numpy",
-         "pytest", "hypothesis"]
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
-             "manylinux2014_x86_64", "manylinux1_x86_64"]
+ROOTS = ["tensordict", "safetensors", "gymnasium", "wandb", "pyyaml", "tqdm", "psutil", "numpy", "pytest", "hypothesis"]
+PLATFORMS = [
+    "manylinux_2_28_x86_64",
+    "manylinux_2_27_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+    "manylinux1_x86_64",
+]
 
 
 def _norm(name: str) -> str:
@@ -54,8 +58,7 @@ def _marker_holds_on_312(marker: str) -> bool:
         return True
     op, ver = m.group(1), (int(m.group(2)), int(m.group(3)))
     target = (3, 12)
-    return {"<": target < ver, "<=": target <= ver, ">": target > ver,
-            ">=": target >= ver, "==": target == ver}[op]
+    return {"<": target < ver, "<=": target <= ver, ">": target > ver, ">=": target >= ver, "==": target == ver}[op]
 
 
 def closure(roots: list[str]) -> dict[str, str]:
@@ -88,13 +91,28 @@ def closure(roots: list[str]) -> dict[str, str]:
 def prepare(directory: str, python_version: str, platforms: list[str]) -> int:
     os.makedirs(directory, exist_ok=True)
     pins = closure(ROOTS)
-    cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
-           "--python-version", python_version, "--implementation", "cp", "-d", directory]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--quiet",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--python-version",
+        python_version,
+        "--implementation",
+        "cp",
+        "-d",
+        directory,
+    ]
     for p in platforms:
         cmd += ["--platform", p]
     cmd += [f"{name}=={version}" for name, version in sorted(pins.items())]
-    print(f"downloading {len(pins)} wheels into {directory}: "
-          + ", ".join(f"{n}=={v}" for n, v in sorted(pins.items())), flush=True)
+    print(
+        f"downloading {len(pins)} wheels into {directory}: " + ", ".join(f"{n}=={v}" for n, v in sorted(pins.items())),
+        flush=True,
+    )
     rc = subprocess.call(cmd)
     wheels = [f for f in os.listdir(directory) if f.endswith(".whl")]
     total = sum(os.path.getsize(os.path.join(directory, f)) for f in wheels)
@@ -129,8 +147,20 @@ def install(directory: str, site: str) -> int:
         print("nothing to install")
         return 0
     os.makedirs(site, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps",
-           "--no-compile", "--no-cache-dir", "--disable-pip-version-check", "--target", site]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--target",
+        site,
+    ]
     rc = subprocess.call(cmd + [path for _, _, path in todo])
     print(f"installed into {site}: " + ", ".join(f"{n} {v}" for n, v, _ in todo))
     return rc

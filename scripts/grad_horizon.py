@@ -77,8 +77,9 @@ def parse_spec(spec: str) -> tuple[str, dict]:
     target, _, rest = spec.strip().partition(" ")
     kwargs = yaml.safe_load(rest) if rest.strip() else {}
     if not isinstance(kwargs, dict):
-        raise SystemExit(f"grad_horizon: the kwargs of agent spec {spec!r} must be a YAML mapping "
-                         "such as '{hidden_size: 128}'.")
+        raise SystemExit(
+            f"grad_horizon: the kwargs of agent spec {spec!r} must be a YAML mapping such as '{{hidden_size: 128}}'."
+        )
     return target, kwargs
 
 
@@ -107,19 +108,28 @@ def episode_observations(delay: int, batch: int, seed: int, noise_dims: int = 0)
 
 def load_run(run_dir: str) -> tuple[str, dict, dict, int]:
     """``(target, kwargs, weights, noise_dims)`` of a MemoryCue run's agent and checkpoint."""
-    from rl_replay.checkpoint import load_checkpoint
     from rl_replay.config import load_config
+    from rl_replay.run.checkpoint import load_checkpoint
 
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
     if cfg.env.id != "rl_replay/MemoryCue-v0":
-        raise SystemExit(f"grad_horizon: --run {run_dir} trained on {cfg.env.id!r}; the diagnostic "
-                         "replays MemoryCue episodes, so it needs a rl_replay/MemoryCue-v0 run.")
+        raise SystemExit(
+            f"grad_horizon: --run {run_dir} trained on {cfg.env.id!r}; the diagnostic "
+            "replays MemoryCue episodes, so it needs a rl_replay/MemoryCue-v0 run."
+        )
     state = load_checkpoint(run_dir)
     return cfg.agent.target, dict(cfg.agent.kwargs), state["agent"], int(cfg.env.kwargs.get("noise_dims", 0))
 
 
-def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 0,
-            noise_dims: int = 0, weights: dict | None = None) -> dict:
+def measure(
+    target: str,
+    kwargs: dict,
+    delay: int,
+    batch: int = 16,
+    seed: int = 0,
+    noise_dims: int = 0,
+    weights: dict | None = None,
+) -> dict:
     """Gradient reaching the cue and cue signal at the query, for one agent and delay
     (at its seeded initialisation, or with ``weights``, a checkpoint's agent state dict)."""
     observations, cues, obs_space, act_space = episode_observations(delay, batch, seed, noise_dims)
@@ -144,9 +154,16 @@ def measure(target: str, kwargs: dict, delay: int, batch: int = 16, seed: int = 
     margin = logits[:, 0] - logits[:, 1]
     signal = (margin[cues == 0].mean() - margin[cues == 1].mean()).abs().item()
     return {
-        "agent": target, "kwargs": kwargs, "delay": delay, "batch": batch, "seed": seed,
-        "noise_dims": noise_dims, "grad": grad, "signal": signal,
-        "blocks_replayed": acc.blocks_replayed, "seconds": round(time.perf_counter() - start, 3),
+        "agent": target,
+        "kwargs": kwargs,
+        "delay": delay,
+        "batch": batch,
+        "seed": seed,
+        "noise_dims": noise_dims,
+        "grad": grad,
+        "signal": signal,
+        "blocks_replayed": acc.blocks_replayed,
+        "seconds": round(time.perf_counter() - start, 3),
     }
 
 
@@ -165,10 +182,19 @@ def fmt(x: float) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--agent", action="append", metavar="SPEC",
-                        help="'module:Class {kwargs}' (repeatable); default: the built-in candidates")
-    parser.add_argument("--run", action="append", metavar="RUN_DIR", default=[],
-                        help="a MemoryCue run directory (repeatable): its agent with the checkpoint's weights")
+    parser.add_argument(
+        "--agent",
+        action="append",
+        metavar="SPEC",
+        help="'module:Class {kwargs}' (repeatable); default: the built-in candidates",
+    )
+    parser.add_argument(
+        "--run",
+        action="append",
+        metavar="RUN_DIR",
+        default=[],
+        help="a MemoryCue run directory (repeatable): its agent with the checkpoint's weights",
+    )
     parser.add_argument("--delays", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -184,23 +210,42 @@ def main(argv=None) -> int:
         parser.error(f"--json {args.json} exists; pass a new path (results are never overwritten)")
     torch.set_num_threads(args.threads)
     # (label, target, kwargs, weights, noise_dims)
-    specs = [(spec_label(t, k), t, k, None, args.noise_dims)
-             for t, k in (parse_spec(s) for s in (args.agent or ([] if args.run else DEFAULT_SPECS)))]
+    specs = [
+        (spec_label(t, k), t, k, None, args.noise_dims)
+        for t, k in (parse_spec(s) for s in (args.agent or ([] if args.run else DEFAULT_SPECS)))
+    ]
     for run_dir in args.run:
         target, kwargs, weights, noise_dims = load_run(run_dir)
         specs.append((f"{spec_label(target, kwargs)} trained: {run_dir}", target, kwargs, weights, noise_dims))
 
     rows = []
-    header = "| agent | " + " | ".join(f"grad @{d}" for d in args.delays) + " | " + \
-        " | ".join(f"signal @{d}" for d in args.delays) + " |"
+    header = (
+        "| agent | "
+        + " | ".join(f"grad @{d}" for d in args.delays)
+        + " | "
+        + " | ".join(f"signal @{d}" for d in args.delays)
+        + " |"
+    )
     print(header)
     print("|" + "---|" * (1 + 2 * len(args.delays)))
     for label, target, kwargs, weights, noise_dims in specs:
-        cells = [dict(measure(target, kwargs, d, args.batch, args.seed, noise_dims, weights),
-                      trained=weights is not None, label=label) for d in args.delays]
+        cells = [
+            dict(
+                measure(target, kwargs, d, args.batch, args.seed, noise_dims, weights),
+                trained=weights is not None,
+                label=label,
+            )
+            for d in args.delays
+        ]
         rows += cells
-        print(f"| {label} | " + " | ".join(fmt(c["grad"]) for c in cells) + " | "
-              + " | ".join(fmt(c["signal"]) for c in cells) + " |", flush=True)
+        print(
+            f"| {label} | "
+            + " | ".join(fmt(c["grad"]) for c in cells)
+            + " | "
+            + " | ".join(fmt(c["signal"]) for c in cells)
+            + " |",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "x") as f:
             json.dump(rows, f, indent=1)

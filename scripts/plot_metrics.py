@@ -24,18 +24,27 @@ PANELS = (
     ("memory (MiB)", ("memory/peak_rss_bytes", "memory/rss_bytes", "memory/replay_saved_bytes")),
     ("env steps / s", ("time/steps_per_sec",)),
 )
-TABLE_KEYS = ("update", "env_steps", "rollout/return_mean", "rollout/return_recent", "train/loss_policy",
-              "train/loss_value", "train/entropy", "time/steps_per_sec", "memory/peak_rss_bytes")
+TABLE_KEYS = (
+    "update",
+    "env_steps",
+    "rollout/return_mean",
+    "rollout/return_recent",
+    "train/loss_policy",
+    "train/loss_value",
+    "train/entropy",
+    "time/steps_per_sec",
+    "memory/peak_rss_bytes",
+)
 TABLE_ROWS = 20
 
 
 def read_rows(run_dir: Path, source: str) -> list[dict]:
     """The run's rows, one per logged update: metrics.jsonl's (null = no value) or wandb's."""
     if source == "wandb":
-        from rl_replay.wandb_files import training_rows
+        from rl_replay.run.wandb_files import training_rows
 
         return training_rows(run_dir)
-    from rl_replay.logger import read_metrics
+    from rl_replay.run.logger import read_metrics
 
     return read_metrics(run_dir)
 
@@ -87,12 +96,26 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir")
     parser.add_argument("out", nargs="?", default=None, help="write the panels to this image instead of a table")
-    parser.add_argument("--source", choices=("metrics", "wandb"), default="metrics",
-                        help="metrics: RUN_DIR/metrics.jsonl (default); wandb: the offline wandb run's files")
-    parser.add_argument("--keys", nargs="+", default=None, metavar="KEY",
-                        help=f"table columns (default: those of {', '.join(TABLE_KEYS)} that the run has)")
-    parser.add_argument("--every", type=int, default=None, metavar="N",
-                        help=f"table: every N-th row and the last (default: at most {TABLE_ROWS} rows)")
+    parser.add_argument(
+        "--source",
+        choices=("metrics", "wandb"),
+        default="metrics",
+        help="metrics: RUN_DIR/metrics.jsonl (default); wandb: the offline wandb run's files",
+    )
+    parser.add_argument(
+        "--keys",
+        nargs="+",
+        default=None,
+        metavar="KEY",
+        help=f"table columns (default: those of {', '.join(TABLE_KEYS)} that the run has)",
+    )
+    parser.add_argument(
+        "--every",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"table: every N-th row and the last (default: at most {TABLE_ROWS} rows)",
+    )
     args = parser.parse_args(argv)
     if args.every is not None and args.every < 1:
         parser.error(f"--every must be a positive number of rows, got {args.every}")
@@ -100,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            print('error: plotting needs matplotlib: pip install -e ".[bench]" (without OUT, this script prints '
-                  "a table and needs nothing else)", file=sys.stderr)
+            print(
+                'error: plotting needs matplotlib: pip install -e ".[bench]" (without OUT, this script prints '
+                "a table and needs nothing else)",
+                file=sys.stderr,
+            )
             return 2
     run_dir = Path(args.run_dir)
     rows = read_rows(run_dir, args.source)
@@ -118,10 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     keys = args.keys or [k for k in TABLE_KEYS if k in present]
     unknown = [k for k in keys if k not in present]
     if unknown:
-        print(f"error: no row of {source} has {', '.join(unknown)}; its keys: {', '.join(sorted(present))}",
-              file=sys.stderr)
+        print(
+            f"error: no row of {source} has {', '.join(unknown)}; its keys: {', '.join(sorted(present))}",
+            file=sys.stderr,
+        )
         return 2
-    from rl_replay.logger import summarize
+    from rl_replay.run.logger import summarize
 
     every = args.every or max(1, math.ceil(len(rows) / TABLE_ROWS))
     print(f"{run_dir}: {len(rows)} rows from {source}")

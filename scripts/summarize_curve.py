@@ -33,8 +33,9 @@ def load(path: str | Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(records: list[dict], key: str = "rollout/success_rate", threshold: float = 0.95,
-              window: int = 10) -> dict:
+def summarize(
+    records: list[dict], key: str = "rollout/success_rate", threshold: float = 0.95, window: int = 10
+) -> dict:
     """``steps_to_threshold`` (None if never), ``final`` windowed mean, ``env_steps``,
     ``steps_per_sec`` (median) and ``peak_rss_mib``."""
     values, reached, final = [], None, None
@@ -70,8 +71,9 @@ def windowed_curve(records: list[dict], key: str, window: int) -> tuple[list[int
     return xs, ys
 
 
-def plot(runs: list[str], out: str, key: str, threshold: float | None, window: int, title: str | None,
-         log_y: bool = False) -> None:
+def plot(
+    runs: list[str], out: str, key: str, threshold: float | None, window: int, title: str | None, log_y: bool = False
+) -> None:
     """One PNG: each run's windowed ``key`` against env steps, and the threshold line (none if
     ``threshold`` is None)."""
     try:
@@ -110,28 +112,41 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", metavar="OUT.png", help="also draw the curves into this PNG")
     parser.add_argument("--title", help="title of the --plot figure")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axis in the --plot figure")
-    parser.add_argument("--no-threshold-line", action="store_true",
-                        help="leave the threshold out of the --plot figure (a metric with no target, "
-                             "e.g. horizon/grad_first_obs)")
+    parser.add_argument(
+        "--no-threshold-line",
+        action="store_true",
+        help="leave the threshold out of the --plot figure (a metric with no target, e.g. horizon/grad_first_obs)",
+    )
     args = parser.parse_args(argv)
     if args.window < 1:
         parser.error("--window must be >= 1")
-    print(f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
-          "env steps run | env steps/s | peak RSS MiB |")
+    print(
+        f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
+        "env steps run | env steps/s | peak RSS MiB |"
+    )
     print("|---|---|---|---|---|---|")
     reached = []
     for run in args.runs:
         s = summarize(load(run), args.key, args.threshold, args.window)
         reached.append(s["steps_to_threshold"] or math.inf)
         fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
-        print(f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
-              f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
-              f"{fmt(s['peak_rss_mib'], '.0f')} |")
+        print(
+            f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
+            f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
+            f"{fmt(s['peak_rss_mib'], '.0f')} |"
+        )
     if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
         print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
     if args.plot:
-        plot(args.runs, args.plot, args.key, None if args.no_threshold_line else args.threshold, args.window,
-             args.title, args.log_y)
+        plot(
+            args.runs,
+            args.plot,
+            args.key,
+            None if args.no_threshold_line else args.threshold,
+            args.window,
+            args.title,
+            args.log_y,
+        )
     return 0
 
 

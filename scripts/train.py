@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without install
 
-from rl_replay.cli import train_main as main  # noqa: E402
+from rl_replay.run.cli import train_main as main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

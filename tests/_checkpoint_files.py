@@ -7,14 +7,15 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from rl_replay import safe_tree
+from rl_replay.run import safe_tree
 
 
 def write_format2(state: dict[str, Any], path: Path) -> None:
     """``RLREPLAY-CHECKPOINT 2 sha256=... size=...`` + the safetensors tree, with nothing checked."""
     data = safe_tree.dumps(state)
-    path.write_bytes(f"RLREPLAY-CHECKPOINT 2 sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n".encode()
-                     + data)
+    path.write_bytes(
+        f"RLREPLAY-CHECKPOINT 2 sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n".encode() + data
+    )
 
 
 def write_headed_pickle(obj: Any, path: Path) -> None:
@@ -26,5 +27,6 @@ def write_headed_pickle(obj: Any, path: Path) -> None:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     body = buffer.getvalue()
-    path.write_bytes(f"RLREPLAY-CHECKPOINT 1 sha256={hashlib.sha256(body).hexdigest()} size={len(body)}\n".encode()
-                     + body)
+    path.write_bytes(
+        f"RLREPLAY-CHECKPOINT 1 sha256={hashlib.sha256(body).hexdigest()} size={len(body)}\n".encode() + body
+    )

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
+from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
 from tensordict import TensorDict
 
-from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_steps
 
 OK = "ok"
@@ -108,10 +108,7 @@ def _full_grads(fsdp_model) -> dict:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     with FSDP.summon_full_params(fsdp_model, with_grads=True):
-        return {
-            clean(n): None if p.grad is None else p.grad.detach().clone()
-            for n, p in fsdp_model.named_parameters()
-        }
+        return {clean(n): None if p.grad is None else p.grad.detach().clone() for n, p in fsdp_model.named_parameters()}
 
 
 def _full_params(fsdp_model) -> dict:
@@ -202,8 +199,9 @@ class TDGRUPolicy(GRUPolicy):
 
     def forward(self, observation, h):
         logits, value, h = super().forward(observation, h)
-        return TensorDict(logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]),
-                          batch_size=h.shape[:1])
+        return TensorDict(
+            logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]), batch_size=h.shape[:1]
+        )
 
 
 def _fsdp_gru_tensordict(rank: int, world: int) -> dict:
@@ -237,8 +235,9 @@ class StateGRUPolicy(GRUPolicy):
 
     def forward(self, observation, state):
         logits, value, h = super().forward(observation, state["h"])
-        return TensorDict(logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]),
-                          batch_size=h.shape[:1])
+        return TensorDict(
+            logits=logits, value=value, state=TensorDict(h=h, batch_size=h.shape[:1]), batch_size=h.shape[:1]
+        )
 
 
 def _fsdp_gru_steps(rank: int, world: int) -> dict:
@@ -253,7 +252,7 @@ def _fsdp_gru_steps(rank: int, world: int) -> dict:
     acc = GradientAccumulator()
     state, loss = TensorDict(h=torch.zeros(B, H), batch_size=[B]), 0.0
     for t0 in range(0, T, k):
-        steps = TensorDict(observation=obs[rank][t0:t0 + k], batch_size=[min(k, T - t0), B])
+        steps = TensorDict(observation=obs[rank][t0 : t0 + k], batch_size=[min(k, T - t0), B])
         heads, state = replay_steps(model, acc, steps, state)
         loss = loss + sum(step_loss(heads["logits"][i], heads["value"][i]) for i in range(heads.batch_size[0]))
     (loss + state["h"].square().sum()).backward()
@@ -265,8 +264,11 @@ def _fsdp_gru_steps(rank: int, world: int) -> dict:
             h = out["state", "h"]
             ref_loss = ref_loss + step_loss(out["logits"], out["value"])
         ((ref_loss + h.square().sum()) / world).backward()
-    return {"grads": grads, "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
-            "blocks": acc.blocks_replayed}
+    return {
+        "grads": grads,
+        "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
+        "blocks": acc.blocks_replayed,
+    }
 
 
 def fsdp_parity(rank: int, world: int) -> dict:
@@ -329,7 +331,7 @@ def _err_strategy(rank: int, world: int) -> str:
         _expect(
             ReplayError,
             rf"sharding strategy {strategy.name}.*FULL_SHARD",
-            lambda: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
+            lambda model=model, acc=acc: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
         )
         assert acc.num_blocks == 0
     return OK
@@ -408,9 +410,7 @@ def cuda_fsdp_offload() -> dict:
         out[f"rng_ref{k}"] = torch.rand(4, device=device).cpu()
         # NO_SHARD: each original parameter's .grad is the full gradient (on the host
         # under CPU offload), so no summon_full_params is needed.
-        out[f"grads{k}"] = {
-            clean(n): p.grad.detach().cpu().clone() for n, p in model.named_parameters()
-        }
+        out[f"grads{k}"] = {clean(n): p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
         out[f"expected{k}"] = {n: p.grad.detach().cpu().clone() for n, p in ref.named_parameters()}
         out[f"h0_{k}"], out[f"h0_ref{k}"] = h_rep.grad.cpu(), h_ref.grad.cpu()
     return out

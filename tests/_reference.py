@@ -2,7 +2,7 @@
 
 :func:`plain_sequence` steps an agent over a stored (T, n) sequence from a start state with
 ordinary autograd, one graph over all T steps. It is written independently of
-:mod:`rl_replay.sequence` (its own loop, its own truncation rule), so a mistake in the
+:mod:`rl_replay.rollout.sequence` (its own loop, its own truncation rule), so a mistake in the
 code under test is not repeated in the reference.
 """
 
@@ -12,8 +12,9 @@ import torch
 from tensordict import TensorDict
 
 
-def plain_sequence(agent, data: TensorDict, start_state: TensorDict,
-                   bptt_truncate: int | None = None) -> tuple[TensorDict, TensorDict]:
+def plain_sequence(
+    agent, data: TensorDict, start_state: TensorDict, bptt_truncate: int | None = None
+) -> tuple[TensorDict, TensorDict]:
     """``agent`` over ``data`` (``observation``, ``is_first``, ``action``; (T, n)) with plain autograd.
 
     The state flows from step to step and is detached after every ``bptt_truncate``-th
@@ -35,8 +36,9 @@ def plain_sequence(agent, data: TensorDict, start_state: TensorDict,
             state = state.detach()
     heads = torch.stack(outputs)
     dist = agent.distribution(heads)
-    result = TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                        value=heads["value"], batch_size=[T, n])
+    result = TensorDict(
+        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=[T, n]
+    )
     return result, state
 
 
@@ -50,12 +52,16 @@ def plain_batched(agent, data: TensorDict, block_steps: int) -> TensorDict:
     T, n = data.batch_size
     chunks = []
     for start in range(0, T, block_steps):
-        obs = data["observation"][start:start + block_steps]
+        obs = data["observation"][start : start + block_steps]
         k = obs.shape[0]
-        out = agent(observation=obs.flatten(0, 1), state=agent.initial_state(k * n),
-                    is_first=data["is_first"][start:start + block_steps].reshape(k * n))
+        out = agent(
+            observation=obs.flatten(0, 1),
+            state=agent.initial_state(k * n),
+            is_first=data["is_first"][start : start + block_steps].reshape(k * n),
+        )
         chunks.append(out.exclude("state").reshape(k, n))
     heads = torch.cat(chunks)
     dist = agent.distribution(heads)
-    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                      value=heads["value"], batch_size=[T, n])
+    return TensorDict(
+        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=[T, n]
+    )

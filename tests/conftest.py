@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-# The per-user secret that signs env-state files (rl_replay.trust): the tests, and the
+# The per-user secret that signs env-state files (rl_replay.run.trust): the tests, and the
 # processes they start, use one of their own instead of the account's ~/.config/rl_replay
 # (setdefault: a spawned worker that imports this module keeps its parent's).
 os.environ.setdefault("RL_REPLAY_CONFIG_DIR", tempfile.mkdtemp(prefix="rl_replay_test_config_"))
@@ -105,9 +105,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG0
     tr.write_line(f"{'family':<24}{'max abs diff':>14}{'max rel diff':>14}{'tensors':>9}{'checks':>8}")
     for family in sorted(GRAD_DIFFS):
         e = GRAD_DIFFS[family]
-        tr.write_line(
-            f"{family:<24}{e['abs']:>14.3e}{e['rel']:>14.3e}{int(e['tensors']):>9}{int(e['checks']):>8}"
-        )
+        tr.write_line(f"{family:<24}{e['abs']:>14.3e}{e['rel']:>14.3e}{int(e['tensors']):>9}{int(e['checks']):>8}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -126,6 +124,7 @@ def single_thread():
 
 
 # ------------------------------------------------------------ distributed scenarios
+
 
 @pytest.fixture(scope="session")
 def fsdp_world2(tmp_path_factory):

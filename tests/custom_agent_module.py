@@ -22,8 +22,9 @@ class TinyAgent(Agent):
 
     def forward(self, observation, state, is_first):
         x = self.body(observation.flatten(1))
-        return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state,
-                          batch_size=observation.shape[:1])
+        return TensorDict(
+            dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=observation.shape[:1]
+        )
 
 
 class NotAnAgent(nn.Module):

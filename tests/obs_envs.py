@@ -35,20 +35,29 @@ class DictObsEnv(_CountingEnv):
 
     def __init__(self, length: int = 5):
         super().__init__(length)
-        self.observation_space = gym.spaces.Dict({
-            "pos": gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
-            "phase": gym.spaces.Discrete(3),
-            "nested": gym.spaces.Dict({
-                "flags": gym.spaces.MultiBinary(2),
-                "code": gym.spaces.MultiDiscrete([2, 3]),
-            }),
-        })
+        self.observation_space = gym.spaces.Dict(
+            {
+                "pos": gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
+                "phase": gym.spaces.Discrete(3),
+                "nested": gym.spaces.Dict(
+                    {
+                        "flags": gym.spaces.MultiBinary(2),
+                        "code": gym.spaces.MultiDiscrete([2, 3]),
+                    }
+                ),
+            }
+        )
 
     def _obs(self):
         x = self.np_random.uniform(-1, 1, 2).astype(np.float32)
-        return {"pos": x, "phase": self._t % 3,
-                "nested": {"flags": np.array([self._t % 2, 1], np.int8),
-                           "code": np.array([self._t % 2, self._t % 3], np.int64)}}
+        return {
+            "pos": x,
+            "phase": self._t % 3,
+            "nested": {
+                "flags": np.array([self._t % 2, 1], np.int8),
+                "code": np.array([self._t % 2, self._t % 3], np.int64),
+            },
+        }
 
 
 class TupleObsEnv(_CountingEnv):
@@ -83,8 +92,11 @@ class MissionObsEnv(_CountingEnv):
         super().__init__(length)
         spaces = {"mission": gym.spaces.Text(32, charset="abcdefghijklmnopqrstuvwxyz ")}
         if not text_only:
-            spaces = {"image": gym.spaces.Box(0, 255, (7, 7, 3), np.uint8), "direction": gym.spaces.Discrete(4),
-                      **spaces}
+            spaces = {
+                "image": gym.spaces.Box(0, 255, (7, 7, 3), np.uint8),
+                "direction": gym.spaces.Discrete(4),
+                **spaces,
+            }
         self.observation_space = gym.spaces.Dict(spaces)
 
     def _obs(self):
@@ -95,7 +107,11 @@ class MissionObsEnv(_CountingEnv):
         return obs
 
 
-for _name, _cls in (("DictObs", "DictObsEnv"), ("TupleObs", "TupleObsEnv"), ("ImageObs", "ImageObsEnv"),
-                    ("MissionObs", "MissionObsEnv")):
+for _name, _cls in (
+    ("DictObs", "DictObsEnv"),
+    ("TupleObs", "TupleObsEnv"),
+    ("ImageObs", "ImageObsEnv"),
+    ("MissionObs", "MissionObsEnv"),
+):
     if f"test/{_name}-v0" not in gym.registry:
         gym.register(id=f"test/{_name}-v0", entry_point=f"obs_envs:{_cls}")

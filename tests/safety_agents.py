@@ -23,8 +23,9 @@ class _Base(Agent):
 
     def forward(self, observation, state, is_first):
         x = self.body(observation.flatten(1))
-        return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state,
-                          batch_size=observation.shape[:1])
+        return TensorDict(
+            dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=observation.shape[:1]
+        )
 
 
 class WrongKeyAgent(_Base):
@@ -89,8 +90,12 @@ class _GRUBase(_Base):
 
     def step(self, observation, h):
         h = self.cell(self.body(observation.flatten(1)), h)
-        return TensorDict(dist=self.head(h), value=self.critic(h).squeeze(-1), state=TensorDict(h=h, batch_size=h.shape[:1]),
-                          batch_size=observation.shape[:1])
+        return TensorDict(
+            dist=self.head(h),
+            value=self.critic(h).squeeze(-1),
+            state=TensorDict(h=h, batch_size=h.shape[:1]),
+            batch_size=observation.shape[:1],
+        )
 
 
 class ResetGRUAgent(_GRUBase):

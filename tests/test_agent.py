@@ -10,16 +10,21 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from rl_replay.agent import (AGENTS, ActionHead, Agent, MultiCategorical, build_agent, canonical_agent_target,
-                             load_agent_class)
+from rl_replay.agent import (
+    AGENTS,
+    ActionHead,
+    Agent,
+    MultiCategorical,
+    build_agent,
+    canonical_agent_target,
+    load_agent_class,
+)
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.errors import SetupError
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
-
-
 
 
 def head_and_dist(space, batch=5, features=6):
@@ -53,11 +58,11 @@ def test_multidiscrete_head_log_prob_is_sum_of_parts():
         assert ((a[:, j] >= 0) & (a[:, j] < n)).all()
     lp, ent = dist.log_prob(a), dist.entropy()
     assert lp.shape == (5,) and ent.shape == (5,)
-    parts = [torch.distributions.Categorical(logits=l) for l in logits.split(nvec, dim=-1)]
+    parts = [torch.distributions.Categorical(logits=part) for part in logits.split(nvec, dim=-1)]
     torch.testing.assert_close(lp, sum(p.log_prob(a[:, j]) for j, p in enumerate(parts)))
     torch.testing.assert_close(ent, sum(p.entropy() for p in parts))
     # Hand check of one entry from the raw logits.
-    by_hand = sum(torch.log_softmax(l[0], -1)[a[0, j]] for j, l in enumerate(logits.split(nvec, -1)))
+    by_hand = sum(torch.log_softmax(part[0], -1)[a[0, j]] for j, part in enumerate(logits.split(nvec, -1)))
     torch.testing.assert_close(lp[0], by_hand)
     assert torch.equal(dist.mode, torch.stack([p.probs.argmax(-1) for p in parts], -1))
 
@@ -104,12 +109,13 @@ def test_multidimensional_multidiscrete_rejected():
     ids=["discrete", "dict", "multibinary"],
 )
 def test_non_box_observation_space(obs_space, obs_dim):
-    # Converted by rl_replay.spaces (one-hot, nested TensorDict, float); obs_dim is the flat width.
+    # Converted by rl_replay.rollout.spaces (one-hot, nested TensorDict, float); obs_dim is the flat width.
     assert MLPAgent(obs_space, gym.spaces.Discrete(2)).obs_dim == obs_dim
 
 
-@pytest.mark.parametrize("obs_space", [gym.spaces.Text(4), gym.spaces.Dict({"t": gym.spaces.Text(4)})],
-                         ids=["text", "dict_of_text"])
+@pytest.mark.parametrize(
+    "obs_space", [gym.spaces.Text(4), gym.spaces.Dict({"t": gym.spaces.Text(4)})], ids=["text", "dict_of_text"]
+)
 def test_unsupported_observation_space(obs_space):
     with pytest.raises(SetupError, match="MLPAgent cannot handle observation space Text"):
         MLPAgent(obs_space, gym.spaces.Discrete(2))
@@ -120,25 +126,44 @@ def test_unsupported_observation_space(obs_space):
     [
         ("rl_replay.agents.mlp:", "must look like 'package.module:Name'"),
         ("my pkg:Agent", "must look like 'package.module:Name'"),
-        ("gpt", r"'gpt' is not a built-in name \(one of gru, lru, lstm, mingru, mlp, transformer\); "
-                r"name your own class as 'package.module:Name'"),
+        (
+            "gpt",
+            r"'gpt' is not a built-in name \(one of gru, lru, lstm, mingru, mlp, transformer\); "
+            r"name your own class as 'package.module:Name'",
+        ),
         ("no_such_module_xyz.sub:Agent", "cannot import module 'no_such_module_xyz.sub'"),
         ("rl_replay.agents.mlp:NoSuchAgent", "module 'rl_replay.agents.mlp' has no attribute 'NoSuchAgent'"),
         ("agents.mlp:NoSuchAgent", "module 'rl_replay.agents.mlp' has no attribute 'NoSuchAgent'"),
         ("rl_replay.agents.mlp:mlp", "not a subclass of rl_replay.Agent"),
         ("torch.nn:Linear", "not a subclass of rl_replay.Agent"),
     ],
-    ids=["no-name", "bad-module", "unknown-short-name", "missing-module", "missing-attribute",
-         "missing-attribute-old-path", "function", "other-class"],
+    ids=[
+        "no-name",
+        "bad-module",
+        "unknown-short-name",
+        "missing-module",
+        "missing-attribute",
+        "missing-attribute-old-path",
+        "function",
+        "other-class",
+    ],
 )
 def test_load_agent_class_errors(target, match):
     with pytest.raises(SetupError, match=match):
         load_agent_class(target)
 
 
-@pytest.mark.parametrize("target", ["gru", "rl_replay.agents.gru:GRUAgent", "rl_replay.agents.gru.GRUAgent",
-                                    "agents.gru:GRUAgent", "agents.gru.GRUAgent"],
-                         ids=["short", "path", "dotted", "old-path", "old-dotted"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "gru",
+        "rl_replay.agents.gru:GRUAgent",
+        "rl_replay.agents.gru.GRUAgent",
+        "agents.gru:GRUAgent",
+        "agents.gru.GRUAgent",
+    ],
+    ids=["short", "path", "dotted", "old-path", "old-dotted"],
+)
 def test_every_spelling_of_an_agent_is_the_same_class(target):
     # Configs written before the short names (and before the rl_replay.agents package) keep working.
     assert load_agent_class(target) is GRUAgent
@@ -189,33 +214,59 @@ def test_reference_agents_follow_the_contract(cls):
     assert set(out["state"].keys()) == set(state.keys())
 
 
-RECURRENT_KEYS = [f"{part}.{name}" for part, names in [
-    ("encoder.0", ["weight", "bias"]), ("cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
-    ("critic_encoder.0", ["weight", "bias"]), ("critic_cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
-    ("actor_mlp.0", ["weight", "bias"]), ("critic_mlp.0", ["weight", "bias"]),
-    ("head.linear", ["weight", "bias"]), ("value", ["weight", "bias"])] for name in names]
+RECURRENT_KEYS = [
+    f"{part}.{name}"
+    for part, names in [
+        ("encoder.0", ["weight", "bias"]),
+        ("cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+        ("critic_encoder.0", ["weight", "bias"]),
+        ("critic_cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+        ("actor_mlp.0", ["weight", "bias"]),
+        ("critic_mlp.0", ["weight", "bias"]),
+        ("head.linear", ["weight", "bias"]),
+        ("value", ["weight", "bias"]),
+    ]
+    for name in names
+]
 
 
-@pytest.mark.parametrize("cls, state_keys, param_sum, outputs", [
-    (GRUAgent, ["h", "h_critic"], 22.043388, [0.764346, 0.009361, 0.375036, -0.01484, 0.678747, 0.001616]),
-    (LSTMAgent, ["h", "c", "h_critic", "c_critic"], 1.226208,
-     [0.600105, -0.02189, 1.01284, 0.010656, -0.058101, 0.004572]),
-], ids=["gru", "lstm"])
+@pytest.mark.parametrize(
+    "cls, state_keys, param_sum, outputs",
+    [
+        (GRUAgent, ["h", "h_critic"], 22.043388, [0.764346, 0.009361, 0.375036, -0.01484, 0.678747, 0.001616]),
+        (
+            LSTMAgent,
+            ["h", "c", "h_critic", "c_critic"],
+            1.226208,
+            [0.600105, -0.02189, 1.01284, 0.010656, -0.058101, 0.004572],
+        ),
+    ],
+    ids=["gru", "lstm"],
+)
 def test_recurrent_agents_keep_their_parameters_and_outputs(cls, state_keys, param_sum, outputs):
     """Checkpoints hold these parameter names and state keys, and a seeded agent (separate
     critic, skip path, head layers, chrono init) computes these numbers, as it did before
     GRUAgent and LSTMAgent shared agents/recurrent.py: training stays identical."""
     torch.manual_seed(0)
-    agent = cls(OBS, gym.spaces.Discrete(3), hidden_size=6, encoder_sizes=(5,), separate_critic=True, skip=True,
-                head_sizes=(7,), chrono_t_max=16)
+    agent = cls(
+        OBS,
+        gym.spaces.Discrete(3),
+        hidden_size=6,
+        encoder_sizes=(5,),
+        separate_critic=True,
+        skip=True,
+        head_sizes=(7,),
+        chrono_t_max=16,
+    )
     assert list(agent.state_dict()) == RECURRENT_KEYS
     assert sum(p.double().sum().item() for p in agent.parameters()) == pytest.approx(param_sum, abs=1e-5)
     g = torch.Generator().manual_seed(1)
     state, got = agent.initial_state(3), []
     assert list(state.keys()) == state_keys
     for t in range(3):
-        out = agent(observation=torch.randn(3, 4, generator=g), state=state,
-                    is_first=torch.tensor([t == 0, False, t == 1]))
+        out = agent(
+            observation=torch.randn(3, 4, generator=g), state=state, is_first=torch.tensor([t == 0, False, t == 1])
+        )
         state = out["state"]
         got += [out["value"].sum().item(), out["dist", "logits"].sum().item()]
     assert list(state.keys()) == state_keys
@@ -246,8 +297,7 @@ def test_agent_is_exported_from_the_package():
         rl_replay.Nope  # noqa: B018
 
 
-@pytest.mark.parametrize("cls, keys", [(GRUAgent, {"h", "h_critic"}),
-                                       (LSTMAgent, {"h", "c", "h_critic", "c_critic"})])
+@pytest.mark.parametrize("cls, keys", [(GRUAgent, {"h", "h_critic"}), (LSTMAgent, {"h", "c", "h_critic", "c_critic"})])
 def test_separate_critic_keeps_value_and_policy_gradients_apart(cls, keys):
     torch.manual_seed(0)
     agent = cls(OBS, gym.spaces.Discrete(3), hidden_size=8, encoder_sizes=[8], separate_critic=True)

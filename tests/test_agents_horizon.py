@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 from _reference import plain_sequence
+from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from conftest import assert_grads_match
 from rl_replay import GradientAccumulator, replay
 from rl_replay.agents.chrono import chrono_bias
 from rl_replay.agents.gru import GRUAgent
@@ -31,21 +31,49 @@ ACT = gym.spaces.Discrete(3)
 
 AGENTS = {
     "gru-chrono": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
-    "gru-skip-heads": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), separate_critic=True,
-                                       skip=True, head_sizes=(16,), activation="relu"),
-    "lstm-skip-heads": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), separate_critic=True,
-                                         skip=True, head_sizes=(16,), activation="relu"),
+    "gru-skip-heads": lambda: GRUAgent(
+        OBS,
+        ACT,
+        hidden_size=16,
+        encoder_sizes=(16,),
+        separate_critic=True,
+        skip=True,
+        head_sizes=(16,),
+        activation="relu",
+    ),
+    "lstm-skip-heads": lambda: LSTMAgent(
+        OBS,
+        ACT,
+        hidden_size=16,
+        encoder_sizes=(16,),
+        separate_critic=True,
+        skip=True,
+        head_sizes=(16,),
+        activation="relu",
+    ),
     "lstm-chrono": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
     "mingru": lambda: MinGRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
     "lru-complex": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
-    "lru-real": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,),
-                                 max_phase=0.0, normalize=False),
+    "lru-real": lambda: LRUAgent(
+        OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,), max_phase=0.0, normalize=False
+    ),
     # configs/memory_1024_fast.yaml's layout: no encoder, the recurrence reads the observation.
-    "lru-no-encoder": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,),
-                                       r_min=0.99, r_max=0.9999, max_phase=0.0),
+    "lru-no-encoder": lambda: LRUAgent(
+        OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,), r_min=0.99, r_max=0.9999, max_phase=0.0
+    ),
     # configs/memory_4096.yaml's layout: every unit slow, small B, no input normalisation.
-    "lru-4096": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(), readout_sizes=(16,), r_min=0.9995,
-                                 r_max=0.99999, max_phase=0.0, input_scale=0.01, normalize=False),
+    "lru-4096": lambda: LRUAgent(
+        OBS,
+        ACT,
+        hidden_size=16,
+        encoder_sizes=(),
+        readout_sizes=(16,),
+        r_min=0.9995,
+        r_max=0.99999,
+        max_phase=0.0,
+        input_scale=0.01,
+        normalize=False,
+    ),
 }
 
 
@@ -53,8 +81,11 @@ def rollout_loss(agent, observations, is_first, actions, weights, state, block):
     """A per-step policy-gradient-like loss over a rollout; ``block`` runs one step."""
     terms, values = [], []
     for t in range(observations.shape[0]):
-        out = block(TensorDict(observation=observations[t], state=state, is_first=is_first[t],
-                               batch_size=[observations.shape[1]]))
+        out = block(
+            TensorDict(
+                observation=observations[t], state=state, is_first=is_first[t], batch_size=[observations.shape[1]]
+            )
+        )
         dist = agent.distribution(out)
         terms.append((dist.log_prob(actions[t]) * weights[t]).sum() + 0.1 * dist.entropy().sum())
         values.append(out["value"])
@@ -106,8 +137,7 @@ def test_state_resets_at_episode_start(name):
     obs = torch.randn(2, 5)
     first = torch.ones(2, dtype=torch.bool)
     a = agent(observation=obs, state=agent.initial_state(2), is_first=first)
-    b = agent(observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5),
-              is_first=first)
+    b = agent(observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5), is_first=first)
     torch.testing.assert_close(a["dist"]["logits"], b["dist"]["logits"])
     for key in a["state"].keys():
         torch.testing.assert_close(a["state"][key], b["state"][key])
@@ -152,12 +182,14 @@ def test_lru_ring_init_and_bad_arguments():
     assert agent.eigenvalues().angle().max() <= 0.3 + 1e-6
     # gamma normalises: |lambda|^2 + gamma^2 = 1 at init.
     torch.testing.assert_close(modulus.square() + agent.gamma_log.exp().square(), torch.ones(512))
-    for kwargs, match in (({"r_min": 0.5, "r_max": 1.0}, "r_min <= r_max < 1"),
-                          ({"r_min": 0.9, "r_max": 0.8}, "r_min <= r_max < 1"),
-                          ({"max_phase": 7.0}, "max_phase must be in"),
-                          ({"hidden_size": 0}, "hidden_size must be a positive integer"),
-                          ({"input_scale": -1.0}, "input_scale must be a finite number >= 0"),
-                          ({"input_scale": float("nan")}, "input_scale must be a finite number >= 0")):
+    for kwargs, match in (
+        ({"r_min": 0.5, "r_max": 1.0}, "r_min <= r_max < 1"),
+        ({"r_min": 0.9, "r_max": 0.8}, "r_min <= r_max < 1"),
+        ({"max_phase": 7.0}, "max_phase must be in"),
+        ({"hidden_size": 0}, "hidden_size must be a positive integer"),
+        ({"input_scale": -1.0}, "input_scale must be a finite number >= 0"),
+        ({"input_scale": float("nan")}, "input_scale must be a finite number >= 0"),
+    ):
         with pytest.raises(SetupError, match=match):
             LRUAgent(OBS, ACT, **kwargs)
 
@@ -241,17 +273,26 @@ def test_lru_gradient_to_a_past_input_is_lambda_to_the_power_of_the_delay():
 
 def test_grad_horizon_smoke(tmp_path):
     out = tmp_path / "horizon.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "grad_horizon.py"), "--delays", "2", "6",
-           "--batch", "4", "--json", str(out),
-           "--agent", "gru {hidden_size: 8, encoder_sizes: [8], update_gate_bias: 5}",
-           "--agent", "lru {hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "grad_horizon.py"),
+        "--delays",
+        "2",
+        "6",
+        "--batch",
+        "4",
+        "--json",
+        str(out),
+        "--agent",
+        "gru {hidden_size: 8, encoder_sizes: [8], update_gate_bias: 5}",
+        "--agent",
+        "lru {hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "| GRUAgent(hidden_size=8, encoder_sizes=[8], update_gate_bias=5) |" in proc.stdout
     rows = json.loads(out.read_text())
-    assert [(r["agent"], r["delay"]) for r in rows] == [
-        ("gru", 2), ("gru", 6),
-        ("lru", 2), ("lru", 6)]
+    assert [(r["agent"], r["delay"]) for r in rows] == [("gru", 2), ("gru", 6), ("lru", 2), ("lru", 6)]
     for r in rows:
         assert r["grad"] > 0 and math.isfinite(r["grad"]) and r["signal"] >= 0
         assert r["blocks_replayed"] == r["delay"] + 2
@@ -265,8 +306,7 @@ def test_grad_horizon_matches_plain_autograd():
     sys.path.insert(0, str(ROOT / "scripts"))
     import grad_horizon
 
-    target, kwargs = "mingru", {"hidden_size": 8, "encoder_sizes": [8],
-                                                 "readout_sizes": [8], "chrono_t_max": 50}
+    target, kwargs = "mingru", {"hidden_size": 8, "encoder_sizes": [8], "readout_sizes": [8], "chrono_t_max": 50}
     row = grad_horizon.measure(target, kwargs, delay=20, batch=4, seed=3)
     observations, _, obs_space, act_space = grad_horizon.episode_observations(20, 4, 3)
     torch.manual_seed(3)
@@ -277,8 +317,12 @@ def test_grad_horizon_matches_plain_autograd():
     T = len(observations)
     is_first = torch.zeros(T, 4, dtype=torch.bool)
     is_first[0] = True
-    episode = TensorDict(observation=torch.cat([cue.unsqueeze(0), observations[1:]]), is_first=is_first,
-                         action=torch.zeros(T, 4, dtype=torch.long), batch_size=[T, 4])
+    episode = TensorDict(
+        observation=torch.cat([cue.unsqueeze(0), observations[1:]]),
+        is_first=is_first,
+        action=torch.zeros(T, 4, dtype=torch.long),
+        batch_size=[T, 4],
+    )
     heads, _ = plain_sequence(agent, episode, agent.initial_state(4))
     heads["log_prob"][-1].sum().backward()
     assert row["grad"] > 0
@@ -288,12 +332,21 @@ def test_grad_horizon_matches_plain_autograd():
 def test_memory_256_config_runs_an_update(tmp_path):
     # The shipped long-delay config builds its LRU agent and trains (tiny sizes for speed).
     from rl_replay.config import load_config
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
-    cfg = load_config(ROOT / "configs" / "memory_256.yaml", [
-        "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8", "total_env_steps=32",
-        "log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0", f"run_dir={tmp_path / 'run'}",
-    ])
+    cfg = load_config(
+        ROOT / "configs" / "memory_256.yaml",
+        [
+            "env.num_envs=2",
+            "env.kwargs.delay=6",
+            "collector.num_steps=8",
+            "total_env_steps=32",
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            "checkpoint.every=0",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+    )
     assert cfg.agent.target == "lru" and cfg.collector.bptt_truncate is None
     trainer = build(cfg)
     assert isinstance(trainer.model, LRUAgent)
@@ -307,20 +360,41 @@ def test_memory_256_config_runs_an_update(tmp_path):
 def test_grad_horizon_on_a_trained_run(tmp_path, capsys):
     # --run loads a MemoryCue run's agent with its checkpoint's weights (not an initialisation).
     from rl_replay.config import load_config
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
     run = tmp_path / "run"
-    cfg = load_config(ROOT / "configs" / "memory_1024_fast.yaml", [
-        "env.num_envs=2", "env.kwargs.delay=3", "collector.num_steps=5", "total_env_steps=10",
-        "ppo.num_minibatches=1", "eval.every=0", "log.wandb_mode=disabled", "log.progress=false",
-        "agent.kwargs={hidden_size: 8, readout_sizes: [8], encoder_sizes: [], max_phase: 0.0}",
-        f"run_dir={run}"])
+    cfg = load_config(
+        ROOT / "configs" / "memory_1024_fast.yaml",
+        [
+            "env.num_envs=2",
+            "env.kwargs.delay=3",
+            "collector.num_steps=5",
+            "total_env_steps=10",
+            "ppo.num_minibatches=1",
+            "eval.every=0",
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            "agent.kwargs={hidden_size: 8, readout_sizes: [8], encoder_sizes: [], max_phase: 0.0}",
+            f"run_dir={run}",
+        ],
+    )
     trainer = build(cfg)
     trainer.train()
     weights = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     out = tmp_path / "horizon.json"
-    cmd = [sys.executable, str(ROOT / "scripts" / "grad_horizon.py"), "--run", str(run),
-           "--delays", "3", "7", "--batch", "4", "--json", str(out)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "grad_horizon.py"),
+        "--run",
+        str(run),
+        "--delays",
+        "3",
+        "7",
+        "--batch",
+        "4",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"trained: {run} |" in proc.stdout
@@ -337,7 +411,7 @@ def test_grad_horizon_on_a_trained_run(tmp_path, capsys):
     assert rows[1]["grad"] == trained["grad"] and rows[1]["signal"] == trained["signal"]
     assert (fresh["grad"], fresh["signal"]) != (trained["grad"], trained["signal"])
     # evaluate.py plays the same checkpoint at another delay (how a 1024 agent is tried at 4096).
-    from rl_replay.cli import evaluate_main
+    from rl_replay.run.cli import evaluate_main
 
     lengths = {}
     for extra in ([], ["env.kwargs.delay=7"]):
@@ -349,8 +423,20 @@ def test_grad_horizon_on_a_trained_run(tmp_path, capsys):
     assert out_ == "" and "only env.kwargs.* and env.max_episode_steps" in err
     # A run on another env is refused with a line naming it.
     other = tmp_path / "cartpole"
-    build(load_config(None, ["total_env_steps=16", "env.num_envs=2", "collector.num_steps=8",
-                             "log.wandb_mode=disabled", "log.progress=false", f"run_dir={other}"])).train()
-    proc = subprocess.run([*cmd[:3], str(other), "--delays", "3"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    build(
+        load_config(
+            None,
+            [
+                "total_env_steps=16",
+                "env.num_envs=2",
+                "collector.num_steps=8",
+                "log.wandb_mode=disabled",
+                "log.progress=false",
+                f"run_dir={other}",
+            ],
+        )
+    ).train()
+    proc = subprocess.run(
+        [*cmd[:3], str(other), "--delays", "3"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode != 0 and "needs a rl_replay/MemoryCue-v0 run" in proc.stderr

@@ -16,16 +16,23 @@ from tensordict import TensorDict
 from rl_replay import config as config_module
 from rl_replay.agent import build_agent
 from rl_replay.algorithms import A2C, PPO, REGISTRY, REINFORCE, Algorithm, UpdateResult, make_algorithm
-from rl_replay.collector import Collector
-from rl_replay.environment import make_vector_env
 from rl_replay.config import Config, LossConfig, load_config
 from rl_replay.distributed import DistInfo
-from rl_replay.sequence import block_spans
+from rl_replay.rollout.collector import Collector
+from rl_replay.rollout.environment import make_vector_env
+from rl_replay.rollout.sequence import block_spans
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["env.num_envs=2", "collector.num_steps=6", "ppo.num_minibatches=2", "ppo.epochs=1",
-        "agent.target=agents.gru:GRUAgent", "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
-        "optim.name=adam", "log.wandb_mode=disabled"]
+TINY = [
+    "env.num_envs=2",
+    "collector.num_steps=6",
+    "ppo.num_minibatches=2",
+    "ppo.epochs=1",
+    "agent.target=agents.gru:GRUAgent",
+    "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
+    "optim.name=adam",
+    "log.wandb_mode=disabled",
+]
 
 
 # ------------------------------------------------------------------ registry and interface
@@ -46,8 +53,7 @@ def test_every_registered_algorithm_builds_and_updates_once(name):
     cfg = load_config(None, [*TINY, f"loss.algorithm={name}"])
     envs = make_vector_env("CartPole-v1", cfg.env.num_envs)
     torch.manual_seed(0)
-    model = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
-                        envs.single_action_space)
+    model = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space)
     collector = Collector(envs, model, num_steps=cfg.collector.num_steps, seed=cfg.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     algorithm = make_algorithm(cfg, collector, model, optimizer, DistInfo(), torch.device("cpu"))
@@ -74,8 +80,11 @@ def test_an_unknown_algorithm_is_refused_with_the_registered_names():
 def test_each_algorithm_has_its_own_normalisation_default():
     unset = LossConfig()
     assert unset.normalize_advantages is None
-    assert (A2C.normalize_advantages(unset), REINFORCE.normalize_advantages(unset),
-            PPO.normalize_advantages(unset)) == (False, False, True)
+    assert (
+        A2C.normalize_advantages(unset),
+        REINFORCE.normalize_advantages(unset),
+        PPO.normalize_advantages(unset),
+    ) == (False, False, True)
     for value in (True, False):
         given = LossConfig(normalize_advantages=value)
         assert all(cls.normalize_advantages(given) is value for cls in REGISTRY.values())
@@ -96,8 +105,7 @@ def test_ppo_reads_loss_normalize_advantages():
 
 
 def test_shipped_ppo_configs_still_normalise_advantages():
-    ppo_configs = [p for p in sorted((ROOT / "configs").glob("*.yaml"))
-                   if load_config(p).loss.algorithm == "ppo"]
+    ppo_configs = [p for p in sorted((ROOT / "configs").glob("*.yaml")) if load_config(p).loss.algorithm == "ppo"]
     assert len(ppo_configs) >= 5
     for path in ppo_configs:
         assert "norm_adv" not in path.read_text(), path
@@ -124,8 +132,9 @@ def test_an_old_ppo_run_config_keeps_its_normalisation(tmp_path, norm_adv):
     assert cfg.loss.normalize_advantages is norm_adv and PPO.normalize_advantages(cfg.loss) is norm_adv
     assert not hasattr(cfg.ppo, "norm_adv")
     # Overrides still come last (a resume's override of the new key wins).
-    again = load_config(old_saved_config(tmp_path, "ppo", False, norm_adv),
-                        [f"loss.normalize_advantages={not norm_adv}"])
+    again = load_config(
+        old_saved_config(tmp_path, "ppo", False, norm_adv), [f"loss.normalize_advantages={not norm_adv}"]
+    )
     assert again.loss.normalize_advantages is (not norm_adv)
 
 
@@ -153,8 +162,11 @@ def test_an_old_user_yaml_and_overrides_with_ppo_norm_adv(tmp_path):
 def test_contradicting_ppo_norm_adv_and_loss_normalize_advantages_are_refused(tmp_path):
     path = tmp_path / "both.yaml"
     path.write_text("loss: {algorithm: ppo, normalize_advantages: true}\nppo: {norm_adv: false}\n")
-    with pytest.raises(ValueError, match=r"'ppo\.norm_adv: false' and 'loss\.normalize_advantages: true'.*"
-                                         r"remove ppo\.norm_adv"):
+    with pytest.raises(
+        ValueError,
+        match=r"'ppo\.norm_adv: false' and 'loss\.normalize_advantages: true'.*"
+        r"remove ppo\.norm_adv",
+    ):
         load_config(path)
     path.write_text("loss: {algorithm: ppo, normalize_advantages: true}\nppo: {norm_adv: true}\n")
     assert load_config(path).loss.normalize_advantages is True
@@ -166,10 +178,15 @@ def _one_update(name: str, block_steps: int, extra: list[str]):
     cfg = load_config(None, [*TINY, f"loss.algorithm={name}", f"collector.block_steps={block_steps}", *extra])
     envs = make_vector_env("CartPole-v1", cfg.env.num_envs)
     torch.manual_seed(0)
-    model = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space,
-                        envs.single_action_space)
-    collector = Collector(envs, model, num_steps=cfg.collector.num_steps, seed=cfg.seed,
-                          bptt_truncate=cfg.collector.bptt_truncate, mode=cfg.collector.mode)
+    model = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space)
+    collector = Collector(
+        envs,
+        model,
+        num_steps=cfg.collector.num_steps,
+        seed=cfg.seed,
+        bptt_truncate=cfg.collector.bptt_truncate,
+        mode=cfg.collector.mode,
+    )
     grads: dict[str, torch.Tensor] = {}
 
     class Recording(torch.optim.SGD):
@@ -187,11 +204,14 @@ def _one_update(name: str, block_steps: int, extra: list[str]):
 
 
 @pytest.mark.parametrize("name", ["a2c", "reinforce"])
-@pytest.mark.parametrize("extra", [
-    [],                                                       # 24 rows in blocks of 5 (the last one 4)
-    ["collector.bptt_truncate=7"],                            # cuts inside blocks
-    ["collector.mode=episode", "collector.num_steps=40"],     # rows past an episode's end
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        [],  # 24 rows in blocks of 5 (the last one 4)
+        ["collector.bptt_truncate=7"],  # cuts inside blocks
+        ["collector.mode=episode", "collector.num_steps=40"],  # rows past an episode's end
+    ],
+)
 def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extra):
     # A GRU whose forward draws no random numbers: the stored rows replayed in 5-step blocks
     # give bit-identical outputs and gradients to one replay block per collected step.

@@ -23,8 +23,12 @@ GRAD_LINE = re.compile(r"gradient check: worst abs diff (\S+), worst rel diff (\
 def run_script(name: str, *args: str, timeout: float = 600) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, str(SCRIPTS / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} {' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
@@ -54,11 +58,12 @@ def test_bench_memory_smoke():
 @pytest.mark.slow
 def test_bench_memory_worker_mode_prints_json():
     from_cfg = {"kind": "mlp", "obs": 4, "width": 8, "layers": 2, "actions": 3, "batch": 2}
-    spec = dict(policy="tiny_mlp", cfg=from_cfg, T=4, method="rl_replay", reps=1, threads=1,
-                device="cpu", seed=0, budget_s=60)
+    spec = dict(
+        policy="tiny_mlp", cfg=from_cfg, T=4, method="rl_replay", reps=1, threads=1, device="cpu", seed=0, budget_s=60
+    )
     out = run_script("bench_memory.py", "--worker", json.dumps(spec))
-    line = next(l for l in out.splitlines() if l.startswith("BENCH_RESULT "))
-    result = json.loads(line[len("BENCH_RESULT "):])
+    line = next(x for x in out.splitlines() if x.startswith("BENCH_RESULT "))
+    result = json.loads(line[len("BENCH_RESULT ") :])
     assert result["mode"] == "full"
     assert result["live_bytes"] > 0 and result["block_input_bytes"] == 4 * 2 * 4 * 4
 
@@ -112,8 +117,9 @@ def docs_bytes() -> dict[str, bytes]:
 def test_plain_runs_leave_the_committed_docs_alone(tmp_path):
     """Without --write-docs a (non-smoke) run prints its tables and writes nothing into docs/."""
     before = docs_bytes()
-    out = run_script("bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay",
-                     "--reps", "0")
+    out = run_script(
+        "bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay", "--reps", "0"
+    )
     assert "| 8 | rl_replay |" in out and "updated section" not in out
     out = run_script("bench_learning.py", "--num-envs", "2", "--num-steps", "8", "--updates", "2")
     assert "summary learning:" in out and "updated section" not in out
@@ -125,8 +131,20 @@ def test_write_docs_updates_only_its_marked_section(tmp_path):
     docs = tmp_path / "bench.md"
     docs.write_text("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\nold\n<!-- END bench_memory tiny_gru -->\n\nafter\n")
     before = docs_bytes()
-    out = run_script("bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay",
-                     "--reps", "0", "--write-docs", str(docs))
+    out = run_script(
+        "bench_memory.py",
+        "--policy",
+        "tiny_gru",
+        "--T",
+        "8",
+        "--methods",
+        "plain",
+        "rl_replay",
+        "--reps",
+        "0",
+        "--write-docs",
+        str(docs),
+    )
     assert f"updated section 'bench_memory tiny_gru' of {docs}" in out
     text = docs.read_text()
     assert text.startswith("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\n**tiny_gru**") and "old" not in text
@@ -136,14 +154,28 @@ def test_write_docs_updates_only_its_marked_section(tmp_path):
 
 
 def test_smoke_results_are_never_written_to_the_docs():
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "drop --write-docs" in proc.stderr
 
 
 def test_bench_soak_records_rss_and_slopes(tmp_path):
-    out = run_script("bench_soak.py", "--updates", "40", "--every", "10", "--json", str(tmp_path / "s.json"),
-                     "log.wandb_mode=disabled", timeout=300)
+    out = run_script(
+        "bench_soak.py",
+        "--updates",
+        "40",
+        "--every",
+        "10",
+        "--json",
+        str(tmp_path / "s.json"),
+        "log.wandb_mode=disabled",
+        timeout=300,
+    )
     assert re.search(r"second half: RSS [+-]\d+\.\d+ KiB/update", out), out[-2000:]
     result = json.loads((tmp_path / "s.json").read_text())
     assert [s["update"] for s in result["samples"]] == [1, 10, 20, 30, 40]
@@ -154,9 +186,23 @@ def test_bench_soak_records_rss_and_slopes(tmp_path):
 def test_bench_overhead_bare_function_row(config):
     # The bare Function (no checks, no slabs) computes the same gradients on a deterministic
     # agent, so its row measures the same work; replay's own check is in identical_grads.
-    out = run_script("bench_overhead.py", "--config", config, "--T", "6", "--batch", "2",
-                     "--repeats", "1", "--bare", "--block-steps", "1", "3", "--json")
-    rows = json.loads(out[out.index("["):])
+    out = run_script(
+        "bench_overhead.py",
+        "--config",
+        config,
+        "--T",
+        "6",
+        "--batch",
+        "2",
+        "--repeats",
+        "1",
+        "--bare",
+        "--block-steps",
+        "1",
+        "3",
+        "--json",
+    )
+    rows = json.loads(out[out.index("[") :])
     assert [r["block_steps"] for r in rows] == [1, 3]
     assert all(r["identical_grads"] for r in rows)
     assert rows[0]["bare_identical_grads"] and rows[0]["bare_ms_per_step"] > 0 and rows[0]["bare_over_plain"] > 0
@@ -164,8 +210,9 @@ def test_bench_overhead_bare_function_row(config):
 
 
 def test_bench_checkpoint_reports_the_files_and_their_timings():
-    out = run_script("bench_checkpoint.py", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8",
-                     "total_env_steps=16")
+    out = run_script(
+        "bench_checkpoint.py", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8", "total_env_steps=16"
+    )
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["files"]) == {"checkpoint.pt", "env_state.pkl"}
     assert result["total_bytes"] == sum(result["files"].values()) > 0

@@ -1,4 +1,4 @@
-"""rl_replay/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
+"""rl_replay/run/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
 
 Covers the file format (a header with the payload's sha256 and size, then a safetensors
 file), verified loading and the one-line error for an empty, truncated, corrupt, unreadable,
@@ -18,13 +18,17 @@ import numpy as np
 import pytest
 import torch
 
-import rl_replay.checkpoint as checkpoint_module
-from rl_replay.errors import CheckpointError
-from rl_replay.checkpoint import (
-    checkpoint_path, load_checkpoint, load_latest, non_finite_tensors, previous_checkpoint_path,
-    remove_stale_temporaries, save_checkpoint,
+import rl_replay.run.checkpoint as checkpoint_module
+from rl_replay.errors import CheckpointError, SetupError
+from rl_replay.run.checkpoint import (
+    checkpoint_path,
+    load_checkpoint,
+    load_latest,
+    non_finite_tensors,
+    previous_checkpoint_path,
+    remove_stale_temporaries,
+    save_checkpoint,
 )
-from rl_replay.errors import SetupError
 
 
 # ------------------------------------------------------------------ checkpoint integrity
@@ -92,13 +96,22 @@ def test_other_names_keep_their_previous_file_beside_them(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.prev.pt", "best.pt"]
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"RLREPLAY-CHECKPOINT 2 sha256=abc\n" + b"x" * 10, r"is corrupt: its header is unreadable"),
-    (b"RLREPLAY-CHECKPOINT 2 sha256=abc size=ten\n", r"is corrupt: its header is unreadable"),
-    (b"RLREPLAY-CHECKPOINT 2 sha256=" + hashlib.sha256(b"junk").hexdigest().encode() + b" size=4\njunk",
-     r"cannot be read: not a stored tree \(\w+: .+\)\.$"),
-    (b"RLREPLAY-CHECKPOINT 9 sha256=abc size=1\nx", r"has format '9', which this version of rl_replay does not read"),
-], ids=["header_without_size", "size_not_a_number", "payload_not_safetensors", "future_format"])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (b"RLREPLAY-CHECKPOINT 2 sha256=abc\n" + b"x" * 10, r"is corrupt: its header is unreadable"),
+        (b"RLREPLAY-CHECKPOINT 2 sha256=abc size=ten\n", r"is corrupt: its header is unreadable"),
+        (
+            b"RLREPLAY-CHECKPOINT 2 sha256=" + hashlib.sha256(b"junk").hexdigest().encode() + b" size=4\njunk",
+            r"cannot be read: not a stored tree \(\w+: .+\)\.$",
+        ),
+        (
+            b"RLREPLAY-CHECKPOINT 9 sha256=abc size=1\nx",
+            r"has format '9', which this version of rl_replay does not read",
+        ),
+    ],
+    ids=["header_without_size", "size_not_a_number", "payload_not_safetensors", "future_format"],
+)
 def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, data, message):
     path = tmp_path / "checkpoint.pt"
     path.write_bytes(data)
@@ -111,29 +124,39 @@ def test_unreadable_files_are_one_line_errors_naming_them(tmp_path, data, messag
 def test_legacy_pickles_are_refused_with_the_convert_command_and_foreign_files_are_refused(tmp_path):
     legacy = tmp_path / "legacy.pt"
     torch.save(_payload(4), legacy)  # a bare torch.save, from before the header
-    with pytest.raises(CheckpointError, match=rf"^checkpoint {re.escape(str(legacy))} is a bare torch.save file "
-                       r"\(no header\): a pickle, which can run any code when loaded, so it is not loaded\. If you "
-                       rf"trust where it came from, convert it: python scripts/convert_checkpoint\.py "
-                       rf"{re.escape(str(legacy))} --trust$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^checkpoint {re.escape(str(legacy))} is a bare torch.save file "
+        r"\(no header\): a pickle, which can run any code when loaded, so it is not loaded\. If you "
+        rf"trust where it came from, convert it: python scripts/convert_checkpoint\.py "
+        rf"{re.escape(str(legacy))} --trust$",
+    ):
         load_checkpoint(legacy)
     headed = tmp_path / "v1.pt"
     body = legacy.read_bytes()
-    headed.write_bytes(f"RLREPLAY-CHECKPOINT 1 sha256={hashlib.sha256(body).hexdigest()} size={len(body)}\n".encode()
-                       + body)
+    headed.write_bytes(
+        f"RLREPLAY-CHECKPOINT 1 sha256={hashlib.sha256(body).hexdigest()} size={len(body)}\n".encode() + body
+    )
     with pytest.raises(CheckpointError, match=r"is in the format-1 layout: a pickle, .* --trust$"):
         load_checkpoint(headed)
     foreign = tmp_path / "foreign.pt"
     save_checkpoint({"model": {"w": torch.zeros(1)}}, foreign)
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(foreign))} is not an rl_replay checkpoint "
-                                              r"\(it holds no agent weights\)\.$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{re.escape(str(foreign))} is not an rl_replay checkpoint "
+        r"\(it holds no agent weights\)\.$",
+    ):
         load_checkpoint(foreign)
     save_checkpoint({"agent": {"w": "text"}}, foreign)
     with pytest.raises(CheckpointError, match=r"its agent entries 'w' are not tensors"):
         load_checkpoint(foreign)
     other = tmp_path / "notes.txt"
     other.write_text("hello")
-    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(other))} is not an rl_replay checkpoint \(it does "
-                                              r"not start with its header\)\.$"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"^{re.escape(str(other))} is not an rl_replay checkpoint \(it does "
+        r"not start with its header\)\.$",
+    ):
         load_checkpoint(other)
     with pytest.raises(FileNotFoundError, match=rf"no checkpoint at {re.escape(str(tmp_path / 'missing.pt'))}"):
         load_checkpoint(tmp_path / "missing.pt")
@@ -148,8 +171,10 @@ def test_load_latest_prefers_the_latest_and_falls_back_only_when_it_is_missing_o
     checkpoint_path(tmp_path).unlink()
     state, used, warning = load_latest(tmp_path)
     assert state["update"] == 1 and used == previous_checkpoint_path(tmp_path)
-    assert warning == (f"no checkpoint at {checkpoint_path(tmp_path)} Resuming from the previous checkpoint "
-                       f"{previous_checkpoint_path(tmp_path)} (update 1).")
+    assert warning == (
+        f"no checkpoint at {checkpoint_path(tmp_path)} Resuming from the previous checkpoint "
+        f"{previous_checkpoint_path(tmp_path)} (update 1)."
+    )
 
     # Both damaged: the latest file's error, not the previous one's.
     checkpoint_path(tmp_path).write_bytes(b"")
@@ -180,22 +205,29 @@ def test_a_failed_write_keeps_the_old_checkpoint_and_leaves_no_temporary(tmp_pat
 
 
 def test_non_finite_tensors_names_floating_tensors_holding_nan_or_inf():
-    state = {"ok": torch.ones(2), "nan": torch.tensor([0.0, float("nan")]), "int": torch.tensor([1, 2]),
-             "inf": torch.tensor([float("-inf")], dtype=torch.float64), "step": 3}
+    state = {
+        "ok": torch.ones(2),
+        "nan": torch.tensor([0.0, float("nan")]),
+        "int": torch.tensor([1, 2]),
+        "inf": torch.tensor([float("-inf")], dtype=torch.float64),
+        "step": 3,
+    }
     assert non_finite_tensors(state) == ["nan", "inf"]
 
 
 def test_save_names_at_most_four_non_finite_weights(tmp_path):
     agent = {f"w{i}": torch.tensor([float("inf")]) for i in range(6)}
-    with pytest.raises(CheckpointError, match=r"agent weights w0, w1, w2, w3 \.\.\. are not finite; the previous "
-                                              r"checkpoint is kept\.$"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"agent weights w0, w1, w2, w3 \.\.\. are not finite; the previous "
+        r"checkpoint is kept\.$",
+    ):
         save_checkpoint({"agent": agent, "update": 1}, tmp_path / "checkpoint.pt")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_remove_stale_temporaries_removes_only_temporaries(tmp_path):
-    stale = [".checkpoint.pt.abc123.tmp", ".checkpoint.pt.abc123.tmp.prev", ".config.yaml.x1.tmp",
-             "metrics.jsonl.tmp"]
+    stale = [".checkpoint.pt.abc123.tmp", ".checkpoint.pt.abc123.tmp.prev", ".config.yaml.x1.tmp", "metrics.jsonl.tmp"]
     kept = ["checkpoint.pt", "checkpoint.prev.pt", "config.yaml", "metrics.jsonl", ".lock"]
     for name in stale + kept:
         (tmp_path / name).write_bytes(b"x")
@@ -208,16 +240,20 @@ def test_remove_stale_temporaries_removes_only_temporaries(tmp_path):
 def _draws(device):
     import random
 
-    return (random.random(), float(np.random.rand()), torch.rand(3).tolist(),
-            torch.rand(3, device=device).tolist())
+    return (random.random(), float(np.random.rand()), torch.rand(3).tolist(), torch.rand(3, device=device).tolist())
 
 
-@pytest.mark.parametrize("device", [
-    "cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                             reason="needs CUDA")]),
-])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
 def test_one_rng_helper_restores_every_stream(device):
-    from rl_replay.checkpoint import capture_rng, restore_rng
+    from rl_replay.run.checkpoint import capture_rng, restore_rng
 
     rng = capture_rng(device)
     assert ("cuda" in rng) == (device == "cuda")

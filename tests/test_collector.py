@@ -18,20 +18,18 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.agent import ActionHead, Agent
-from rl_replay.algorithms.a2c import A2C
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
-from rl_replay.collector import Collector
+from rl_replay.algorithms.a2c import A2C
+from rl_replay.algorithms.losses import a2c_loss, total_loss
 from rl_replay.config import LossConfig
-from rl_replay.environment import make_vector_env
 from rl_replay.envs.chain import ChainEnv
-from rl_replay.losses import a2c_loss, total_loss
-from rl_replay.sequence import block_inputs
+from rl_replay.rollout.collector import Collector
+from rl_replay.rollout.environment import make_vector_env
+from rl_replay.rollout.sequence import block_inputs
 
 T_, F_ = True, False
-
-
 
 
 class LinearValueAgent(Agent):
@@ -49,14 +47,17 @@ class LinearValueAgent(Agent):
 
     def forward(self, observation, state, is_first):
         return TensorDict(
-            dist=self.head(observation), value=self.critic(observation).squeeze(-1),
-            state=state, batch_size=observation.shape[:1],
+            dist=self.head(observation),
+            value=self.critic(observation).squeeze(-1),
+            state=state,
+            batch_size=observation.shape[:1],
         )
 
 
 def chain_collector(length, *, max_episode_steps=None, num_steps=6, num_envs=2, w=3.0, b=1.0, **kw):
-    envs = make_vector_env("rl_replay/Chain-v0", num_envs, kwargs={"length": length},
-                           max_episode_steps=max_episode_steps)
+    envs = make_vector_env(
+        "rl_replay/Chain-v0", num_envs, kwargs={"length": length}, max_episode_steps=max_episode_steps
+    )
     agent = LinearValueAgent(envs.single_observation_space, envs.single_action_space, w=w, b=b)
     return Collector(envs, agent, num_steps=num_steps, seed=0, **kw), agent
 
@@ -129,8 +130,9 @@ def test_fixed_rollout_with_truncation():
     # The truncated row bootstraps from V(final observation), computed with the agent.
     final_obs = torch.tensor([[0.6, 0.0, 0.0]])
     with torch.no_grad():
-        v_final = agent(observation=final_obs, state=agent.initial_state(1),
-                        is_first=torch.zeros(1, dtype=torch.bool))["value"]
+        v_final = agent(observation=final_obs, state=agent.initial_state(1), is_first=torch.zeros(1, dtype=torch.bool))[
+            "value"
+        ]
     assert torch.equal(d["next_value"][2], v_final.expand(2))
     assert torch.equal(d["observation"][3], final_obs.expand(2, 3))
     assert r.episode_returns == [6.0, 6.0] and r.episode_lengths == [3, 3]
@@ -153,8 +155,7 @@ def test_gae_hand_values_and_no_gradient_to_invalid_rows(length, max_steps, w, a
     valid = d["valid"]
     n_valid = valid.sum().item()
     assert n_valid == 10
-    terms = a2c_loss(d, gamma=0.5, gae_lambda=0.5, value_coef=1.0, entropy_coef=0.1,
-                     normalize_advantages=False)
+    terms = a2c_loss(d, gamma=0.5, gae_lambda=0.5, value_coef=1.0, entropy_coef=0.1, normalize_advantages=False)
     # loss_policy = -mean_valid(A * log_prob)  =>  d/dlog_prob = -A / n_valid
     g_lp, g_v, g_ent = torch.autograd.grad(
         [terms["loss_policy"], terms["loss_value"], terms["loss_entropy"]],
@@ -222,8 +223,7 @@ def test_episode_mode_step_cap():
 def gru_collector(length, num_steps, bptt_truncate=None, num_envs=2):
     torch.manual_seed(0)
     envs = make_vector_env("rl_replay/Chain-v0", num_envs, kwargs={"length": length})
-    agent = GRUAgent(envs.single_observation_space, envs.single_action_space, hidden_size=8,
-                     encoder_sizes=(8,))
+    agent = GRUAgent(envs.single_observation_space, envs.single_action_space, hidden_size=8, encoder_sizes=(8,))
     collector = Collector(envs, agent, num_steps=num_steps, bptt_truncate=bptt_truncate, seed=0)
     # Start from a leaf state that is *not* reset at row 0, so its gradient is observable.
     collector._reset(0)
@@ -267,9 +267,14 @@ def plain_autograd_update(agent, data, initial_state, loss_cfg):
     heads, state = plain_sequence(agent, data, initial_state)
     value = heads["value"]
     td = TensorDict(
-        reward=data["reward"], terminated=data["terminated"], truncated=data["truncated"],
-        valid=data["valid"], log_prob=heads["log_prob"], entropy=heads["entropy"],
-        value=value, next_value=torch.cat([value[1:].detach(), data["next_value"][-1:]]),
+        reward=data["reward"],
+        terminated=data["terminated"],
+        truncated=data["truncated"],
+        valid=data["valid"],
+        log_prob=heads["log_prob"],
+        entropy=heads["entropy"],
+        value=value,
+        next_value=torch.cat([value[1:].detach(), data["next_value"][-1:]]),
         batch_size=data.batch_size,
     )
     terms = A2C.loss(td, loss_cfg)
@@ -319,8 +324,9 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
     with torch.no_grad():
         boot = agent(**block_inputs(collector._obs, collector._state, collector._is_first, collector.num_envs))["value"]
     torch.testing.assert_close(d["next_value"][-1], boot)
-    assert_grads_match(replay_grads, {n: p.grad for n, p in agent.named_parameters()},
-                       f"parity_{agent_name}", rtol=1e-5, atol=1e-6)
+    assert_grads_match(
+        replay_grads, {n: p.grad for n, p in agent.named_parameters()}, f"parity_{agent_name}", rtol=1e-5, atol=1e-6
+    )
 
 
 # ------------------------------------------------------------------- action spaces

@@ -18,8 +18,9 @@ TINY = ["--num-envs", "2", "--algo-kwargs", "{n_steps: 16, batch_size: 32, n_epo
 
 
 def run(*args, timeout=180):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def read_metrics(out: Path) -> list[dict]:
@@ -29,16 +30,24 @@ def read_metrics(out: Path) -> list[dict]:
 def test_memory_cue_curve_in_trainer_format(tmp_path):
     pytest.importorskip("sb3_contrib")
     out = tmp_path / "peer"
-    proc = run("--env", "rl_replay/MemoryCue-v0", "--env-kwargs", "{delay: 4}",
-               "--total-env-steps", "128", "--out", str(out), *TINY)
+    proc = run(
+        "--env",
+        "rl_replay/MemoryCue-v0",
+        "--env-kwargs",
+        "{delay: 4}",
+        "--total-env-steps",
+        "128",
+        "--out",
+        str(out),
+        *TINY,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = read_metrics(out)
     # 128 env steps / (2 envs * 16 steps) = 4 iterations, one record each.
     assert [r["update"] for r in rows] == [1, 2, 3, 4]
     assert [r["env_steps"] for r in rows] == [32, 64, 96, 128]
     for r in rows:
-        for key in ("rollout/return_recent", "rollout/success_rate", "memory/peak_rss_bytes",
-                    "time/steps_per_sec"):
+        for key in ("rollout/return_recent", "rollout/success_rate", "memory/peak_rss_bytes", "time/steps_per_sec"):
             assert key in r, key
         assert 0 <= r["rollout/success_rate"] <= 1 and r["memory/peak_rss_bytes"] > 0
     # 6-step episodes (cue, 4 distractors, query): each env finishes 64 // 6 = 10 in 64 steps.
@@ -63,10 +72,25 @@ def test_sigint_stops_cleanly_and_keeps_the_metrics(tmp_path):
     import time
 
     out = tmp_path / "peer"
-    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--env", "rl_replay/MemoryCue-v0",
-                             "--env-kwargs", "{delay: 4}", "--total-env-steps", "10000000",
-                             "--out", str(out), *TINY],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--env",
+            "rl_replay/MemoryCue-v0",
+            "--env-kwargs",
+            "{delay: 4}",
+            "--total-env-steps",
+            "10000000",
+            "--out",
+            str(out),
+            *TINY,
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -103,15 +127,40 @@ def test_config_env_with_the_grid_cnn_extractor(tmp_path):
     pytest.importorskip("sb3_contrib")
     pytest.importorskip("minigrid")
     out = tmp_path / "grid"
-    proc = run("--config", "configs/minigrid_memory_s7.yaml", "--policy", "MultiInputLstmPolicy",
-               "--grid-cnn", "1.0", "--grid-cnn-layout", "hwc", "--total-env-steps", "64", "--out", str(out), *TINY)
+    proc = run(
+        "--config",
+        "configs/minigrid_memory_s7.yaml",
+        "--policy",
+        "MultiInputLstmPolicy",
+        "--grid-cnn",
+        "1.0",
+        "--grid-cnn-layout",
+        "hwc",
+        "--total-env-steps",
+        "64",
+        "--out",
+        str(out),
+        *TINY,
+    )
     assert proc.returncode == 0, proc.stderr
     settings = json.loads((out / "peer.json").read_text())
-    assert settings["env"] == "MiniGrid-MemoryS7-v0" and settings["grid_cnn_image_scale"] == 1.0 and settings["grid_cnn_layout"] == "hwc"
+    assert (
+        settings["env"] == "MiniGrid-MemoryS7-v0"
+        and settings["grid_cnn_image_scale"] == 1.0
+        and settings["grid_cnn_layout"] == "hwc"
+    )
     assert "'image'" in settings["observation_space"] and "mission" not in settings["observation_space"]
     assert read_metrics(out)[-1]["env_steps"] == 64
-    bad = run("--config", "configs/minigrid_memory_s7.yaml", "--grid-cnn", "0", "--total-env-steps", "8",
-              "--out", str(tmp_path / "bad"))
+    bad = run(
+        "--config",
+        "configs/minigrid_memory_s7.yaml",
+        "--grid-cnn",
+        "0",
+        "--total-env-steps",
+        "8",
+        "--out",
+        str(tmp_path / "bad"),
+    )
     assert bad.returncode != 0 and "--grid-cnn SCALE must be positive" in bad.stderr
 
 
@@ -119,8 +168,9 @@ def test_bad_arguments(tmp_path):
     pytest.importorskip("sb3_contrib")
     proc = run("--env", "NoSuchEnv-v0", "--total-env-steps", "10", "--out", str(tmp_path / "x"))
     assert proc.returncode != 0 and "--env NoSuchEnv-v0" in proc.stderr
-    proc = run("--env", "CartPole-v1", "--env-kwargs", "[1, 2]", "--total-env-steps", "10",
-               "--out", str(tmp_path / "y"))
+    proc = run(
+        "--env", "CartPole-v1", "--env-kwargs", "[1, 2]", "--total-env-steps", "10", "--out", str(tmp_path / "y")
+    )
     assert proc.returncode != 0 and "--env-kwargs must be a YAML mapping" in proc.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
@@ -130,9 +180,16 @@ def test_summarize_curve_steps_to_threshold(tmp_path):
     from summarize_curve import load, summarize
 
     success = [0.5, 0.5, 1.0, 1.0, 0.8, 1.0, 1.0]
-    lines = [{"update": i + 1, "env_steps": 100 * (i + 1), "rollout/success_rate": s,
-              "time/steps_per_sec": 10.0 * (i + 1), "memory/peak_rss_bytes": 2**20 * (i + 1)}
-             for i, s in enumerate(success)]
+    lines = [
+        {
+            "update": i + 1,
+            "env_steps": 100 * (i + 1),
+            "rollout/success_rate": s,
+            "time/steps_per_sec": 10.0 * (i + 1),
+            "memory/peak_rss_bytes": 2**20 * (i + 1),
+        }
+        for i, s in enumerate(success)
+    ]
     lines.insert(3, {"update": 0, "env_steps": 350})  # a record without the key is skipped
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     s = summarize(load(tmp_path), window=2, threshold=0.95)
@@ -150,8 +207,10 @@ def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsy
     for name, values in (("a", [None, 200.0, 480.0]), ("b", [100.0, None, 490.0]), ("c", [50.0, 60.0, 70.0])):
         run = tmp_path / name
         run.mkdir()
-        lines = [json.dumps({"update": i + 1, "env_steps": 1000 * (i + 1), "rollout/return_recent": v})
-                 for i, v in enumerate(values)]
+        lines = [
+            json.dumps({"update": i + 1, "env_steps": 1000 * (i + 1), "rollout/return_recent": v})
+            for i, v in enumerate(values)
+        ]
         (run / "metrics.jsonl").write_text("\n".join(lines) + "\n")
         runs.append(str(run))
     assert main([*runs, "--key", "rollout/return_recent", "--threshold", "475", "--window", "1"]) == 0
@@ -182,5 +241,7 @@ def test_summarize_curve_windowed_curve_and_plot(tmp_path):
     assert log_out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and log_out.read_bytes() != out.read_bytes()
     # --no-threshold-line leaves the dashed line (and its legend entry) out: another picture.
     bare_out = tmp_path / "curve_bare.png"
-    assert main([str(run), "--key", "k", "--window", "1", "--log-y", "--no-threshold-line", "--plot", str(bare_out)]) == 0
+    assert (
+        main([str(run), "--key", "k", "--window", "1", "--log-y", "--no-threshold-line", "--plot", str(bare_out)]) == 0
+    )
     assert bare_out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and bare_out.read_bytes() != log_out.read_bytes()

@@ -49,7 +49,11 @@ def test_defaults():
     assert cfg.eval.episodes == 10 and cfg.eval.deterministic is True
     d = cfg.distributed
     assert (d.wrap_modules, d.min_num_params, d.cpu_offload, d.mixed_precision, d.backend) == (
-        [], None, False, None, "auto"
+        [],
+        None,
+        False,
+        None,
+        "auto",
     )
 
 
@@ -98,8 +102,14 @@ def _all_config_classes():
 
 def test_config_dir_has_the_expected_files():
     names = {p.name for p in YAML_FILES}
-    assert {"default.yaml", "memory_gru.yaml", "ppo_cartpole.yaml", "ppo_pocartpole_gru.yaml",
-            "ppo_memory_gru.yaml", "fsdp_transformer.yaml"} <= names
+    assert {
+        "default.yaml",
+        "memory_gru.yaml",
+        "ppo_cartpole.yaml",
+        "ppo_pocartpole_gru.yaml",
+        "ppo_memory_gru.yaml",
+        "fsdp_transformer.yaml",
+    } <= names
     assert "pocartpole_gru.yaml" not in names  # A2C on the masked CartPole never learned: retired
 
 
@@ -129,9 +139,11 @@ def test_agent_kwargs_go_only_to_the_target_they_were_written_for():
     default = CONFIG_DIR / "default.yaml"  # agent: {target: mlp, kwargs: {hidden_sizes: [64, 64]}}
     assert load_config(default, ["agent.target=my_pkg:MyAgent"]).agent == AgentConfig("my_pkg:MyAgent", {})
     # the command line's own kwargs stay, before or after the target
-    for overrides in (["agent.target=gru", "agent.kwargs.hidden_size=8"],
-                      ["agent.kwargs.hidden_size=8", "agent.target=gru"],
-                      ["agent={target: gru, kwargs: {hidden_size: 8}}"]):
+    for overrides in (
+        ["agent.target=gru", "agent.kwargs.hidden_size=8"],
+        ["agent.kwargs.hidden_size=8", "agent.target=gru"],
+        ["agent={target: gru, kwargs: {hidden_size: 8}}"],
+    ):
         assert load_config(default, overrides).agent == AgentConfig("gru", {"hidden_size": 8}), overrides
     # the same class under another name keeps them
     memory = CONFIG_DIR / "memory_gru.yaml"
@@ -354,9 +366,7 @@ def test_range_boundaries_are_accepted():
     cfg = load_config(
         overrides=["loss.gamma=0", "loss.gae_lambda=1", "checkpoint.every=0", "collector.bptt_truncate=1"]
     )
-    assert (cfg.loss.gamma, cfg.loss.gae_lambda, cfg.checkpoint.every, cfg.collector.bptt_truncate) == (
-        0.0, 1.0, 0, 1
-    )
+    assert (cfg.loss.gamma, cfg.loss.gae_lambda, cfg.checkpoint.every, cfg.collector.bptt_truncate) == (0.0, 1.0, 0, 1)
 
 
 def test_bad_agent_target():
@@ -472,11 +482,13 @@ def test_pocartpole_yaml_wrappers_rescale_observations_and_keep_raw_returns():
     """The shipped masked-CartPole config's wrappers: observations in [-2, 2], rewards
     normalised for the learner, raw CartPole returns in the episode statistics."""
     import envs  # noqa: F401  (registers rl_replay/POCartPole-v0)
-    from rl_replay.environment import make_vector_env
+    from rl_replay.rollout.environment import make_vector_env
 
     po = load_config(CONFIG_DIR / "ppo_pocartpole_gru.yaml")
     assert [w["target"] for w in po.env.wrappers] == [
-        "gymnasium.wrappers:RescaleObservation", "gymnasium.wrappers:NormalizeReward"]
+        "gymnasium.wrappers:RescaleObservation",
+        "gymnasium.wrappers:NormalizeReward",
+    ]
     assert po.env.wrappers[1]["kwargs"]["gamma"] == po.loss.gamma
     vec = make_vector_env(po.env.id, 2, wrappers=po.env.wrappers)
     try:
@@ -487,7 +499,7 @@ def test_pocartpole_yaml_wrappers_rescale_observations_and_keep_raw_returns():
             obs, reward, term, trunc, info = vec.step(vec.action_space.sample())
             assert abs(obs).max() <= 2.0
             rewards.extend(reward.tolist())
-            for key, value in info.items():
+            for _key, value in info.items():
                 if isinstance(value, dict) and "r" in value:
                     mask = value.get("_r", [True] * len(value["r"]))
                     raw.extend(float(r) for r, m in zip(value["r"], mask) if m)

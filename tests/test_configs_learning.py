@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rl_replay.config import load_config
-from rl_replay.trainer import build
+from rl_replay.run.setup import build
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
@@ -40,10 +40,19 @@ def train(cfg, updates: int):
 
 def test_the_config_globs_find_the_shipped_configs():
     names = {p.name for p in MEMORY + POPGYM + TMAZE}
-    assert {"memory_256.yaml", "memory_gru.yaml", "ppo_memory_256.yaml", "ppo_memory_gru.yaml", "popgym_repeat_previous_easy.yaml",
-            "popgym_repeat_first_medium.yaml", "popgym_count_recall_easy.yaml",
-            "popgym_repeat_previous_hard.yaml", "tmaze_passive_100.yaml", "tmaze_passive_1500.yaml",
-            "tmaze_passive_4096.yaml"} <= names
+    assert {
+        "memory_256.yaml",
+        "memory_gru.yaml",
+        "ppo_memory_256.yaml",
+        "ppo_memory_gru.yaml",
+        "popgym_repeat_previous_easy.yaml",
+        "popgym_repeat_first_medium.yaml",
+        "popgym_count_recall_easy.yaml",
+        "popgym_repeat_previous_hard.yaml",
+        "tmaze_passive_100.yaml",
+        "tmaze_passive_1500.yaml",
+        "tmaze_passive_4096.yaml",
+    } <= names
 
 
 @pytest.mark.parametrize("path", TMAZE, ids=lambda p: p.stem)
@@ -54,8 +63,19 @@ def test_tmaze_config_keeps_length_and_reward_scale_in_sync_and_runs_an_update(p
     (wrapper,) = shipped.env.wrappers  # the previous reward, scaled so that a penalty of -1/L reads -1
     assert wrapper["target"].endswith(":PreviousActionReward") and wrapper["kwargs"]["reward_scale"] == length
     # init_from=null: a curriculum stage's source run is not here; its weights would not fit the tiny agent.
-    cfg = load_config(path, [*TINY, "init_from=null", "env.num_envs=2", "env.kwargs.corridor_length=5", "collector.num_steps=6",
-                             "total_env_steps=12", f"run_dir={tmp_path / 'run'}", tiny_agent(shipped.agent.target)])
+    cfg = load_config(
+        path,
+        [
+            *TINY,
+            "init_from=null",
+            "env.num_envs=2",
+            "env.kwargs.corridor_length=5",
+            "collector.num_steps=6",
+            "total_env_steps=12",
+            f"run_dir={tmp_path / 'run'}",
+            tiny_agent(shipped.agent.target),
+        ],
+    )
     _, metrics = train(cfg, updates=1)
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
 
@@ -66,9 +86,18 @@ def test_memory_config_keeps_step_cap_in_sync_and_runs_an_update(path, tmp_path)
     # Whole episodes: the step cap must cover the cue, the delay and the query.
     assert shipped.collector.mode == "episode"
     assert shipped.collector.num_steps == shipped.env.kwargs["delay"] + 2
-    cfg = load_config(path, [*TINY, "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8",
-                             "total_env_steps=16", f"run_dir={tmp_path / 'run'}",
-                             tiny_agent(shipped.agent.target)])
+    cfg = load_config(
+        path,
+        [
+            *TINY,
+            "env.num_envs=2",
+            "env.kwargs.delay=6",
+            "collector.num_steps=8",
+            "total_env_steps=16",
+            f"run_dir={tmp_path / 'run'}",
+            tiny_agent(shipped.agent.target),
+        ],
+    )
     _, metrics = train(cfg, updates=1)
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
 
@@ -78,9 +107,18 @@ def test_popgym_config_builds_and_runs_two_updates(path, tmp_path):
     pytest.importorskip("popgym")
     shipped = load_config(path)
     assert shipped.env.imports == ["popgym"] and shipped.env.id.startswith("popgym-")
-    cfg = load_config(path, [*TINY, "env.num_envs=4", "collector.num_steps=8", "total_env_steps=64",
-                             "ppo.num_minibatches=2", f"run_dir={tmp_path / 'run'}",
-                             tiny_agent(shipped.agent.target)])
+    cfg = load_config(
+        path,
+        [
+            *TINY,
+            "env.num_envs=4",
+            "collector.num_steps=8",
+            "total_env_steps=64",
+            "ppo.num_minibatches=2",
+            f"run_dir={tmp_path / 'run'}",
+            tiny_agent(shipped.agent.target),
+        ],
+    )
     trainer, _ = train(cfg, updates=2)
     space = trainer.collector.envs.single_observation_space
     assert isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete))

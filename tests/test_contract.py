@@ -58,8 +58,12 @@ class Probe(Agent):
 
 def inputs_for(agent):
     """The first block's inputs, as the collector's probe_inputs() gives them."""
-    return TensorDict(observation=torch.rand(N, 4) * 2 - 1, state=agent.initial_state(N),
-                      is_first=torch.ones(N, dtype=torch.bool), batch_size=[N])
+    return TensorDict(
+        observation=torch.rand(N, 4) * 2 - 1,
+        state=agent.initial_state(N),
+        is_first=torch.ones(N, dtype=torch.bool),
+        batch_size=[N],
+    )
 
 
 def check(agent, action_space=None, inputs=None):
@@ -76,6 +80,7 @@ def set_entry(key, value):
     def edit(out):
         out[key] = value
         return out
+
     return edit
 
 
@@ -84,38 +89,76 @@ MD = gym.spaces.MultiDiscrete([2, 3])
 BOX2, BOX3 = gym.spaces.Box(-1, 1, (2,), np.float32), gym.spaces.Box(-1, 1, (3,), np.float32)
 
 VIOLATIONS = {  # id: (agent, action space checked against, message after "agent TARGET: ")
-    "not_a_tensordict": (lambda: Probe(D2, edit=lambda out: (out["value"],)), None,
-                         r"forward\(\) must return a TensorDict, got tuple\."),
-    "no_value": (lambda: Probe(D2, edit=lambda out: out.exclude("value")), None,
-                 r"forward\(\) returned keys \['dist', 'state'\] without 'value' \(expected 'dist', 'value' and "
-                 r"'state'\)\."),
-    "no_state": (lambda: Probe(D2, edit=lambda out: out.exclude("state")), None,
-                 r"forward\(\) returned keys \['dist', 'value'\] without 'state'"),
-    "column_value": (lambda: Probe(D2, edit=lambda out: set_entry("value", out["value"].unsqueeze(-1))(out)), None,
-                     r"forward\(\) returned 'value' of shape \(3, 1\); expected \(3,\), one value per env"),
-    "state_a_tensor": (lambda: Probe(D2, edit=set_entry("state", torch.zeros(N))), None,
-                       r"forward\(\) returned 'state' Tensor; expected a TensorDict of batch size \[3\]"),
-    "state_batch_nx2": (lambda: Probe(D2, edit=set_entry("state", TensorDict(h=torch.zeros(N, 2), batch_size=[N, 2]))),
-                        None, r"forward\(\) returned 'state' \(3, 2\); expected a TensorDict of batch size \[3\]"),
-    "dist_renamed": (lambda: Probe(D2, edit=renamed), None,
-                     r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', 'state', "
-                     r"'value'\]\.$"),
-    "narrow_logits": (lambda: Probe(D2), D3,
-                      r"its action distribution has 2 logits but the action space Discrete\(3\) has 3 actions\.$"),
-    "multi_discrete_widths": (lambda: Probe(MD), gym.spaces.MultiDiscrete([3, 3]),
-                              r"its action distribution has logits of widths \[2, 3\] but the action space "
-                              r"MultiDiscrete\(\[3 3\]\) needs \[3, 3\]\.$"),
+    "not_a_tensordict": (
+        lambda: Probe(D2, edit=lambda out: (out["value"],)),
+        None,
+        r"forward\(\) must return a TensorDict, got tuple\.",
+    ),
+    "no_value": (
+        lambda: Probe(D2, edit=lambda out: out.exclude("value")),
+        None,
+        r"forward\(\) returned keys \['dist', 'state'\] without 'value' \(expected 'dist', 'value' and "
+        r"'state'\)\.",
+    ),
+    "no_state": (
+        lambda: Probe(D2, edit=lambda out: out.exclude("state")),
+        None,
+        r"forward\(\) returned keys \['dist', 'value'\] without 'state'",
+    ),
+    "column_value": (
+        lambda: Probe(D2, edit=lambda out: set_entry("value", out["value"].unsqueeze(-1))(out)),
+        None,
+        r"forward\(\) returned 'value' of shape \(3, 1\); expected \(3,\), one value per env",
+    ),
+    "state_a_tensor": (
+        lambda: Probe(D2, edit=set_entry("state", torch.zeros(N))),
+        None,
+        r"forward\(\) returned 'state' Tensor; expected a TensorDict of batch size \[3\]",
+    ),
+    "state_batch_nx2": (
+        lambda: Probe(D2, edit=set_entry("state", TensorDict(h=torch.zeros(N, 2), batch_size=[N, 2]))),
+        None,
+        r"forward\(\) returned 'state' \(3, 2\); expected a TensorDict of batch size \[3\]",
+    ),
+    "dist_renamed": (
+        lambda: Probe(D2, edit=renamed),
+        None,
+        r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', 'state', "
+        r"'value'\]\.$",
+    ),
+    "narrow_logits": (
+        lambda: Probe(D2),
+        D3,
+        r"its action distribution has 2 logits but the action space Discrete\(3\) has 3 actions\.$",
+    ),
+    "multi_discrete_widths": (
+        lambda: Probe(MD),
+        gym.spaces.MultiDiscrete([3, 3]),
+        r"its action distribution has logits of widths \[2, 3\] but the action space "
+        r"MultiDiscrete\(\[3 3\]\) needs \[3, 3\]\.$",
+    ),
     "box_actions": (lambda: Probe(BOX2), BOX3, r"sampled actions of shape \(3, 2\) do not fit the action space Box"),
-    "rows": (lambda: Probe(D2, dist_fn=lambda out: torch.distributions.Categorical(logits=out["dist", "logits"][:1])),
-             None, r"actions sampled from its distribution have shape \(1,\); expected one row per env \(3, \.\.\.\)"),
-    "log_prob_per_dim": (lambda: Probe(BOX2, dist_fn=lambda out: torch.distributions.Normal(
-                             out["dist", "loc"], out["dist", "scale"])), None,
-                         r"its distribution's log_prob has shape \(3, 2\); expected \(3,\)\.$"),
-    "buffer_changed": (lambda: Probe(D2, mutate="buffer"), None,
-                       r"forward\(\) changed its buffer 'steps'; a replay block runs the forward twice, so it must "
-                       r"not modify parameters or buffers \(put BatchNorm in eval mode or use LayerNorm\)\.$"),
-    "parameter_changed": (lambda: Probe(D2, mutate="parameter"), None,
-                          r"forward\(\) changed its parameter 'critic\.bias'"),
+    "rows": (
+        lambda: Probe(D2, dist_fn=lambda out: torch.distributions.Categorical(logits=out["dist", "logits"][:1])),
+        None,
+        r"actions sampled from its distribution have shape \(1,\); expected one row per env \(3, \.\.\.\)",
+    ),
+    "log_prob_per_dim": (
+        lambda: Probe(BOX2, dist_fn=lambda out: torch.distributions.Normal(out["dist", "loc"], out["dist", "scale"])),
+        None,
+        r"its distribution's log_prob has shape \(3, 2\); expected \(3,\)\.$",
+    ),
+    "buffer_changed": (
+        lambda: Probe(D2, mutate="buffer"),
+        None,
+        r"forward\(\) changed its buffer 'steps'; a replay block runs the forward twice, so it must "
+        r"not modify parameters or buffers \(put BatchNorm in eval mode or use LayerNorm\)\.$",
+    ),
+    "parameter_changed": (
+        lambda: Probe(D2, mutate="parameter"),
+        None,
+        r"forward\(\) changed its parameter 'critic\.bias'",
+    ),
 }
 
 
@@ -164,25 +207,39 @@ def with_state(**entries):
     def edit(out):
         out["state"] = TensorDict(entries, batch_size=[N])
         return out
+
     return edit
 
 
 STATE_VIOLATIONS = {
-    "wider": (Recurrent(returned=with_state(h=torch.zeros(N, 8))),
-              r"forward\(\) returned state 'h' of shape \(3, 8\) but initial_state\(\) gives \(3, 4\); the next block "
-              r"takes the returned state as its input"),
-    "extra_key": (Recurrent(returned=with_state(h=torch.zeros(N, 4), c=torch.zeros(N, 4))),
-                  r"forward\(\) returned 'state' with keys \['c', 'h'\] but initial_state\(\) has \['h'\]"),
-    "dtype": (Recurrent(returned=with_state(h=torch.zeros(N, 4, dtype=torch.float64))),
-              r"forward\(\) returned state 'h' of dtype torch.float64 but initial_state\(\) gives torch.float32"),
-    "no_reset": (Recurrent(reset=False),
-                 r"with is_first set \(every env starts an episode\), forward\(\)'s outputs \['state.h', 'value'\] "
-                 r"depend on the incoming state: reset it before using it, state = Agent.reset_state\(state, "
-                 r"is_first\)"),
-    "dist_object": (Probe(D2, edit=lambda out: set_entry("dist", torch.distributions.Categorical(
-                              logits=out["dist", "logits"]))(out), dist_fn=lambda out: out["dist"]),
-                    r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its parameters "
-                    r"instead \(a TensorDict such as self.head\(x\), e.g. TensorDict\(logits=...\)\)"),
+    "wider": (
+        Recurrent(returned=with_state(h=torch.zeros(N, 8))),
+        r"forward\(\) returned state 'h' of shape \(3, 8\) but initial_state\(\) gives \(3, 4\); the next block "
+        r"takes the returned state as its input",
+    ),
+    "extra_key": (
+        Recurrent(returned=with_state(h=torch.zeros(N, 4), c=torch.zeros(N, 4))),
+        r"forward\(\) returned 'state' with keys \['c', 'h'\] but initial_state\(\) has \['h'\]",
+    ),
+    "dtype": (
+        Recurrent(returned=with_state(h=torch.zeros(N, 4, dtype=torch.float64))),
+        r"forward\(\) returned state 'h' of dtype torch.float64 but initial_state\(\) gives torch.float32",
+    ),
+    "no_reset": (
+        Recurrent(reset=False),
+        r"with is_first set \(every env starts an episode\), forward\(\)'s outputs \['state.h', 'value'\] "
+        r"depend on the incoming state: reset it before using it, state = Agent.reset_state\(state, "
+        r"is_first\)",
+    ),
+    "dist_object": (
+        Probe(
+            D2,
+            edit=lambda out: set_entry("dist", torch.distributions.Categorical(logits=out["dist", "logits"]))(out),
+            dist_fn=lambda out: out["dist"],
+        ),
+        r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its parameters "
+        r"instead \(a TensorDict such as self.head\(x\), e.g. TensorDict\(logits=...\)\)",
+    ),
 }
 
 
@@ -198,9 +255,15 @@ def test_a_resetting_agent_passes_even_with_dropout_in_training_mode():
 
 
 SHIPPED = {  # short name and kwargs: every shipped agent, recurrent variants included
-    "mlp": {}, "gru": {}, "gru-separate-critic-skip": {"separate_critic": True, "skip": True, "head_sizes": [8]},
-    "gru-chrono": {"chrono_t_max": 64}, "lstm": {}, "lstm-separate-critic": {"separate_critic": True},
-    "lru": {}, "lru-real": {"max_phase": 0.0}, "mingru": {},
+    "mlp": {},
+    "gru": {},
+    "gru-separate-critic-skip": {"separate_critic": True, "skip": True, "head_sizes": [8]},
+    "gru-chrono": {"chrono_t_max": 64},
+    "lstm": {},
+    "lstm-separate-critic": {"separate_critic": True},
+    "lru": {},
+    "lru-real": {"max_phase": 0.0},
+    "mingru": {},
     "transformer": {"d_model": 16, "num_layers": 1, "num_heads": 2},
 }
 
@@ -212,6 +275,10 @@ def test_every_shipped_agent_passes(name, space):
 
     torch.manual_seed(0)
     agent = build_agent(name.split("-")[0], SHIPPED[name], OBS, space)
-    inputs = TensorDict(observation=torch.rand(N, 4) * 2 - 1, state=agent.initial_state(N),
-                        is_first=torch.ones(N, dtype=torch.bool), batch_size=[N])
+    inputs = TensorDict(
+        observation=torch.rand(N, 4) * 2 - 1,
+        state=agent.initial_state(N),
+        is_first=torch.ones(N, dtype=torch.bool),
+        batch_size=[N],
+    )
     check_agent(agent, agent, inputs, space, name)

@@ -30,17 +30,18 @@ AGENTS = {
 STEPS, ENVS = 24, 4
 
 
-def offload_parity_worker(rank: int, world_size: int, out_dir: str, device_type: str = "cuda",
-                          cpu_offload: bool = True) -> None:
+def offload_parity_worker(
+    rank: int, world_size: int, out_dir: str, device_type: str = "cuda", cpu_offload: bool = True
+) -> None:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Collector
+    from rl_replay.algorithms.a2c import A2C
+    from rl_replay.algorithms.losses import total_loss
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
-    from rl_replay.algorithms.a2c import A2C
-    from rl_replay.environment import make_vector_env
-    from rl_replay.losses import total_loss
+    from rl_replay.rollout.collector import Collector
+    from rl_replay.rollout.environment import make_vector_env
 
     backend = "nccl" if device_type == "cuda" else "gloo"
     info, device = init_from_env(device_type, backend)
@@ -64,8 +65,10 @@ def offload_parity_worker(rank: int, world_size: int, out_dir: str, device_type:
         assert rollout.accumulator.blocks_replayed == STEPS
         # One rank (NO_SHARD): the original parameters' .grad hold the full gradients
         # (in host memory under CPU offload).
-        fsdp = {clean_name(n): None if p.grad is None else p.grad.detach().cpu().clone()
-                for n, p in model.named_parameters()}
+        fsdp = {
+            clean_name(n): None if p.grad is None else p.grad.detach().cpu().clone()
+            for n, p in model.named_parameters()
+        }
         if any(g is None for g in fsdp.values()):
             with FSDP.summon_full_params(model, with_grads=True):
                 fsdp = {clean_name(n): p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
@@ -99,12 +102,16 @@ def test_torchrun_cpu_offload_trains_resumes_and_evaluates(tmp_path):
 
     from test_distributed_train import MLP_CPU_CONFIG, _run
 
-
     run_dir = tmp_path / "run"
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-              "scripts/train.py"]
-    cuda = ["device=cuda", "distributed.backend=nccl", "distributed.cpu_offload=true",
-            "log.progress=false", "log.wandb_mode=disabled", "checkpoint.every=1"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "scripts/train.py"]
+    cuda = [
+        "device=cuda",
+        "distributed.backend=nccl",
+        "distributed.cpu_offload=true",
+        "log.progress=false",
+        "log.wandb_mode=disabled",
+        "checkpoint.every=1",
+    ]
     first = _run([*launch, "--config", str(MLP_CPU_CONFIG), f"run_dir={run_dir}", "total_env_steps=256", *cuda])
     assert "finished 2 updates, 256 env steps" in first.stderr
     second = _run([*launch, "--resume", str(run_dir), "total_env_steps=384"])

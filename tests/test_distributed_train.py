@@ -47,8 +47,12 @@ def free_port() -> int:
 
 def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -73,8 +77,9 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = WORKER_TIMEOUT_S)
     exceeds ``timeout`` seconds (e.g. ranks deadlocked in a collective) is killed.
     """
     port = free_port()
-    context = mp.start_processes(_entry, args=(world_size, port, fn, args), nprocs=world_size,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _entry, args=(world_size, port, fn, args), nprocs=world_size, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + timeout
     try:
         while not context.join(timeout=0.5):
@@ -88,19 +93,20 @@ def run_ranks(fn, *args, world_size: int = 2, timeout: float = WORKER_TIMEOUT_S)
 
 
 # --------------------------------------------------------------- plain-autograd reference
-def plain_rollout_grads(agent: torch.nn.Module, data: TensorDict, final_obs: torch.Tensor,
-                        final_is_first: torch.Tensor, loss_cfg) -> dict[str, torch.Tensor]:
+def plain_rollout_grads(
+    agent: torch.nn.Module, data: TensorDict, final_obs: torch.Tensor, final_is_first: torch.Tensor, loss_cfg
+) -> dict[str, torch.Tensor]:
     """Gradients of the collector's loss recomputed with plain autograd on ``agent``.
 
     Replays the recorded rollout (observations, is_first flags, the sampled actions)
     through ``agent`` from its initial state, rebuilds log_prob / entropy / value and the
-    bootstrap ``next_value`` exactly as :class:`rl_replay.collector.Collector` does, and
+    bootstrap ``next_value`` exactly as :class:`rl_replay.rollout.collector.Collector` does, and
     backpropagates the same loss.
     """
     from _reference import plain_sequence
 
     from rl_replay.algorithms.a2c import A2C
-    from rl_replay.losses import total_loss
+    from rl_replay.algorithms.losses import total_loss
 
     T, N = data.batch_size
     agent.zero_grad(set_to_none=True)
@@ -121,9 +127,11 @@ def clean_name(name: str) -> str:
 PARITY_AGENTS = {
     "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"]),
     "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
-    "transformer": ("transformer",
-                    {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_mult": 2, "context": 2},
-                    ["TransformerEncoderLayer"]),
+    "transformer": (
+        "transformer",
+        {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_mult": 2, "context": 2},
+        ["TransformerEncoderLayer"],
+    ),
 }
 PARITY_STEPS, PARITY_ENVS = 24, 4
 
@@ -134,12 +142,12 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
     from rl_replay.agent import build_agent
-    from rl_replay.collector import Collector
+    from rl_replay.algorithms.a2c import A2C
+    from rl_replay.algorithms.losses import total_loss
     from rl_replay.config import LossConfig
     from rl_replay.distributed import init_from_env, wrap_fsdp
-    from rl_replay.algorithms.a2c import A2C
-    from rl_replay.environment import make_vector_env
-    from rl_replay.losses import total_loss
+    from rl_replay.rollout.collector import Collector
+    from rl_replay.rollout.environment import make_vector_env
 
     info, device = init_from_env("cpu", "gloo")
     assert (info.rank, info.world_size) == (rank, world_size)
@@ -177,7 +185,10 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         envs.close()
         if rank == 0:
             results[name] = {
-                "fsdp": fsdp, "mean": mean, "per_rank": per_rank, "first_obs": first_obs,
+                "fsdp": fsdp,
+                "mean": mean,
+                "per_rank": per_rank,
+                "first_obs": first_obs,
                 "episodes_started": episodes_started,
             }
     if rank == 0:
@@ -210,19 +221,23 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     from torch.distributed.fsdp import ShardingStrategy
 
     from rl_replay.agent import Agent
-    from rl_replay.checkpoint import load_checkpoint, read_env_state
-    from rl_replay.trust import user_secret
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
-    from rl_replay.trainer import build
+    from rl_replay.run.checkpoint import load_checkpoint, read_env_state
+    from rl_replay.run.setup import build
+    from rl_replay.run.trust import user_secret
 
-    overrides = [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
-                 "total_env_steps=1024", "checkpoint.every=0"]
+    overrides = [
+        f"run_dir={run_dir}",
+        "log.progress=false",
+        "log.wandb_mode=disabled",
+        "total_env_steps=1024",
+        "checkpoint.every=0",
+    ]
     cfg = load_config(MLP_CPU_CONFIG, overrides)
 
     # CPU offload on a CPU-only device fails at start-up, before the run exists.
-    offload = replace(cfg, run_dir=run_dir + "-offload",
-                      distributed=replace(cfg.distributed, cpu_offload=True))
+    offload = replace(cfg, run_dir=run_dir + "-offload", distributed=replace(cfg.distributed, cpu_offload=True))
     with pytest.raises(SetupError, match="cpu_offload=true needs CUDA"):
         build(offload)
     assert not Path(run_dir + "-offload").exists()
@@ -259,8 +274,19 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     trainer.save()
     if rank == 0:
         saved = load_checkpoint(run_dir)
-        single = {"update", "env_steps", "agent", "optimizer", "collector", "rng",
-                  "recent_returns", "wandb_id", "config", "config_sha256", "env_state"}
+        single = {
+            "update",
+            "env_steps",
+            "agent",
+            "optimizer",
+            "collector",
+            "rng",
+            "recent_returns",
+            "wandb_id",
+            "config",
+            "config_sha256",
+            "env_state",
+        }
         assert set(saved) == single | {"world_size"} and saved["world_size"] == world_size
         # Each rank's sub-envs are in the signed env_state.pkl that the checkpoint names.
         found = read_env_state(run_dir, saved["env_state"], user_secret())
@@ -295,13 +321,15 @@ def test_cpu_offload_on_cpu_is_a_setup_error(tmp_path):
     from rl_replay.config import load_config
     from rl_replay.distributed import wrap_fsdp
     from rl_replay.errors import SetupError
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
     with pytest.raises(SetupError, match="distributed.cpu_offload=true needs CUDA.*cpu_offload=false"):
         wrap_fsdp(torch.nn.Linear(2, 2), torch.device("cpu"), cpu_offload=True)
     run_dir = tmp_path / "run"
-    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "distributed.cpu_offload=true",
-                                       "log.wandb_mode=disabled", "log.progress=false"])
+    cfg = load_config(
+        MLP_CPU_CONFIG,
+        [f"run_dir={run_dir}", "distributed.cpu_offload=true", "log.wandb_mode=disabled", "log.progress=false"],
+    )
     with pytest.raises(SetupError, match="cpu_offload"):
         build(cfg)  # one process: not an FSDP run at all
     assert not run_dir.exists()
@@ -310,15 +338,26 @@ def test_cpu_offload_on_cpu_is_a_setup_error(tmp_path):
 # ------------------------------------------------------- episode mode: ranks stop together
 def _episode_worker(rank: int, world_size: int, run_dir: str) -> None:
     from rl_replay.config import load_config
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
     # One CartPole env per rank, seeded per rank: the ranks' episodes end at different
     # steps. A rank that stopped collecting alone would leave the other waiting inside
     # FSDP's all-gather (the test's timeout would fire).
-    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
-                                       "env.num_envs=1", "collector.mode=episode", "collector.num_steps=500",
-                                       "checkpoint.every=0", "loss.algorithm=ppo", "ppo.num_minibatches=1",
-                                       "ppo.epochs=1"])
+    cfg = load_config(
+        MLP_CPU_CONFIG,
+        [
+            f"run_dir={run_dir}",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            "env.num_envs=1",
+            "collector.mode=episode",
+            "collector.num_steps=500",
+            "checkpoint.every=0",
+            "loss.algorithm=ppo",
+            "ppo.num_minibatches=1",
+            "ppo.epochs=1",
+        ],
+    )
     trainer = build(cfg)
     try:
         seen = []
@@ -372,11 +411,20 @@ if "test_dist/NaNOnRankOne-v0" not in gym.registry:
 def _nan_worker(rank: int, world_size: int, run_dir: str, out_dir: str, mode: str) -> None:
     from rl_replay.config import load_config
     from rl_replay.errors import NonFiniteError
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
-    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
-                                       "env.id=test_dist/NaNOnRankOne-v0", f"collector.mode={mode}",
-                                       "collector.num_steps=8", "checkpoint.every=0"])
+    cfg = load_config(
+        MLP_CPU_CONFIG,
+        [
+            f"run_dir={run_dir}",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            "env.id=test_dist/NaNOnRankOne-v0",
+            f"collector.mode={mode}",
+            "collector.num_steps=8",
+            "checkpoint.every=0",
+        ],
+    )
     trainer = build(cfg)
     try:
         trainer.train()
@@ -392,8 +440,10 @@ def test_non_finite_env_output_on_one_rank_stops_every_rank(tmp_path, mode):
     # the collective timed out; now both stop at the same step (else run_ranks times out).
     run_ranks(_nan_worker, str(tmp_path / "run"), str(tmp_path), mode, timeout=120)
     zero, one = (eval((tmp_path / f"rank{r}.txt").read_text()) for r in range(2))
-    assert one == ("environment 'test_dist/NaNOnRankOne-v0' returned a non-finite reward (nan) in sub-env 0; "
-                   "fix the environment or wrap it to sanitise its rewards."), one
+    assert one == (
+        "environment 'test_dist/NaNOnRankOne-v0' returned a non-finite reward (nan) in sub-env 0; "
+        "fix the environment or wrap it to sanitise its rewards."
+    ), one
     assert zero is not None and "non-finite value on another rank" in zero, zero
 
 
@@ -403,13 +453,24 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert proc.returncode == 0, (
+        f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    )
     return proc
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                 f"--master_port={free_port()}", "scripts/train.py", *args])
+    return _run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "scripts/train.py",
+            *args,
+        ]
+    )
 
 
 def _updates(run_dir: Path) -> list[dict]:
@@ -418,9 +479,9 @@ def _updates(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_torchrun_train_resume_evaluate(tmp_path):
-    from rl_replay.checkpoint import load_checkpoint
     from rl_replay.errors import SetupError
-    from rl_replay.trainer import build
+    from rl_replay.run.checkpoint import load_checkpoint
+    from rl_replay.run.setup import build
 
     run_dir = tmp_path / "run"
     common = ["log.progress=false", "log.wandb_mode=disabled"]
@@ -450,13 +511,21 @@ def test_torchrun_train_resume_evaluate(tmp_path):
 def _signal_worker(rank: int, world_size: int, run_dir: str, out_dir: str) -> None:
     import signal
 
-    from rl_replay.checkpoint import load_checkpoint
     from rl_replay.config import load_config
     from rl_replay.errors import TrainingInterrupted
-    from rl_replay.trainer import build
+    from rl_replay.run.checkpoint import load_checkpoint
+    from rl_replay.run.setup import build
 
-    cfg = load_config(MLP_CPU_CONFIG, [f"run_dir={run_dir}", "log.progress=false", "log.wandb_mode=disabled",
-                                       "total_env_steps=4096", "checkpoint.every=0"])
+    cfg = load_config(
+        MLP_CPU_CONFIG,
+        [
+            f"run_dir={run_dir}",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            "total_env_steps=4096",
+            "checkpoint.every=0",
+        ],
+    )
     trainer = build(cfg)
     step = trainer.step
 

@@ -17,8 +17,8 @@ from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import SetupError
-from rl_replay.sequence import block_inputs, replay_sequence
-from rl_replay.spaces import obs_converter
+from rl_replay.rollout.sequence import block_inputs, replay_sequence
+from rl_replay.rollout.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)
 T, N = 6, 2
@@ -32,8 +32,10 @@ GRID = gym.spaces.Dict({"image": gym.spaces.Box(0, 255, (7, 7, 3), np.uint8), "d
 #: encoder -> (observation space, agent kwargs); narrow channels keep the tests fast.
 ENCODERS = {
     "nature_cnn": (IMAGE_36, {"encoder_sizes": (16,), "encoder_kwargs": {"channels": (4, 8, 8)}}),
-    "impala_cnn": (gym.spaces.Box(0, 255, (12, 12, 3), np.uint8),
-                   {"encoder_sizes": (16,), "encoder_kwargs": {"channels": (4, 8)}}),
+    "impala_cnn": (
+        gym.spaces.Box(0, 255, (12, 12, 3), np.uint8),
+        {"encoder_sizes": (16,), "encoder_kwargs": {"channels": (4, 8)}},
+    ),
     "grid_cnn": (GRID, {"encoder_sizes": (), "encoder_kwargs": {"image_scale": 0.1}}),
 }
 
@@ -111,8 +113,9 @@ def _plain_saved_bytes(agent, inputs) -> int:
 def test_an_image_step_saves_the_uint8_frame_and_the_state():
     torch.manual_seed(0)
     space = gym.spaces.Box(0, 255, (84, 84, 3), np.uint8)
-    agent = GRUAgent(space, gym.spaces.Discrete(4), encoder="nature_cnn", encoder_sizes=(256,), hidden_size=256,
-                     activation="relu")
+    agent = GRUAgent(
+        space, gym.spaces.Discrete(4), encoder="nature_cnn", encoder_sizes=(256,), hidden_size=256, activation="relu"
+    )
     n = 4
     state = agent.initial_state(n).apply(lambda x: torch.randn_like(x).requires_grad_(True))
     inputs = block_inputs(batch(space, n), state, torch.zeros(n, dtype=torch.bool), n)
@@ -127,13 +130,16 @@ def test_an_image_step_saves_the_uint8_frame_and_the_state():
 
 
 # ------------------------------------------------------------------ image layouts
-@pytest.mark.parametrize("shape, layout, chw", [
-    ((84, 84), "hw", (1, 84, 84)),              # grayscale
-    ((84, 84, 3), "hwc", (3, 84, 84)),          # channel-last colour
-    ((7, 7, 3), "hwc", (3, 7, 7)),              # MiniGrid's view
-    ((4, 84, 84), "chw", (4, 84, 84)),          # FrameStackObservation of grayscale frames
-    ((4, 84, 84, 3), "shwc", (12, 84, 84)),     # stacked colour frames
-])
+@pytest.mark.parametrize(
+    "shape, layout, chw",
+    [
+        ((84, 84), "hw", (1, 84, 84)),  # grayscale
+        ((84, 84, 3), "hwc", (3, 84, 84)),  # channel-last colour
+        ((7, 7, 3), "hwc", (3, 7, 7)),  # MiniGrid's view
+        ((4, 84, 84), "chw", (4, 84, 84)),  # FrameStackObservation of grayscale frames
+        ((4, 84, 84, 3), "shwc", (12, 84, 84)),  # stacked colour frames
+    ],
+)
 def test_image_layouts(shape, layout, chw):
     assert image_layout(shape) == (layout, chw)
 
@@ -153,8 +159,7 @@ def test_image_layout_override_for_channel_last_views_with_many_channels():
     assert out.shape == (2, encoder.out_features) and not torch.equal(out[0], out[1])
     for bad_shape, bad in (((7, 7, 20), "whc"), ((84, 84), "hwc"), ((2, 40, 40, 3), "chw")):
         with pytest.raises(SetupError, match="image_layout"):
-            ConvEncoder(gym.spaces.Box(0, 255, bad_shape, np.uint8), "grid_cnn", [], torch.nn.ReLU,
-                        image_layout=bad)
+            ConvEncoder(gym.spaces.Box(0, 255, bad_shape, np.uint8), "grid_cnn", [], torch.nn.ReLU, image_layout=bad)
 
 
 @pytest.mark.parametrize("shape", [(40, 40), (40, 40, 3), (4, 40, 40), (2, 40, 40, 3)])
@@ -178,8 +183,13 @@ def test_encoder_converts_each_layout_to_channels_first(shape):
 
 def test_dict_observation_concatenates_the_vector_keys():
     torch.manual_seed(0)
-    space = gym.spaces.Dict({"image": GRID["image"], "direction": gym.spaces.Discrete(4),
-                             "speed": gym.spaces.Box(-1.0, 1.0, (2,), np.float32)})
+    space = gym.spaces.Dict(
+        {
+            "image": GRID["image"],
+            "direction": gym.spaces.Discrete(4),
+            "speed": gym.spaces.Box(-1.0, 1.0, (2,), np.float32),
+        }
+    )
     encoder = ConvEncoder(space, "grid_cnn", (), torch.nn.ReLU, image_scale=0.1)
     assert encoder.out_features == 64 + 4 + 2
     x = batch(space, 3)
@@ -197,21 +207,45 @@ def test_separate_critic_and_skip_with_a_cnn():
 
 
 # ------------------------------------------------------------------ refused setups
-@pytest.mark.parametrize("space, kwargs, message", [
-    (gym.spaces.Box(0, 255, (20, 20, 3), np.uint8), {"encoder": "nature_cnn"},
-     r"too small for its convolutions; use grid_cnn"),
-    (gym.spaces.Box(-1.0, 1.0, (4,), np.float32), {"encoder": "nature_cnn"},
-     r"needs an image observation .* Use encoder: mlp"),
-    (gym.spaces.Dict({"a": GRID["image"], "b": GRID["image"]}), {"encoder": "grid_cnn"},
-     r"exactly one image key .*\['a', 'b'\].*encoder_kwargs.image_key"),
-    (GRID, {"encoder": "grid_cnn", "encoder_kwargs": {"image_key": "direction"}},
-     r"image_key 'direction' is not an image subspace"),
-    (IMAGE_36, {"encoder": "resnet"}, r"encoder must be mlp or one of \['grid_cnn', 'impala_cnn', 'nature_cnn'\]"),
-    (IMAGE_36, {"encoder_kwargs": {"image_scale": 0.1}}, r"encoder_kwargs .* are for the convolutional encoders"),
-    (IMAGE_36, {"encoder": "nature_cnn", "encoder_kwargs": {"image_scale": -1}}, r"image_scale must be a positive"),
-    (IMAGE_36, {"encoder": "nature_cnn", "encoder_kwargs": {"colour": 1}}, r"bad encoder_kwargs .*colour"),
-], ids=["too_small", "not_an_image", "two_images", "bad_image_key", "unknown", "kwargs_for_mlp", "bad_scale",
-        "unknown_kwarg"])
+@pytest.mark.parametrize(
+    "space, kwargs, message",
+    [
+        (
+            gym.spaces.Box(0, 255, (20, 20, 3), np.uint8),
+            {"encoder": "nature_cnn"},
+            r"too small for its convolutions; use grid_cnn",
+        ),
+        (
+            gym.spaces.Box(-1.0, 1.0, (4,), np.float32),
+            {"encoder": "nature_cnn"},
+            r"needs an image observation .* Use encoder: mlp",
+        ),
+        (
+            gym.spaces.Dict({"a": GRID["image"], "b": GRID["image"]}),
+            {"encoder": "grid_cnn"},
+            r"exactly one image key .*\['a', 'b'\].*encoder_kwargs.image_key",
+        ),
+        (
+            GRID,
+            {"encoder": "grid_cnn", "encoder_kwargs": {"image_key": "direction"}},
+            r"image_key 'direction' is not an image subspace",
+        ),
+        (IMAGE_36, {"encoder": "resnet"}, r"encoder must be mlp or one of \['grid_cnn', 'impala_cnn', 'nature_cnn'\]"),
+        (IMAGE_36, {"encoder_kwargs": {"image_scale": 0.1}}, r"encoder_kwargs .* are for the convolutional encoders"),
+        (IMAGE_36, {"encoder": "nature_cnn", "encoder_kwargs": {"image_scale": -1}}, r"image_scale must be a positive"),
+        (IMAGE_36, {"encoder": "nature_cnn", "encoder_kwargs": {"colour": 1}}, r"bad encoder_kwargs .*colour"),
+    ],
+    ids=[
+        "too_small",
+        "not_an_image",
+        "two_images",
+        "bad_image_key",
+        "unknown",
+        "kwargs_for_mlp",
+        "bad_scale",
+        "unknown_kwarg",
+    ],
+)
 @pytest.mark.parametrize("core", sorted(CORES))
 def test_bad_encoder_setups_are_one_line_errors(core, space, kwargs, message):
     with pytest.raises(SetupError, match=message) as info:

@@ -19,8 +19,9 @@ def test_importing_the_engine_loads_no_trainer_module():
     loaded = _modules_after("import rl_replay.engine")
     assert "rl_replay.engine.replay" in loaded and "tensordict" in loaded
     third_party = [m for m in loaded if m.split(".")[0] in FORBIDDEN_THIRD_PARTY]
-    ours = [m for m in loaded if m.startswith("rl_replay") and m != "rl_replay"
-            and not m.startswith("rl_replay.engine")]
+    ours = [
+        m for m in loaded if m.startswith("rl_replay") and m != "rl_replay" and not m.startswith("rl_replay.engine")
+    ]
     assert third_party == [] and ours == []
 
 

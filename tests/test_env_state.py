@@ -1,4 +1,4 @@
-"""rl_replay/env_state.py and the env part of checkpoints: wrapper state survives a resume.
+"""rl_replay/rollout/env_state.py and the env part of checkpoints: wrapper state survives a resume.
 
 The shipped showcase's wrappers (RescaleObservation, whose closure plain pickle refuses,
 plus NormalizeObservation / NormalizeReward) pickle and come back with their statistics; a
@@ -20,23 +20,29 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from tensordict import TensorDict
 
 from rl_replay.agents.mlp import MLPAgent
-from rl_replay.checkpoint import load_checkpoint
 from rl_replay.config import load_config
-from rl_replay.env_state import (apply_statistics, pickle_envs, pool_statistics, training_statistics,
-                                 vector_statistics, wrapper_statistics)
 from rl_replay.errors import SetupError
-from rl_replay.evaluate import evaluate
-from rl_replay.logger import read_metrics
+from rl_replay.rollout.env_state import (
+    pickle_envs,
+    pool_statistics,
+    training_statistics,
+    vector_statistics,
+    wrapper_statistics,
+)
+from rl_replay.run.checkpoint import load_checkpoint
+from rl_replay.run.evaluate import evaluate
+from rl_replay.run.logger import read_metrics
+from rl_replay.run.setup import build
 from rl_replay.targets import unpickle
-from rl_replay.trainer import build
 
 REPO = Path(__file__).resolve().parents[1]
-NORMALIZING = ('env.wrappers=[{target: "gymnasium.wrappers:RescaleObservation", kwargs: {min_obs: -2.0, max_obs: 2.0}}, '
-               '{target: "gymnasium.wrappers:NormalizeObservation"}, '
-               '{target: "gymnasium.wrappers:NormalizeReward", kwargs: {gamma: 0.995}}]')
+NORMALIZING = (
+    'env.wrappers=[{target: "gymnasium.wrappers:RescaleObservation", kwargs: {min_obs: -2.0, max_obs: 2.0}}, '
+    '{target: "gymnasium.wrappers:NormalizeObservation"}, '
+    '{target: "gymnasium.wrappers:NormalizeReward", kwargs: {gamma: 0.995}}]'
+)
 
 
 def wrapped_env(seed=0):
@@ -58,8 +64,11 @@ def test_wrappers_holding_local_functions_pickle_with_their_state():
     with pytest.raises((pickle.PicklingError, AttributeError, TypeError), match="local"):
         pickle.dumps(env)  # what the checkpoint met before: rescale_box.<locals>.forward
     copy = unpickle(pickle_envs(env))
-    assert [type(w).__name__ for w in (copy, copy.env, copy.env.env)] == \
-        ["NormalizeReward", "NormalizeObservation", "RescaleObservation"]
+    assert [type(w).__name__ for w in (copy, copy.env, copy.env.env)] == [
+        "NormalizeReward",
+        "NormalizeObservation",
+        "RescaleObservation",
+    ]
     for ours, theirs in zip(wrapper_statistics(env), wrapper_statistics(copy)):
         assert ours["attr"] == theirs["attr"] and ours["count"] == theirs["count"] > 1
         np.testing.assert_array_equal(ours["mean"], theirs["mean"])
@@ -88,10 +97,22 @@ def test_pooled_statistics_equal_those_of_the_concatenated_data():
 
 def pocartpole_cfg(run_dir, updates, *extra):
     # configs/ppo_pocartpole_gru.yaml shortened, with NormalizeObservation added to its wrappers.
-    return load_config(REPO / "configs" / "ppo_pocartpole_gru.yaml", [
-        "env.num_envs=4", "collector.num_steps=16", "ppo.epochs=2", f"total_env_steps={updates * 64}",
-        "optim.anneal_lr=false", "checkpoint.every=0", "log.progress=false", "log.wandb_mode=disabled",
-        f"run_dir={run_dir}", NORMALIZING, *extra])
+    return load_config(
+        REPO / "configs" / "ppo_pocartpole_gru.yaml",
+        [
+            "env.num_envs=4",
+            "collector.num_steps=16",
+            "ppo.epochs=2",
+            f"total_env_steps={updates * 64}",
+            "optim.anneal_lr=false",
+            "checkpoint.every=0",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            f"run_dir={run_dir}",
+            NORMALIZING,
+            *extra,
+        ],
+    )
 
 
 COMPARED = ("rollout/", "train/", "loss/")
@@ -139,37 +160,65 @@ def test_evaluation_uses_the_given_statistics_frozen():
     evaluate(agent, "CartPole-v1", episodes=4, num_envs=2, env_wrappers=spec, env_statistics=stats)
     seen = torch.cat(agent.seen)
     assert len(agent.seen) > 5 and bool((seen < -90).all())
-    with pytest.raises(SetupError, match=r"^the checkpoint's environment statistics \(\['obs_rms'\]\) do not fit .* \(\[\]\)"):
+    with pytest.raises(
+        SetupError, match=r"^the checkpoint's environment statistics \(\['obs_rms'\]\) do not fit .* \(\[\]\)"
+    ):
         evaluate(agent, "CartPole-v1", episodes=1, num_envs=1, env_statistics=stats)
 
 
 def test_evaluate_cli_reads_the_training_statistics(tmp_path):
     run = tmp_path / "run"
-    build(load_config(None, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=160",
-                             "agent.kwargs={hidden_sizes: [8]}", "log.progress=false", "log.wandb_mode=disabled",
-                             f"run_dir={run}", 'env.wrappers=[{target: "gymnasium.wrappers:NormalizeObservation"}]'])
-          ).train()
+    build(
+        load_config(
+            None,
+            [
+                "env.num_envs=2",
+                "collector.num_steps=8",
+                "total_env_steps=160",
+                "agent.kwargs={hidden_sizes: [8]}",
+                "log.progress=false",
+                "log.wandb_mode=disabled",
+                f"run_dir={run}",
+                'env.wrappers=[{target: "gymnasium.wrappers:NormalizeObservation"}]',
+            ],
+        )
+    ).train()
     (stats,) = training_statistics(load_checkpoint(run)["collector"])
     assert stats["attr"] == "obs_rms" and stats["count"] == pytest.approx(2 * (80 + 1) + 1e-4, abs=5)
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "evaluate.py"), str(run), "--episodes", "2"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "evaluate.py"), str(run), "--episodes", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "over 2 episodes" in proc.stdout
 
 
 def test_async_resume_restores_the_statistics_and_says_episodes_start_over(tmp_path):
-    extra = ("env.vectorization=async", "env.num_envs=2", "collector.num_steps=8", "optim.anneal_lr=false",
-             "agent.kwargs={hidden_sizes: [8]}", "log.progress=false", "log.wandb_mode=disabled",
-             'env.wrappers=[{target: "gymnasium.wrappers:NormalizeObservation"}]')
+    extra = (
+        "env.vectorization=async",
+        "env.num_envs=2",
+        "collector.num_steps=8",
+        "optim.anneal_lr=false",
+        "agent.kwargs={hidden_sizes: [8]}",
+        "log.progress=false",
+        "log.wandb_mode=disabled",
+        'env.wrappers=[{target: "gymnasium.wrappers:NormalizeObservation"}]',
+    )
     build(load_config(None, [*extra, "total_env_steps=160", f"run_dir={tmp_path / 'run'}"])).train()
     saved = load_checkpoint(tmp_path / "run")["collector"][0]["env_statistics"]
-    assert [s[0]["count"] for s in saved] == [pytest.approx(82, abs=1e-3)] * 2  # 80 steps, 2 resets (probe, first rollout)
+    assert [s[0]["count"] for s in saved] == [
+        pytest.approx(82, abs=1e-3)
+    ] * 2  # 80 steps, 2 resets (probe, first rollout)
     with pytest.warns(UserWarning) as caught:
         resumed = build(resume=tmp_path / "run", overrides=("total_env_steps=320",))
     try:
         (message,) = [str(w.message) for w in caught if "environment state" in str(w.message)]
-        assert message.startswith("the checkpoint holds no environment state (env.vectorization=async): the "
-                                  "resumed run starts fresh episodes with the saved wrapper statistics")
+        assert message.startswith(
+            "the checkpoint holds no environment state (env.vectorization=async): the "
+            "resumed run starts fresh episodes with the saved wrapper statistics"
+        )
         assert "\n" not in message
         now = vector_statistics(resumed.collector.envs)
         # The saved count plus the fresh episodes' first observation.

@@ -7,26 +7,25 @@ import pickle
 
 import gymnasium as gym
 import numpy as np
+import obs_envs  # noqa: F401  (registers test/DictObs-v0, test/TupleObs-v0, test/ImageObs-v0)
 import pytest
 import torch
 from conftest import assert_grads_match
 from tensordict import TensorDict
 from test_collector import plain_autograd_update
 
-import obs_envs  # noqa: F401  (registers test/DictObs-v0, test/TupleObs-v0, test/ImageObs-v0)
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.a2c import A2C
-from rl_replay.collector import Collector
+from rl_replay.algorithms.losses import total_loss
 from rl_replay.config import LossConfig, load_config
-from rl_replay.environment import make_vector_env
 from rl_replay.errors import SetupError
-from rl_replay.spaces import flat_size, obs_converter
-from rl_replay.trainer import build
-from rl_replay.losses import total_loss
+from rl_replay.rollout.collector import Collector
+from rl_replay.rollout.environment import make_vector_env
+from rl_replay.rollout.spaces import flat_size, obs_converter
+from rl_replay.run.setup import build
 
-AGENTS = {"mlp": ("mlp", "{hidden_sizes: [16]}"),
-          "gru": ("gru", "{hidden_size: 8, encoder_sizes: [8]}")}
+AGENTS = {"mlp": ("mlp", "{hidden_sizes: [16]}"), "gru": ("gru", "{hidden_size: 8, encoder_sizes: [8]}")}
 
 USER_MODULE = '''
 import gymnasium as gym
@@ -76,11 +75,20 @@ def user_module(tmp_path, monkeypatch):
 
 def small_cfg(run_dir, *overrides, agent="mlp"):
     target, kwargs = AGENTS[agent]
-    return load_config(None, [
-        "env.num_envs=2", "collector.num_steps=6", "total_env_steps=24", "log.wandb_mode=disabled",
-        "log.progress=false", f"agent.target={target}", f"agent.kwargs={kwargs}", f"run_dir={run_dir}",
-        *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            "env.num_envs=2",
+            "collector.num_steps=6",
+            "total_env_steps=24",
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            f"agent.target={target}",
+            f"agent.kwargs={kwargs}",
+            f"run_dir={run_dir}",
+            *overrides,
+        ],
+    )
 
 
 def train_two_updates(cfg):
@@ -119,10 +127,13 @@ def test_unknown_id_keeps_similar_ids_and_says_how_to_register():
     assert "gymnasium.register" in message and "env.imports" in message and "\n" not in message
 
 
-@pytest.mark.parametrize("env_id, imports, match", [
-    ("no_such_module_xyz:Env-v0", [], "cannot import module 'no_such_module_xyz'"),
-    ("CartPole-v1", ["no_such_module_xyz"], r"env.imports: cannot import module 'no_such_module_xyz'"),
-])
+@pytest.mark.parametrize(
+    "env_id, imports, match",
+    [
+        ("no_such_module_xyz:Env-v0", [], "cannot import module 'no_such_module_xyz'"),
+        ("CartPole-v1", ["no_such_module_xyz"], r"env.imports: cannot import module 'no_such_module_xyz'"),
+    ],
+)
 def test_bad_imports_are_one_line(env_id, imports, match):
     with pytest.raises(SetupError, match=match):
         make_vector_env(env_id, 1, imports=imports)
@@ -130,9 +141,11 @@ def test_bad_imports_are_one_line(env_id, imports, match):
 
 def test_wrappers_from_config_apply_in_order(user_module, tmp_path):
     module, env_id = user_module
-    wrappers = (f"env.wrappers=[{{target: '{module}:Tag', kwargs: {{name: a}}}}, "
-                f"{{target: '{module}.Tag', kwargs: {{name: b}}}}, "
-                "{target: 'gymnasium.wrappers:TimeLimit', kwargs: {max_episode_steps: 1}}]")
+    wrappers = (
+        f"env.wrappers=[{{target: '{module}:Tag', kwargs: {{name: a}}}}, "
+        f"{{target: '{module}.Tag', kwargs: {{name: b}}}}, "
+        "{target: 'gymnasium.wrappers:TimeLimit', kwargs: {max_episode_steps: 1}}]"
+    )
     trainer = train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", f"env.imports=[{module}]", wrappers))
     env = trainer.collector.envs.envs[0]
     assert isinstance(env, gym.wrappers.TimeLimit) and env._max_episode_steps == 1  # applied last: outermost
@@ -141,21 +154,27 @@ def test_wrappers_from_config_apply_in_order(user_module, tmp_path):
     assert trainer.recent_returns and len(trainer.recent_returns) >= 2 * 2
 
 
-@pytest.mark.parametrize("spec, match", [
-    ("{target: 'gymnasium.wrappers:NoSuchWrapper'}", "has no attribute 'NoSuchWrapper'"),
-    ("{target: 'gymnasium.wrappers:TimeLimit', kwargs: {bogus: 1}}", r"env.wrappers\[0\] .* failed"),
-])
+@pytest.mark.parametrize(
+    "spec, match",
+    [
+        ("{target: 'gymnasium.wrappers:NoSuchWrapper'}", "has no attribute 'NoSuchWrapper'"),
+        ("{target: 'gymnasium.wrappers:TimeLimit', kwargs: {bogus: 1}}", r"env.wrappers\[0\] .* failed"),
+    ],
+)
 def test_bad_wrappers_fail_before_the_run_dir(tmp_path, spec, match):
     with pytest.raises(SetupError, match=match):
         build(small_cfg(tmp_path / "run", f"env.wrappers=[{spec}]"))
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("value, match", [
-    ("[{kwargs: {}}]", r"env.wrappers\[0\].target"),
-    ("[{target: x:Y, extra: 1}]", "Unknown key 'extra'"),
-    ("[gymnasium.wrappers:TimeLimit]", r"env.wrappers\[0\]"),
-])
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("[{kwargs: {}}]", r"env.wrappers\[0\].target"),
+        ("[{target: x:Y, extra: 1}]", "Unknown key 'extra'"),
+        ("[gymnasium.wrappers:TimeLimit]", r"env.wrappers\[0\]"),
+    ],
+)
 def test_wrapper_config_is_validated(value, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, [f"env.wrappers={value}"])
@@ -163,15 +182,20 @@ def test_wrapper_config_is_validated(value, match):
 
 # ------------------------------------------------------------------ observation conversion
 def test_converter_one_hot_nested_and_uint8():
-    space = gym.spaces.Dict({
-        "d": gym.spaces.Discrete(3, start=1),
-        "m": gym.spaces.MultiDiscrete([2, 3]),
-        "img": gym.spaces.Box(0, 255, (2, 2), np.uint8),
-        "t": gym.spaces.Tuple((gym.spaces.Box(-1, 1, (1,)), gym.spaces.MultiBinary(2))),
-    })
-    batch = {"d": np.array([1, 3]), "m": np.array([[0, 2], [1, 0]]),
-             "img": np.array([[[0, 255], [1, 2]]] * 2, np.uint8),
-             "t": (np.array([[0.5], [-0.5]], np.float32), np.array([[1, 0], [0, 1]], np.int8))}
+    space = gym.spaces.Dict(
+        {
+            "d": gym.spaces.Discrete(3, start=1),
+            "m": gym.spaces.MultiDiscrete([2, 3]),
+            "img": gym.spaces.Box(0, 255, (2, 2), np.uint8),
+            "t": gym.spaces.Tuple((gym.spaces.Box(-1, 1, (1,)), gym.spaces.MultiBinary(2))),
+        }
+    )
+    batch = {
+        "d": np.array([1, 3]),
+        "m": np.array([[0, 2], [1, 0]]),
+        "img": np.array([[[0, 255], [1, 2]]] * 2, np.uint8),
+        "t": (np.array([[0.5], [-0.5]], np.float32), np.array([[1, 0], [0, 1]], np.int8)),
+    }
     out = obs_converter(space)(batch)
     assert isinstance(out, TensorDict) and out.batch_size == torch.Size([2])
     assert torch.equal(out["d"], torch.tensor([[1.0, 0, 0], [0, 0, 1]]))
@@ -200,8 +224,7 @@ def test_unsupported_observation_space_is_one_line():
 @pytest.mark.parametrize("agent", ["mlp", "gru"])
 @pytest.mark.parametrize("env_id", ["test/DictObs-v0", "FrozenLake-v1", "test/TupleObs-v0"])
 def test_dict_and_discrete_observations_train_two_updates(tmp_path, env_id, agent):
-    trainer = train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", "env.imports=[obs_envs]",
-                                          agent=agent))
+    trainer = train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", "env.imports=[obs_envs]", agent=agent))
     obs = trainer.collector._obs
     if env_id == "FrozenLake-v1":
         assert obs.shape == (2, 16) and obs.sum(-1).eq(1).all()  # one-hot of the cell
@@ -226,8 +249,9 @@ def test_replay_parity_with_dict_observation():
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
     agent.zero_grad(set_to_none=True)
     plain_autograd_update(agent, d.detach(), start_state, loss_cfg)
-    assert_grads_match(replay_grads, {n: p.grad for n, p in agent.named_parameters()}, "parity_dict_obs",
-                       rtol=1e-5, atol=1e-6)
+    assert_grads_match(
+        replay_grads, {n: p.grad for n, p in agent.named_parameters()}, "parity_dict_obs", rtol=1e-5, atol=1e-6
+    )
 
 
 def test_uint8_images_are_saved_as_uint8():
@@ -256,9 +280,19 @@ def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
     from pathlib import Path
 
     config = Path(__file__).resolve().parents[1] / "configs" / "popgym_repeat_previous_easy.yaml"
-    cfg = load_config(config, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=32", "ppo.num_minibatches=2",
-                               "log.wandb_mode=disabled", "log.progress=false", f"run_dir={tmp_path / 'run'}",
-                               "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"])
+    cfg = load_config(
+        config,
+        [
+            "env.num_envs=2",
+            "collector.num_steps=8",
+            "total_env_steps=32",
+            "ppo.num_minibatches=2",
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            f"run_dir={tmp_path / 'run'}",
+            "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
+        ],
+    )
     trainer = train_two_updates(cfg)
     assert trainer.collector.envs.single_observation_space == gym.spaces.Discrete(4)
 
@@ -266,7 +300,7 @@ def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
 def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
     """NormalizeReward rescales the rewards the agent learns from; rollout and evaluation
     returns stay the env's own (CartPole pays 1 per step, so a return is the episode length)."""
-    from rl_replay.evaluate import evaluate
+    from rl_replay.run.evaluate import evaluate
 
     wrappers = ["gymnasium.wrappers:NormalizeObservation", "gymnasium.wrappers:NormalizeReward"]
     envs = make_vector_env("CartPole-v1", 3, wrappers=[{"target": t} for t in wrappers])
@@ -277,8 +311,14 @@ def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
     assert rollout.episode_returns == [float(n) for n in rollout.episode_lengths]
     # The rewards the loss sees are rescaled: without the raw statistics the returns would differ.
     assert not torch.allclose(rollout.data["reward"][rollout.data["valid"]], torch.tensor(1.0))
-    result = evaluate(agent, "CartPole-v1", episodes=4, num_envs=2, deterministic=False,
-                      env_wrappers=[{"target": t} for t in wrappers])
+    result = evaluate(
+        agent,
+        "CartPole-v1",
+        episodes=4,
+        num_envs=2,
+        deterministic=False,
+        env_wrappers=[{"target": t} for t in wrappers],
+    )
     assert result["return_mean"] == result["episode_length"]
 
 
@@ -286,7 +326,7 @@ def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """The drop warning is printed once per process; each test starts with none printed."""
-    from rl_replay import environment
+    from rl_replay.rollout import environment
 
     monkeypatch.setattr(environment, "_WARNED", set())
 
@@ -299,8 +339,10 @@ def test_text_keys_are_dropped_with_one_warning_line(fresh_warnings, capsys):
         assert set(obs) == {"image", "direction"} and obs["image"].dtype == np.uint8
         envs.close()
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines == ["warning: dropping the observation keys ['mission'] (mission: Text), which hold no tensors; "
-                     "keeping ['direction', 'image']. Set env.observation_keys to choose the keys."]
+    assert lines == [
+        "warning: dropping the observation keys ['mission'] (mission: Text), which hold no tensors; "
+        "keeping ['direction', 'image']. Set env.observation_keys to choose the keys."
+    ]
 
 
 def test_observation_keys_select_without_a_warning(fresh_warnings, capsys):
@@ -313,15 +355,34 @@ def test_observation_keys_select_without_a_warning(fresh_warnings, capsys):
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("env_id, kwargs, keys, message", [
-    ("test/MissionObs-v0", {}, ["image", "nope"], r"^env.observation_keys: \['nope'\] not in the observation "
-                                                  r"space's keys \['direction', 'image', 'mission'\]\.$"),
-    ("test/MissionObs-v0", {}, ["mission"], r"^env.observation_keys: \['mission'\] are not tensor spaces "
-                                            r".*choose among \['direction', 'image'\]\.$"),
-    ("CartPole-v1", {}, ["image"], r"^env.observation_keys \['image'\] selects keys of a Dict observation.*remove"),
-    ("test/MissionObs-v0", {"text_only": True}, [], r"holds nothing rl_replay can turn into tensors; add a wrapper "
-                                                    r"in env.wrappers .*minigrid.wrappers:ImgObsWrapper"),
-], ids=["unknown_key", "text_key", "not_a_dict", "nothing_usable"])
+@pytest.mark.parametrize(
+    "env_id, kwargs, keys, message",
+    [
+        (
+            "test/MissionObs-v0",
+            {},
+            ["image", "nope"],
+            r"^env.observation_keys: \['nope'\] not in the observation "
+            r"space's keys \['direction', 'image', 'mission'\]\.$",
+        ),
+        (
+            "test/MissionObs-v0",
+            {},
+            ["mission"],
+            r"^env.observation_keys: \['mission'\] are not tensor spaces "
+            r".*choose among \['direction', 'image'\]\.$",
+        ),
+        ("CartPole-v1", {}, ["image"], r"^env.observation_keys \['image'\] selects keys of a Dict observation.*remove"),
+        (
+            "test/MissionObs-v0",
+            {"text_only": True},
+            [],
+            r"holds nothing rl_replay can turn into tensors; add a wrapper "
+            r"in env.wrappers .*minigrid.wrappers:ImgObsWrapper",
+        ),
+    ],
+    ids=["unknown_key", "text_key", "not_a_dict", "nothing_usable"],
+)
 def test_bad_observation_keys_are_refused_before_the_run(tmp_path, env_id, kwargs, keys, message):
     with pytest.raises(SetupError, match=message) as info:
         make_vector_env(env_id, 1, observation_keys=keys, kwargs=kwargs)
@@ -341,22 +402,40 @@ def test_observation_keys_must_be_strings():
 
 @pytest.mark.parametrize("encoder", ["grid_cnn", "mlp"])
 def test_minigrid_like_dict_trains_with_the_text_dropped(tmp_path, fresh_warnings, encoder):
-    kwargs = "{hidden_size: 8, encoder: grid_cnn, encoder_sizes: [], encoder_kwargs: {image_scale: 0.1}}" \
-        if encoder == "grid_cnn" else "{hidden_size: 8, encoder_sizes: [8]}"
-    trainer = train_two_updates(small_cfg(tmp_path / "run", "env.id=test/MissionObs-v0", "env.imports=[obs_envs]",
-                                          "agent.target=gru", f"agent.kwargs={kwargs}", "eval.every=1",
-                                          "eval.episodes=2"))
+    kwargs = (
+        "{hidden_size: 8, encoder: grid_cnn, encoder_sizes: [], encoder_kwargs: {image_scale: 0.1}}"
+        if encoder == "grid_cnn"
+        else "{hidden_size: 8, encoder_sizes: [8]}"
+    )
+    trainer = train_two_updates(
+        small_cfg(
+            tmp_path / "run",
+            "env.id=test/MissionObs-v0",
+            "env.imports=[obs_envs]",
+            "agent.target=gru",
+            f"agent.kwargs={kwargs}",
+            "eval.every=1",
+            "eval.episodes=2",
+        )
+    )
     obs = trainer.collector._obs
     assert set(obs.keys()) == {"image", "direction"} and obs["image"].dtype == torch.uint8
 
 
 def test_observation_keys_cannot_change_on_resume_and_older_checkpoints_resume(tmp_path):
     from rl_replay.config import config_to_dict
-    from rl_replay.trainer import _check_resume_config
+    from rl_replay.run.setup import _check_resume_config
 
     run = tmp_path / "run"
-    build(small_cfg(run, "env.id=test/MissionObs-v0", "env.imports=[obs_envs]", "env.observation_keys=[image, direction]",
-                    "checkpoint.every=0")).train()
+    build(
+        small_cfg(
+            run,
+            "env.id=test/MissionObs-v0",
+            "env.imports=[obs_envs]",
+            "env.observation_keys=[image, direction]",
+            "checkpoint.every=0",
+        )
+    ).train()
     with pytest.raises(SetupError, match=r"cannot resume .* with env.observation_keys=\['image'\]"):
         build(resume=run, overrides=("env.observation_keys=[image]",))
     # A checkpoint written before env.observation_keys existed holds no such key: it means the default.

@@ -13,15 +13,28 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=32", "ppo.num_minibatches=2",
-        "log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
+TINY = [
+    "env.num_envs=2",
+    "collector.num_steps=8",
+    "total_env_steps=32",
+    "ppo.num_minibatches=2",
+    "log.wandb_mode=disabled",
+    "log.progress=false",
+    "checkpoint.every=0",
+]
 
 
 def train_two_updates(tmp_path, config: str, *overrides: str) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "scripts/train.py", "--config", config, *TINY, *overrides,
-                          f"run_dir={run_dir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", config, *TINY, *overrides, f"run_dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["update"] for row in rows] == [1, 2] and (run_dir / "checkpoint.pt").exists()
@@ -33,8 +46,14 @@ def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path):
     out = train_two_updates(tmp_path, "configs/minigrid_memory_s7.yaml")
     assert "dropping the observation keys" not in out.stderr  # env.observation_keys chose them
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
-    ev = subprocess.run([sys.executable, "scripts/evaluate.py", str(tmp_path / "run"), "--episodes", "3"], cwd=REPO,
-                        env=env, capture_output=True, text=True, timeout=300)
+    ev = subprocess.run(
+        [sys.executable, "scripts/evaluate.py", str(tmp_path / "run"), "--episodes", "3"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(ev.stdout.strip().splitlines()[-1])
     assert result["episodes"] == 3 and 0 <= result["success_rate"] <= 1  # SuccessOnReward's flag
@@ -44,8 +63,10 @@ def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path):
     pytest.importorskip("minigrid")
     out = train_two_updates(tmp_path, "configs/minigrid_memory_s7.yaml", "env.observation_keys=[]")
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: dropping")]
-    assert warnings == ["warning: dropping the observation keys ['mission'] (mission: MissionSpace), which hold no "
-                        "tensors; keeping ['direction', 'image']. Set env.observation_keys to choose the keys."]
+    assert warnings == [
+        "warning: dropping the observation keys ['mission'] (mission: MissionSpace), which hold no "
+        "tensors; keeping ['direction', 'image']. Set env.observation_keys to choose the keys."
+    ]
 
 
 def test_minigrid_memory_s13_random_trains_two_updates(tmp_path):
@@ -59,8 +80,9 @@ def test_atari_pong_lstm_trains_two_updates(tmp_path):
     train_two_updates(tmp_path, "configs/atari_pong_lstm.yaml")
 
 
-@pytest.mark.parametrize("config", ["configs/memorygym_mortar_mayhem_grid.yaml",
-                                    "configs/memorygym_mystery_path_grid.yaml"])
+@pytest.mark.parametrize(
+    "config", ["configs/memorygym_mortar_mayhem_grid.yaml", "configs/memorygym_mystery_path_grid.yaml"]
+)
 def test_memory_gym_trains_two_updates(tmp_path, config):
     pytest.importorskip("memory_gym")
     train_two_updates(tmp_path, config)

@@ -41,8 +41,9 @@ def make_wheel(directory: Path, name: str, version: str, body: str = "") -> Path
 def run(*args: str, env_add: dict | None = None, timeout: float = 170) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
     env.update(PYTHON=sys.executable, OMP_NUM_THREADS="1", **(env_add or {}))
-    return subprocess.run(["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        ["bash", str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_install_takes_only_the_missing_wheels(tmp_path):
@@ -51,21 +52,28 @@ def test_install_takes_only_the_missing_wheels(tmp_path):
     make_wheel(wheels, "rlr_probe_wheel", "1.2.3", "VALUE = 42\n")
     make_wheel(wheels, "pytest", "0.0.1")  # installed here already: must be left alone
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, str(WHEELS), "install", str(wheels), str(site)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(WHEELS), "install", str(wheels), str(site)], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert "installed into" in proc.stdout and "rlr_probe_wheel 1.2.3" in proc.stdout
     assert "already installed (kept): pytest" in proc.stdout
     assert (site / "rlr_probe_wheel.py").read_text() == "VALUE = 42\n"
     assert not (site / "pytest.py").exists()
-    probe = subprocess.run([sys.executable, "-c", "import rlr_probe_wheel; print(rlr_probe_wheel.VALUE)"],
-                           env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
+    probe = subprocess.run(
+        [sys.executable, "-c", "import rlr_probe_wheel; print(rlr_probe_wheel.VALUE)"],
+        env={**os.environ, "PYTHONPATH": str(site)},
+        capture_output=True,
+        text=True,
+    )
     assert probe.stdout.strip() == "42"
 
 
 def test_bad_arguments_are_one_line_exit_2(tmp_path):
-    for args, message in ((["--wheels", str(tmp_path / "none")], "wheel directory"),
-                          (["--bogus"], "unknown argument '--bogus'")):
+    for args, message in (
+        (["--wheels", str(tmp_path / "none")], "wheel directory"),
+        (["--bogus"], "unknown argument '--bogus'"),
+    ):
         proc = run(*args, "--out", str(tmp_path / "out"))
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1 and message in proc.stderr
@@ -89,8 +97,14 @@ def test_dry_run(tmp_path):
     assert "DRY RUN on CPU" in results
     assert "- training run: finished 2 updates, 256 env steps" in results
     assert "| 8 | rl_replay |" in results and "<!-- BEGIN bench_memory tiny_gru -->" in results
-    for step in ("install wheels: ok", "imports: ok", "cuda tests (collected only): ok",
-                 "train (CPU, gloo): ok", "bench_memory (CPU, tiny): ok", "bench_overhead (CPU, tiny): ok"):
+    for step in (
+        "install wheels: ok",
+        "imports: ok",
+        "cuda tests (collected only): ok",
+        "train (CPU, gloo): ok",
+        "bench_memory (CPU, tiny): ok",
+        "bench_overhead (CPU, tiny): ok",
+    ):
         assert step in results, results
     assert (out / "bench_memory.json").exists()
     # The overhead table, with gradients identical in both block sizes.

@@ -1,4 +1,4 @@
-"""rl_replay.horizon: the first-observation gradient of an episode, through replay blocks,
+"""rl_replay.run.horizon: the first-observation gradient of an episode, through replay blocks,
 and the trainer's ``log.horizon_every`` metric."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.config import load_config
-from rl_replay.horizon import episode_horizon
-from rl_replay.trainer import build
+from rl_replay.run.horizon import episode_horizon
+from rl_replay.run.setup import build
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -36,14 +36,19 @@ def rollout_data(seed=0):
     is_first[0, 1] = is_first[5, 1] = True
     valid[4, 1] = False  # the autoreset row after env 1's first episode (rows 0-3)
     is_first[8, 2] = True
-    return TensorDict(observation=torch.randn(T, N, 4, generator=g), is_first=is_first,
-                      action=torch.randint(0, 3, (T, N), generator=g), valid=valid, batch_size=[T, N])
+    return TensorDict(
+        observation=torch.randn(T, N, 4, generator=g),
+        is_first=is_first,
+        action=torch.randint(0, 3, (T, N), generator=g),
+        valid=valid,
+        batch_size=[T, N],
+    )
 
 
 def plain_first_obs_grad(agent, data, env, first, last, bptt_truncate=None):
     """The same gradient with plain autograd (no replay blocks); of the ``x`` part of a Dict
     observation."""
-    episode = data[first:last + 1, env:env + 1].select("observation", "is_first", "action")
+    episode = data[first : last + 1, env : env + 1].select("observation", "is_first", "action")
     obs0 = episode["observation"][0].clone()
     if isinstance(obs0, TensorDict):
         leaf = obs0["x"] = obs0["x"].requires_grad_(True)
@@ -119,16 +124,31 @@ def read_metrics(run_dir):
 
 
 def memory_cfg(run_dir, *extra):
-    return load_config(None, [
-        "env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 6}", "env.num_envs=4", "collector.num_steps=8",
-        "collector.mode=episode", "agent.target=lru",
-        "agent.kwargs={hidden_size: 8, encoder_sizes: [], readout_sizes: [8], max_phase: 0.0}",
-        "loss.algorithm=ppo", "ppo.num_minibatches=2", "ppo.epochs=2", "log.progress=false",
-        "log.wandb_mode=disabled", "total_env_steps=128", "checkpoint.every=0", f"run_dir={run_dir}", *extra])
+    return load_config(
+        None,
+        [
+            "env.id=rl_replay/MemoryCue-v0",
+            "env.kwargs={delay: 6}",
+            "env.num_envs=4",
+            "collector.num_steps=8",
+            "collector.mode=episode",
+            "agent.target=lru",
+            "agent.kwargs={hidden_size: 8, encoder_sizes: [], readout_sizes: [8], max_phase: 0.0}",
+            "loss.algorithm=ppo",
+            "ppo.num_minibatches=2",
+            "ppo.epochs=2",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            "total_env_steps=128",
+            "checkpoint.every=0",
+            f"run_dir={run_dir}",
+            *extra,
+        ],
+    )
 
 
 def test_trainer_logs_the_horizon_without_changing_training(tmp_path):
-    from rl_replay.checkpoint import load_checkpoint
+    from rl_replay.run.checkpoint import load_checkpoint
 
     build(memory_cfg(tmp_path / "plain")).train()
     build(memory_cfg(tmp_path / "horizon", "log.horizon_every=2")).train()
@@ -154,15 +174,21 @@ def test_horizon_every_must_not_be_negative(tmp_path):
 
 def test_episode_horizon_with_a_dict_observation_differentiates_its_float_parts():
     # A Dict observation: the float part gets the gradient, the uint8 part cannot.
-    space = gym.spaces.Dict({"x": gym.spaces.Box(-1.0, 1.0, shape=(3,), dtype=np.float32),
-                             "n": gym.spaces.Box(0, 255, shape=(2,), dtype=np.uint8)})
+    space = gym.spaces.Dict(
+        {
+            "x": gym.spaces.Box(-1.0, 1.0, shape=(3,), dtype=np.float32),
+            "n": gym.spaces.Box(0, 255, shape=(2,), dtype=np.uint8),
+        }
+    )
     torch.manual_seed(0)
     agent = GRUAgent(space, ACT, hidden_size=8, encoder_sizes=(8,))
     data = rollout_data()
     g = torch.Generator().manual_seed(1)
-    data["observation"] = TensorDict(x=torch.randn(T, N, 3, generator=g),
-                                     n=torch.randint(0, 256, (T, N, 2), generator=g, dtype=torch.uint8),
-                                     batch_size=[T, N])
+    data["observation"] = TensorDict(
+        x=torch.randn(T, N, 3, generator=g),
+        n=torch.randint(0, 256, (T, N, 2), generator=g, dtype=torch.uint8),
+        batch_size=[T, N],
+    )
     got = episode_horizon(agent, agent, data)
     # Plain autograd over env 0's rows 0..11, the float leaf of the first observation as the input.
     want = plain_first_obs_grad(agent, data, 0, 0, T - 1)

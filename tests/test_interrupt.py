@@ -1,4 +1,4 @@
-"""rl_replay/interrupt.py: the first SIGINT/SIGTERM only asks the run to stop.
+"""rl_replay/run/interrupt.py: the first SIGINT/SIGTERM only asks the run to stop.
 
 Covers ``StopOnSignal`` in this process (the signal is remembered and announced, the
 default handlers are back for a second one, the previous handlers are restored on exit,
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rl_replay.errors import TrainingInterrupted
-from rl_replay.interrupt import StopOnSignal, children_ignore_sigint
+from rl_replay.run.interrupt import StopOnSignal, children_ignore_sigint
 
 
 @pytest.fixture
@@ -40,8 +40,9 @@ def test_first_signal_is_remembered_announced_and_leaves_the_default_for_a_secon
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     assert {s: signal.getsignal(s) for s in handlers} == handlers
     err = capfd.readouterr().err
-    assert f"received {sig.name}: finishing this update, then writing a checkpoint (send it again to exit at once)" \
-        in err
+    assert (
+        f"received {sig.name}: finishing this update, then writing a checkpoint (send it again to exit at once)" in err
+    )
 
 
 def test_quiet_and_off_the_main_thread(handlers, capfd):
@@ -75,6 +76,9 @@ def test_children_started_inside_ignore_sigint(handlers):
                 return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
         raise AssertionError("no SigIgn line")
 
+    # Whatever pytest inherited (a background job of a non-interactive shell starts with SIGINT
+    # ignored, and children inherit that): start from Python's own handler, which exec resets.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     code = "import sys; print('ready', flush=True); sys.stdin.read()"
     with children_ignore_sigint():
         assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
@@ -84,7 +88,7 @@ def test_children_started_inside_ignore_sigint(handlers):
         for proc in (inside, outside):
             assert proc.stdout.readline() == b"ready\n"
         assert ignores_sigint(inside.pid) and not ignores_sigint(outside.pid)
-        assert signal.getsignal(signal.SIGINT) is handlers[signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored on exit
     finally:
         for proc in (inside, outside):
             proc.kill()

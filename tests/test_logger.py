@@ -15,9 +15,9 @@ import pytest
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.logger import RunLogger, read_metrics, resolve_wandb_mode, summarize
-from rl_replay.trainer import build
-from rl_replay.wandb_files import read_offline_run
+from rl_replay.run.logger import RunLogger, read_metrics, resolve_wandb_mode, summarize
+from rl_replay.run.setup import build
+from rl_replay.run.wandb_files import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,11 +34,21 @@ def wandb_env(tmp_path, monkeypatch):
 
 
 def cfg_for(run_dir, *overrides):
-    return load_config(None, [
-        "env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 2}", "env.num_envs=4", "collector.num_steps=8",
-        "total_env_steps=256", "agent.kwargs={hidden_sizes: [8]}", "log.progress=false",
-        "checkpoint.every=2", f"run_dir={run_dir}", *overrides,
-    ])
+    return load_config(
+        None,
+        [
+            "env.id=rl_replay/MemoryCue-v0",
+            "env.kwargs={delay: 2}",
+            "env.num_envs=4",
+            "collector.num_steps=8",
+            "total_env_steps=256",
+            "agent.kwargs={hidden_sizes: [8]}",
+            "log.progress=false",
+            "checkpoint.every=2",
+            f"run_dir={run_dir}",
+            *overrides,
+        ],
+    )
 
 
 # ------------------------------------------------------------------ metrics.jsonl
@@ -54,13 +64,16 @@ def test_non_finite_values_are_kept_as_null(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ mode precedence
-@pytest.mark.parametrize("env, config, expected", [
-    ({"WANDB_MODE": "disabled"}, "offline", "disabled"),
-    ({"WANDB_MODE": "offline"}, "disabled", "offline"),
-    ({"WANDB_MODE": "dryrun"}, "online", "offline"),
-    ({"WANDB_DISABLED": "true"}, "offline", "disabled"),
-    ({}, "offline", "offline"),
-])
+@pytest.mark.parametrize(
+    "env, config, expected",
+    [
+        ({"WANDB_MODE": "disabled"}, "offline", "disabled"),
+        ({"WANDB_MODE": "offline"}, "disabled", "offline"),
+        ({"WANDB_MODE": "dryrun"}, "online", "offline"),
+        ({"WANDB_DISABLED": "true"}, "offline", "disabled"),
+        ({}, "offline", "offline"),
+    ],
+)
 def test_wandb_mode_environment_variable_wins(wandb_env, env, config, expected):
     for key, value in env.items():
         wandb_env.setenv(key, value)
@@ -85,9 +98,20 @@ def test_online_without_network_fails_fast_on_the_cli(wandb_env, tmp_path):
     env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "OMP_NUM_THREADS": "1"}
     run_dir = tmp_path / "run"
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "log.wandb_mode=online",
-                           f"run_dir={run_dir}", "log.progress=false"],
-                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "log.wandb_mode=online",
+            f"run_dir={run_dir}",
+            "log.progress=false",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     elapsed = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -111,8 +135,14 @@ def test_offline_run_has_summary_config_group_tags_and_step_metric(wandb_env, tm
     assert run["id"] == trainer.logger.wandb_id
     assert run["group"] == "sweep-1" and run["tags"] == ["memory", "a2c"] and run["job_type"] == "train"
     extras = run["config"]["run"]
-    assert extras == {"num_params": sum(p.numel() for p in trainer.model.parameters()), "world_size": 1,
-                      "device": "cpu", "batch_size_per_rank": 32, "batch_size": 32, "num_updates": 8}
+    assert extras == {
+        "num_params": sum(p.numel() for p in trainer.model.parameters()),
+        "world_size": 1,
+        "device": "cpu",
+        "batch_size_per_rank": 32,
+        "batch_size": 32,
+        "num_updates": 8,
+    }
     assert run["config"]["log"]["group"] == "sweep-1" and run["config"]["env"]["imports"] == []
     # env_steps is the x-axis of every metric.
     assert any(m.glob_name == "*" and m.step_metric == "env_steps" for m in run["metrics"])
@@ -121,8 +151,9 @@ def test_offline_run_has_summary_config_group_tags_and_step_metric(wandb_env, tm
     expected = summarize(records)
     for key in ("summary/best_return", "summary/last_success_rate", "summary/mean_steps_per_sec"):
         assert summary[key] == pytest.approx(expected[key]), key
-    assert summary["summary/best_return"] == max(r["rollout/return_mean"] for r in records
-                                                 if r["rollout/return_mean"] is not None)
+    assert summary["summary/best_return"] == max(
+        r["rollout/return_mean"] for r in records if r["rollout/return_mean"] is not None
+    )
     assert_history_matches(run["history"], records)
 
 
@@ -184,14 +215,16 @@ def test_resume_resends_rows_wandb_may_have_missed(wandb_env, tmp_path):
     fragments = offline_runs(run_dir)
     runs = [read_offline_run(f) for f in fragments]
     assert [row["_step"] for row in runs[1]["history"]] == [3, 4, 5, 6], (
-        [f.name for f in fragments], [[row["_step"] for row in r["history"]] for r in runs])
+        [f.name for f in fragments],
+        [[row["_step"] for row in r["history"]] for r in runs],
+    )
     assert_history_matches(runs[0]["history"] + runs[1]["history"], read_metrics(run_dir))
 
 
 # ------------------------------------------------------------------ memory per update
 MEMORY_SCRIPT = r"""
 import json, numpy as np
-from rl_replay.memory_stats import begin_update, update_memory
+from rl_replay.run.memory_stats import begin_update, update_memory
 out = []
 for size in (400_000_000, 4_000_000):  # a large update, then a small one
     begin_update("cpu")
@@ -204,8 +237,9 @@ print(json.dumps(out))
 
 def test_peak_rss_is_per_update_and_falls_after_a_large_update():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True,
-                          env=env, timeout=120, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEMORY_SCRIPT], capture_output=True, text=True, env=env, timeout=120, check=True
+    )
     large, small = json.loads(proc.stdout)
     if large.get("memory/peak_rss_is_lifetime"):
         pytest.skip("this system cannot reset the peak RSS (/proc/self/clear_refs)")
@@ -219,8 +253,13 @@ def test_evaluate_logs_to_the_training_runs_project(wandb_env, tmp_path):
     trainer = build(cfg_for(run_dir, "log.wandb_mode=disabled", "total_env_steps=64", "log.group=g1"))
     trainer.train()
     env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--episodes", "3",
-                           "--wandb"], capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "evaluate.py"), str(run_dir), "--episodes", "3", "--wandb"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     (fragment,) = offline_runs(run_dir)
@@ -237,7 +276,7 @@ def test_cuda_peak_is_reset_per_update():
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    from rl_replay.memory_stats import begin_update, update_memory
+    from rl_replay.run.memory_stats import begin_update, update_memory
 
     out = []
     for numel in (64 * 2**20, 2**20):  # 256 MiB, then 4 MiB of float32
@@ -269,3 +308,25 @@ def test_logging_keeps_no_rows_in_memory(tmp_path):
     tracemalloc.stop()
     logger.close()
     assert grown < 64 * 1024, f"{grown / 1024:.0f} KiB retained by 2000 logged rows"
+
+
+def test_progress_in_a_log_file_is_one_plain_line_every_interval_and_one_at_the_end():
+    import io
+
+    from rl_replay.run.logger import ProgressLines
+
+    now = [0.0]
+    out = io.StringIO()
+    lines = ProgressLines(1000, 0, every=30.0, stream=out, clock=lambda: now[0])
+    for update in range(1, 11):  # 100 env steps every 10 s
+        now[0] += 10.0
+        lines.update(update, 100 * update, 5.0 * update)
+    lines.close()
+    written = out.getvalue().splitlines()
+    assert "\r" not in out.getvalue()
+    assert written == [
+        "progress: update 3, 300/1000 env steps (30.0%), 10 env steps/s, return 15.0, ETA 1m10s",
+        "progress: update 6, 600/1000 env steps (60.0%), 10 env steps/s, return 30.0, ETA 0m40s",
+        "progress: update 9, 900/1000 env steps (90.0%), 10 env steps/s, return 45.0, ETA 0m10s",
+        "progress: update 10, 1000/1000 env steps (100.0%), 10 env steps/s, return 50.0",
+    ]

@@ -1,4 +1,4 @@
-"""Tests for rl_replay.losses: returns, GAE, A2C / REINFORCE loss terms.
+"""Tests for rl_replay.algorithms.losses: returns, GAE, A2C / REINFORCE loss terms.
 
 Hand-computed cases use gamma = lambda = 0.5 and small dyadic numbers so the
 expected values below are exact in binary floating point.
@@ -6,12 +6,11 @@ expected values below are exact in binary floating point.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from tensordict import TensorDict
 
-from rl_replay.losses import (
+from rl_replay.algorithms.losses import (
     a2c_loss,
     compute_gae,
     discounted_returns,
@@ -257,8 +256,12 @@ def test_lambda_one_equals_discounted_returns():
 # --------------------------------------------------------------------------- #
 def test_a2c_hand_computed():
     out = a2c_loss(
-        hand_rollout(), gamma=0.5, gae_lambda=0.5, value_coef=0.5,
-        entropy_coef=0.25, normalize_advantages=False,
+        hand_rollout(),
+        gamma=0.5,
+        gae_lambda=0.5,
+        value_coef=0.5,
+        entropy_coef=0.25,
+        normalize_advantages=False,
     )
     # A = [.5, -2, -, .75, -5], log_prob = [-1, -.5, -, -2, -1]
     # A*lp = [-.5, 1, -1.5, 5] -> mean 1 -> loss_policy = -1
@@ -284,8 +287,7 @@ def test_a2c_hand_computed():
 
 def test_a2c_hand_gradients_and_invalid_row_gets_exact_zero():
     td = hand_rollout()
-    out = a2c_loss(td, gamma=0.5, gae_lambda=0.5, value_coef=0.5,
-                   entropy_coef=0.25, normalize_advantages=False)
+    out = a2c_loss(td, gamma=0.5, gae_lambda=0.5, value_coef=0.5, entropy_coef=0.25, normalize_advantages=False)
     total_loss(out).backward()
     # d loss_policy / d lp = -A / 4
     assert td["log_prob"].grad.flatten().tolist() == [-0.125, 0.5, 0.0, -0.1875, 1.25]
@@ -369,9 +371,13 @@ def test_a2c_without_normalisation_policy_gradient_is_raw_advantage():
     out = a2c_loss(td, gamma=0.9, gae_lambda=0.8, normalize_advantages=False)
     (grad_lp,) = torch.autograd.grad(out["loss_policy"], td["log_prob"])
     adv, _ = compute_gae(
-        torch.where(valid, td["reward"], 0.0), torch.where(valid, td["value"], 0.0),
-        torch.where(valid, td["next_value"], 0.0), td["terminated"],
-        td["truncated"] | ~valid, gamma=0.9, gae_lambda=0.8,
+        torch.where(valid, td["reward"], 0.0),
+        torch.where(valid, td["value"], 0.0),
+        torch.where(valid, td["next_value"], 0.0),
+        td["terminated"],
+        td["truncated"] | ~valid,
+        gamma=0.9,
+        gae_lambda=0.8,
     )
     torch.testing.assert_close(-grad_lp * n, torch.where(valid, adv, 0.0), rtol=1e-5, atol=1e-6)
 
@@ -504,7 +510,7 @@ def test_non_bool_flag_raises_typeerror():
 @pytest.mark.parametrize("loss_fn", [a2c_loss, reinforce_loss])
 def test_validation_raises_before_any_computation(loss_fn, monkeypatch):
     """Each error is raised up front, before returns / advantages are computed."""
-    import rl_replay.losses as losses
+    import rl_replay.algorithms.losses as losses
 
     def boom(*args, **kwargs):
         raise AssertionError("computation started before validation finished")

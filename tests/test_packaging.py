@@ -25,8 +25,7 @@ print(json.dumps({"agents": rl_replay.agents.gru.__file__, "envs": rl_replay.env
 
 def _run(code: str, cwd: Path, pythonpath: str) -> dict:
     env = {**os.environ, "PYTHONPATH": pythonpath}
-    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -40,8 +39,11 @@ def _package_dirs(package_dir: dict[str, str]) -> dict[str, str]:
     """Every package in the tree, named as installed: ``{name: folder}``."""
     mapped = {folder: name for name, folder in package_dir.items()}
     found = {}
-    for init in [*REPO.glob("rl_replay/**/__init__.py"), *REPO.glob("agents/**/__init__.py"),
-                 *REPO.glob("envs/**/__init__.py")]:
+    for init in [
+        *REPO.glob("rl_replay/**/__init__.py"),
+        *REPO.glob("agents/**/__init__.py"),
+        *REPO.glob("envs/**/__init__.py"),
+    ]:
         folder = init.parent.relative_to(REPO).as_posix()
         top, _, rest = folder.partition("/")
         name = mapped.get(top, top) + ("." + rest.replace("/", ".") if rest else "")
@@ -73,8 +75,22 @@ def test_a_regular_install_holds_agents_and_envs_inside_rl_replay(tmp_path):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    build = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
-                            "--target", str(target), str(source)], capture_output=True, text=True, timeout=600)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+            str(target),
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert build.returncode == 0, build.stderr
     top_level = sorted(p.name for p in target.iterdir() if not p.name.endswith((".dist-info", "__pycache__")))
     assert top_level == ["bin", "rl_replay"] or top_level == ["rl_replay"], top_level

@@ -18,11 +18,11 @@ from tensordict import TensorDict
 
 import rl_replay.algorithms.ppo as ppo_module
 from rl_replay.agent import build_agent
+from rl_replay.algorithms.losses import gae_targets, ppo_loss, total_loss
 from rl_replay.algorithms.ppo import PPO
-from rl_replay.collector import Collector
 from rl_replay.config import load_config
-from rl_replay.environment import make_vector_env
-from rl_replay.losses import gae_targets, ppo_loss, total_loss
+from rl_replay.rollout.collector import Collector
+from rl_replay.rollout.environment import make_vector_env
 
 GRU = ("gru", {"hidden_size": 16, "encoder_sizes": [16]})
 MLP = ("mlp", {"hidden_sizes": [16, 16]})
@@ -48,11 +48,19 @@ class GradRecorder(torch.optim.Optimizer):
 
 
 def ppo_cfg(num_envs: int, num_steps: int, *extra: str):
-    return load_config(None, [
-        "loss.algorithm=ppo", f"env.num_envs={num_envs}", f"collector.num_steps={num_steps}",
-        "loss.entropy_coef=0.01", "loss.gae_lambda=0.95", "optim.max_grad_norm=null",
-        "log.wandb_mode=disabled", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            "loss.algorithm=ppo",
+            f"env.num_envs={num_envs}",
+            f"collector.num_steps={num_steps}",
+            "loss.entropy_coef=0.01",
+            "loss.gae_lambda=0.95",
+            "optim.max_grad_norm=null",
+            "log.wandb_mode=disabled",
+            *extra,
+        ],
+    )
 
 
 def make_setup(agent=GRU, *, num_envs=4, num_steps=60, max_episode_steps=25, seed=3, extra=()):
@@ -60,8 +68,7 @@ def make_setup(agent=GRU, *, num_envs=4, num_steps=60, max_episode_steps=25, see
     envs = make_vector_env("CartPole-v1", num_envs, max_episode_steps=max_episode_steps)
     torch.manual_seed(seed)
     model = build_agent(agent[0], agent[1], envs.single_observation_space, envs.single_action_space)
-    collector = Collector(envs, model, num_steps=num_steps, seed=seed,
-                          bptt_truncate=cfg.collector.bptt_truncate)
+    collector = Collector(envs, model, num_steps=num_steps, seed=seed, bptt_truncate=cfg.collector.bptt_truncate)
     return cfg, envs, model, collector
 
 
@@ -72,10 +79,16 @@ def plain_ppo_grads(agent, rollout, cfg) -> list[torch.Tensor]:
     agent.zero_grad(set_to_none=True)
     heads, _ = plain_sequence(agent, data, rollout.start_state, cfg.collector.bptt_truncate)
     advantage, returns, _ = gae_targets(data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda)
-    batch = heads.update(TensorDict(
-        old_log_prob=data["log_prob"], old_value=data["value"], advantage=advantage,
-        valid=data["valid"], **{"return": returns}, batch_size=[T, N],
-    ))
+    batch = heads.update(
+        TensorDict(
+            old_log_prob=data["log_prob"],
+            old_value=data["value"],
+            advantage=advantage,
+            valid=data["valid"],
+            **{"return": returns},
+            batch_size=[T, N],
+        )
+    )
     total_loss(PPO.loss(batch, cfg)).backward()
     return [p.grad.detach().clone() for p in agent.parameters()]
 
@@ -85,8 +98,9 @@ def plain_ppo_grads(agent, rollout, cfg) -> list[torch.Tensor]:
 @pytest.mark.parametrize("agent", [GRU, MLP], ids=["gru", "mlp"])
 def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent, block_steps):
     # block_steps 7: 60 rows in blocks of 7 (the last of 4), episode starts inside blocks.
-    cfg, envs, model, collector = make_setup(agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1",
-                                                           f"ppo.block_steps={block_steps}"))
+    cfg, envs, model, collector = make_setup(
+        agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1", f"ppo.block_steps={block_steps}")
+    )
     reference = copy.deepcopy(model)
     recorder = GradRecorder(model.parameters())
     algo = PPO(cfg, collector, model, recorder)
@@ -104,8 +118,13 @@ def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent, block
     expected = plain_ppo_grads(reference, rollout, cfg)
     names = [n for n, _ in model.named_parameters()]
     assert all(g.abs().sum() > 0 for g in expected)
-    assert_grads_match(dict(zip(names, recorder.grads[0])), dict(zip(names, expected)),
-                       f"ppo-{'gru' if agent is GRU else 'mlp'}", rtol=1e-5, atol=1e-6)
+    assert_grads_match(
+        dict(zip(names, recorder.grads[0])),
+        dict(zip(names, expected)),
+        f"ppo-{'gru' if agent is GRU else 'mlp'}",
+        rtol=1e-5,
+        atol=1e-6,
+    )
     envs.close()
 
 
@@ -114,8 +133,9 @@ def test_bptt_truncate_cuts_the_replayed_gradient():
     # current step; the full-sequence gradient differs.
     grads = {}
     for k in ("null", "1"):
-        cfg, envs, model, collector = make_setup(extra=("ppo.epochs=1", "ppo.num_minibatches=1",
-                                                        f"collector.bptt_truncate={k}"))
+        cfg, envs, model, collector = make_setup(
+            extra=("ppo.epochs=1", "ppo.num_minibatches=1", f"collector.bptt_truncate={k}")
+        )
         recorder = GradRecorder(model.parameters())
         PPO(cfg, collector, model, recorder).update()
         grads[k] = recorder.grads[0]
@@ -125,8 +145,7 @@ def test_bptt_truncate_cuts_the_replayed_gradient():
 
 # ------------------------------------------------------------------ minibatches
 def test_minibatches_hold_whole_sequences_from_the_stored_start_state(monkeypatch):
-    cfg, envs, model, collector = make_setup(num_envs=6, num_steps=20,
-                                             extra=("ppo.epochs=2", "ppo.num_minibatches=3"))
+    cfg, envs, model, collector = make_setup(num_envs=6, num_steps=20, extra=("ppo.epochs=2", "ppo.num_minibatches=3"))
     seen = []
     real = ppo_module.replay_sequence
 
@@ -168,8 +187,9 @@ def test_minibatches_hold_whole_sequences_from_the_stored_start_state(monkeypatc
 def test_target_kl_stops_the_epochs():
     runs = {}
     for target in ("null", "1.0e-9"):
-        cfg, envs, model, collector = make_setup(num_steps=16, extra=(
-            "ppo.epochs=4", "ppo.num_minibatches=2", f"ppo.target_kl={target}"))
+        cfg, envs, model, collector = make_setup(
+            num_steps=16, extra=("ppo.epochs=4", "ppo.num_minibatches=2", f"ppo.target_kl={target}")
+        )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
         runs[target] = PPO(cfg, collector, model, optimizer).update().metrics
         envs.close()
@@ -195,8 +215,9 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
     monkeypatch.setattr(ppo_module, "GradientAccumulator", Tracked)
     saved = {}
     for T in (16, 32, 64):
-        cfg, envs, model, collector = make_setup(num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2",
-                                                                 f"ppo.block_steps={block_steps}"))
+        cfg, envs, model, collector = make_setup(
+            num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2", f"ppo.block_steps={block_steps}")
+        )
         algo = PPO(cfg, collector, model, torch.optim.Adam(model.parameters(), lr=1e-3))
         saved[T] = algo.update().metrics["memory/replay_saved_bytes"]
         envs.close()
@@ -211,14 +232,17 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
 
 
 # ------------------------------------------------------------------ config
-@pytest.mark.parametrize("overrides, match", [
-    (["env.num_envs=6", "ppo.num_minibatches=4"], r"'ppo.num_minibatches' \(4\) must divide 'env.num_envs' \(6\)"),
-    (["loss.baseline=false"], "loss.baseline"),
-    (["ppo.epochs=0"], "ppo.epochs"),
-    (["ppo.clip_coef=0"], "ppo.clip_coef"),
-    (["ppo.target_kl=-0.1"], "ppo.target_kl"),
-    (["ppo.num_minibatches=0"], "ppo.num_minibatches"),
-])
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["env.num_envs=6", "ppo.num_minibatches=4"], r"'ppo.num_minibatches' \(4\) must divide 'env.num_envs' \(6\)"),
+        (["loss.baseline=false"], "loss.baseline"),
+        (["ppo.epochs=0"], "ppo.epochs"),
+        (["ppo.clip_coef=0"], "ppo.clip_coef"),
+        (["ppo.target_kl=-0.1"], "ppo.target_kl"),
+        (["ppo.num_minibatches=0"], "ppo.num_minibatches"),
+    ],
+)
 def test_ppo_config_errors(overrides, match):
     with pytest.raises(ValueError, match=match):
         load_config(None, ["loss.algorithm=ppo", *overrides])
@@ -236,21 +260,44 @@ def test_ppo_section_defaults_follow_cleanrl_and_are_ignored_by_a2c():
 
 # ------------------------------------------------------------------ trainer
 def test_trainer_runs_ppo_and_logs_its_metrics(tmp_path):
-    from rl_replay.trainer import build
+    from rl_replay.run.setup import build
 
-    cfg = load_config(None, [
-        "loss.algorithm=ppo", "env.num_envs=4", "collector.num_steps=16", "ppo.num_minibatches=2",
-        "ppo.epochs=2", "agent.target=gru", "agent.kwargs={hidden_size: 16, encoder_sizes: [16]}",
-        "env.id=rl_replay/POCartPole-v0", "total_env_steps=192", "log.progress=false",
-        "log.wandb_mode=disabled", f"run_dir={tmp_path / 'run'}", "optim.name=adam", "optim.lr=3e-4",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "loss.algorithm=ppo",
+            "env.num_envs=4",
+            "collector.num_steps=16",
+            "ppo.num_minibatches=2",
+            "ppo.epochs=2",
+            "agent.target=gru",
+            "agent.kwargs={hidden_size: 16, encoder_sizes: [16]}",
+            "env.id=rl_replay/POCartPole-v0",
+            "total_env_steps=192",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            f"run_dir={tmp_path / 'run'}",
+            "optim.name=adam",
+            "optim.lr=3e-4",
+        ],
+    )
     trainer = build(cfg)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     metrics = trainer.train()
     assert trainer.update == 3 and trainer.env_steps == 192
-    for key in ("train/approx_kl", "train/clipfrac", "train/explained_variance", "train/epochs_run",
-                "train/loss_policy", "train/loss_value", "train/entropy", "train/grad_norm",
-                "time/collect_sec", "time/optimize_sec", "memory/replay_saved_bytes"):
+    for key in (
+        "train/approx_kl",
+        "train/clipfrac",
+        "train/explained_variance",
+        "train/epochs_run",
+        "train/loss_policy",
+        "train/loss_value",
+        "train/entropy",
+        "train/grad_norm",
+        "time/collect_sec",
+        "time/optimize_sec",
+        "memory/replay_saved_bytes",
+    ):
         assert key in metrics and np.isfinite(metrics[key]), key
     assert metrics["train/epochs_run"] == 2
     after = trainer.model.state_dict()
@@ -290,8 +337,14 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
     results["fsdp"] = dict(zip(names, recorder.grads[0]))
     # The same rollout in multi-step blocks (7 steps, the last of 5): FSDP's stepwise path.
     recorder7 = GradRecorder(model.parameters(), fsdp_model=model)
-    PPO(ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1", "ppo.block_steps=7"), collector, model,
-        recorder7, info=info, device=device).optimize(rollout)
+    PPO(
+        ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1", "ppo.block_steps=7"),
+        collector,
+        model,
+        recorder7,
+        info=info,
+        device=device,
+    ).optimize(rollout)
     results["fsdp_steps7"] = dict(zip(names, recorder7.grads[0]))
     results["mean"] = mean
     results["differs"] = differs
@@ -300,8 +353,7 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
     epochs = {}
     for target in ("null", "1.0e-9"):
         cfg_kl = ppo_cfg(4, 40, "ppo.epochs=3", "ppo.num_minibatches=2", f"ppo.target_kl={target}")
-        algo = PPO(cfg_kl, collector, model, torch.optim.Adam(model.parameters(), lr=1e-2),
-                   info=info, device=device)
+        algo = PPO(cfg_kl, collector, model, torch.optim.Adam(model.parameters(), lr=1e-2), info=info, device=device)
         ran = torch.tensor([algo.update().metrics["train/epochs_run"]])
         gathered = [torch.empty_like(ran) for _ in range(world_size)]
         dist.all_gather(gathered, ran)
@@ -335,9 +387,17 @@ def test_ppo_loss_matches_cleanrl_formulas_and_ignores_invalid_rows():
     valid = torch.ones(T, n, dtype=torch.bool)
     valid[2, 1] = valid[4, 3] = False
     garbage = lambda x: torch.where(valid, x, torch.nan)  # noqa: E731
-    batch = TensorDict(log_prob=garbage(new_lp), entropy=garbage(ent), value=garbage(value),
-                       old_log_prob=old_lp, old_value=old_value, advantage=adv, valid=valid,
-                       **{"return": ret}, batch_size=[T, n])
+    batch = TensorDict(
+        log_prob=garbage(new_lp),
+        entropy=garbage(ent),
+        value=garbage(value),
+        old_log_prob=old_lp,
+        old_value=old_value,
+        advantage=adv,
+        valid=valid,
+        **{"return": ret},
+        batch_size=[T, n],
+    )
     terms = ppo_loss(batch, clip_coef=0.2, clip_vloss=True, value_coef=0.5, entropy_coef=0.01)
     # CleanRL ppo.py on the valid rows (b_ = flattened batch).
     lr, ratio = (new_lp - old_lp)[valid], (new_lp - old_lp)[valid].exp()

@@ -136,7 +136,7 @@ def test_memory_correct_and_wrong_action():
         obs0, _ = env.reset(seed=1)
         cue = int(np.argmax(obs0[:2]))
         answer = cue if correct else 1 - cue
-        _, rewards, infos, terminated, _ = run_episode(env, lambda o: answer, seed=1)
+        _, rewards, infos, terminated, _ = run_episode(env, lambda o, answer=answer: answer, seed=1)
         assert terminated
         assert rewards[-1] == (1.0 if correct else -0.5)
         assert infos[-1]["success"] is correct

@@ -22,10 +22,7 @@ from tensordict import TensorDict, TensorDictBase
 import rl_replay
 from rl_replay import GradientAccumulator, checkpoint_fsdp_forward, replay
 
-
 # ------------------------------------------------------------------------------ models
-
-
 
 
 def twin(module: nn.Module) -> nn.Module:
@@ -388,7 +385,7 @@ def test_two_consecutive_updates(opt):
 
     opt_rep, opt_ref = make(policy), make(ref)
     T, B = 12, 3
-    for it in range(2):
+    for _it in range(2):
         obs = torch.randn(T, B, 5)
         h0 = torch.randn(B, 12)
         for model, optimizer, replayed in ((ref, opt_ref, False), (policy, opt_rep, True)):
@@ -455,9 +452,7 @@ def test_tensordict_nested_state_and_outputs():
     h_rep, c_rep = run(policy, acc)
 
     assert_grads_match(policy, ref, "tensordict")
-    assert_grads_match(
-        {"h0": h_rep.grad, "c0": c_rep.grad}, {"h0": h_ref.grad, "c0": c_ref.grad}, "tensordict"
-    )
+    assert_grads_match({"h0": h_rep.grad, "c0": c_rep.grad}, {"h0": h_ref.grad, "c0": c_ref.grad}, "tensordict")
     assert acc.num_blocks == acc.blocks_replayed == T
 
 
@@ -643,8 +638,7 @@ def test_context_fn_enters_forward_and_recompute_contexts():
 
     policy = MLPPolicy()
     acc = GradientAccumulator()
-    out = replay(policy, acc, TensorDict(observation=torch.randn(2, 6)),
-                 context_fn=lambda: (tag("fwd"), tag("rec")))
+    out = replay(policy, acc, TensorDict(observation=torch.randn(2, 6)), context_fn=lambda: (tag("fwd"), tag("rec")))
     assert events == ["fwd:enter", "fwd:exit"]
     step_loss(*out).backward()
     assert events == ["fwd:enter", "fwd:exit", "rec:enter", "rec:exit"]

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import copy
 
+import _dist
 import pytest
 import torch
 import torch.nn as nn
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-import _dist
 from rl_replay import GradientAccumulator, checkpoint_fsdp_forward, replay
 
 pytestmark = [
@@ -135,8 +135,7 @@ def test_cuda_autocast_bf16(device):
     def run(model, acc):
         with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
             outs = [
-                model(obs[t]) if acc is None else replay(model, acc, TensorDict(observation=obs[t]))
-                for t in range(12)
+                model(obs[t]) if acc is None else replay(model, acc, TensorDict(observation=obs[t])) for t in range(12)
             ]
         assert all(o[0].dtype == torch.bfloat16 for o in outs)
         sum(_dist.step_loss(lo.float(), v.float()) for lo, v in outs).backward()
@@ -193,9 +192,7 @@ def one_rank_group(device):
         pytest.skip("needs torch.distributed")
     backend = "nccl" if dist.is_nccl_available() else "gloo"
     assert not dist.is_initialized(), "a test left a default process group behind"
-    dist.init_process_group(
-        backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_dist.free_port()}"
-    )
+    dist.init_process_group(backend, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_dist.free_port()}")
     try:
         yield
     finally:
@@ -208,7 +205,5 @@ def test_cuda_fsdp_cpu_offload_world_size_1(one_rank_group):
     assert res["strategy"] == "NO_SHARD"
     for k in range(2):  # the second rollout adds to the first one's (overwritten) gradient
         assert_grads_match(res[f"grads{k}"], res[f"expected{k}"], "fsdp", rtol=RTOL, atol=ATOL)
-        assert_grads_match(
-            {"h0": res[f"h0_{k}"]}, {"h0": res[f"h0_ref{k}"]}, "fsdp", rtol=RTOL, atol=ATOL
-        )
+        assert_grads_match({"h0": res[f"h0_{k}"]}, {"h0": res[f"h0_ref{k}"]}, "fsdp", rtol=RTOL, atol=ATOL)
         assert torch.equal(res[f"rng{k}"], res[f"rng_ref{k}"])

@@ -11,7 +11,6 @@ from tensordict import TensorDict
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay
 
 
-
 def grads_of(module):
     return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
 
@@ -32,12 +31,14 @@ def test_misuse_raises_the_engines_replay_error_with_its_prefix(x):
     import rl_replay.errors
     from rl_replay.engine import ReplayError as EngineReplayError
 
-    with pytest.raises(RuntimeError, match=r"^rl_replay\.replay: the forward changed parameter 'lin\.weight'") \
-            as in_forward:
+    with pytest.raises(
+        RuntimeError, match=r"^rl_replay\.replay: the forward changed parameter 'lin\.weight'"
+    ) as in_forward:
         checkpoint_fsdp_forward(ScalesItsWeight(), GradientAccumulator(), observation=x)
     (y,) = checkpoint_fsdp_forward(Nondeterministic(), GradientAccumulator(), observation=x)
-    with pytest.raises(RuntimeError, match=r"^rl_replay\.replay: block 0 returned 2 tensors when recomputed") \
-            as in_backward:
+    with pytest.raises(
+        RuntimeError, match=r"^rl_replay\.replay: block 0 returned 2 tensors when recomputed"
+    ) as in_backward:
         y.sum().backward()
     for info in (in_forward, in_backward):
         assert type(info.value) is EngineReplayError is ReplayError is rl_replay.errors.ReplayError
@@ -292,9 +293,7 @@ def test_optimizer_step_between_forward_and_backward(policy, x, opt):
 
 
 # --------------------------------------------------------- FSDP setup errors
-@pytest.mark.parametrize(
-    "scenario", ["fsdp2_fully_shard", "use_orig_params_false", "shard_grad_op", "no_sync"]
-)
+@pytest.mark.parametrize("scenario", ["fsdp2_fully_shard", "use_orig_params_false", "shard_grad_op", "no_sync"])
 def test_fsdp_setup_errors(fsdp_world2, scenario):
     """Run in the two gloo workers of ``fsdp_world2`` (each asserts with pytest.raises)."""
     assert scenario_results(fsdp_world2, "errors", scenario) == ["ok", "ok"]

@@ -16,7 +16,6 @@ import torch
 from conftest import assert_grads_match, scenario_results
 
 
-
 @pytest.fixture
 def results(fsdp_world2):
     return fsdp_world2
@@ -86,16 +85,13 @@ def test_fsdp_gru_clip_and_sgd_step(results):
 @pytest.fixture
 def single_process_group():
     """A one-rank gloo group in the test process, destroyed afterwards."""
-    import torch.distributed as dist
-
     import _dist
+    import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     assert not dist.is_initialized(), "a test left a default process group behind"
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_dist.free_port()}"
-    )
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{_dist.free_port()}")
     try:
         yield
     finally:
@@ -108,10 +104,10 @@ def test_fsdp_world_size_1_no_shard(single_process_group):
     gradient is then unsharded and accumulated across rollouts in place."""
     import copy
 
+    import _dist
     import torch.nn as nn
     from torch.distributed.fsdp import ShardingStrategy
 
-    import _dist
     from rl_replay import GradientAccumulator
 
     T, B, H = 12, 3, 12
@@ -119,7 +115,7 @@ def test_fsdp_world_size_1_no_shard(single_process_group):
     ref = _dist.GRUPolicy()
     model = _dist._fsdp(copy.deepcopy(ref), {nn.Linear, nn.GRUCell})
     assert model.sharding_strategy == ShardingStrategy.NO_SHARD
-    for k in range(2):  # the second rollout adds to the first one's .grad
+    for _k in range(2):  # the second rollout adds to the first one's .grad
         obs, h0 = torch.randn(T, B, 5), torch.randn(B, H)
         h_rep, h_ref = h0.clone().requires_grad_(), h0.clone().requires_grad_()
         acc = GradientAccumulator()

@@ -79,7 +79,11 @@ def test_outputs_keep_their_structure():
     out = replay(model, acc, _inputs(torch.randn(2, 3), torch.randn(2, 6), torch.ones(2, 1), "plain"))
     assert type(out) is TensorDict and out.batch_size == torch.Size([2])
     assert set(out.keys(include_nested=True, leaves_only=True)) == {
-        ("dist", "logits"), "value", ("state", "h"), ("state", "inner", "c")}
+        ("dist", "logits"),
+        "value",
+        ("state", "h"),
+        ("state", "inner", "c"),
+    }
     assert out["state", "inner"].batch_size == torch.Size([2])
     assert out["value"].grad_fn is not None
 

@@ -195,8 +195,7 @@ def _block_nodes(node):
     out = []
     while node is not None:
         out.append(node)
-        node = next((fn for fn, _ in node.next_functions
-                     if fn is not None and type(fn) is type(node)), None)
+        node = next((fn for fn, _ in node.next_functions if fn is not None and type(fn) is type(node)), None)
     return out
 
 
@@ -207,7 +206,7 @@ def test_per_block_c_heap_is_one_node():
     outputs' metadata and two saved inputs, ~2.1 KiB. A slice of the observation buffer
     is saved as the buffer, not as a view tensor per block, and the previous block's
     state as a detached alias, without its autograd metadata (before: ~2.9 KiB)."""
-    from rl_replay.memory_stats import heap_in_use
+    from rl_replay.run.memory_stats import heap_in_use
 
     if heap_in_use() is None:
         pytest.skip("needs glibc >= 2.33 (mallinfo2)")
@@ -239,8 +238,10 @@ def _probe(setting: str, T: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"),
-                    reason="needs Linux's VmHWM reset")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.exists("/proc/self/clear_refs"),
+    reason="needs Linux's VmHWM reset",
+)
 @pytest.mark.parametrize("setting", ["mmap64k", "default+keep"])
 def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting):
     """RSS growth per step, T = 64 -> 512, against the copied bytes per step (the

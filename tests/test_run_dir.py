@@ -1,4 +1,4 @@
-"""rl_replay/run_dir.py: one run directory belongs to one run, written by one process.
+"""rl_replay/run/run_dir.py: one run directory belongs to one run, written by one process.
 
 Covers ``claim_fresh`` (creates or accepts an empty directory, refuses one holding files or
 a file in its place, in one line naming both ways out), ``claim_default`` (``name``,
@@ -18,9 +18,16 @@ import time
 
 import pytest
 
-from rl_replay.errors import SetupError
-from rl_replay.errors import RunDirError
-from rl_replay.run_dir import LOCK_NAME, RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
+from rl_replay.errors import RunDirError, SetupError
+from rl_replay.run.run_dir import (
+    LOCK_NAME,
+    RunLock,
+    claim_default,
+    claim_fresh,
+    default_name,
+    logged_updates,
+    resume_kind,
+)
 
 # Holds an flock on DIR/.lock with its pid in it, as a run in another process does (no torch
 # import, so it starts fast).
@@ -98,10 +105,15 @@ def test_a_directory_without_a_run_points_neither_to_resume_nor_in_a_circle(tmp_
     (stray / "notes.txt").write_text("x")
     with pytest.raises(RunDirError) as info:
         claim_fresh(stray)
-    assert str(info.value) == (f"run directory {stray} is not empty (notes.txt) and holds no run (no config.yaml): "
-                               "start the new run with another run_dir=...")
-    with pytest.raises(RunDirError, match=rf"^cannot resume {re.escape(str(stray))}: it holds no run \(no "
-                                          r"config\.yaml\)\. Start a new run with another run_dir=\.\.\.$"):
+    assert str(info.value) == (
+        f"run directory {stray} is not empty (notes.txt) and holds no run (no config.yaml): "
+        "start the new run with another run_dir=..."
+    )
+    with pytest.raises(
+        RunDirError,
+        match=rf"^cannot resume {re.escape(str(stray))}: it holds no run \(no "
+        r"config\.yaml\)\. Start a new run with another run_dir=\.\.\.$",
+    ):
         resume_kind(stray)
     with pytest.raises(RunDirError, match=rf"Start a new run with run_dir={re.escape(str(empty))}$"):
         resume_kind(empty)
@@ -114,8 +126,11 @@ def test_resume_kind_tells_a_checkpoint_from_a_restart(tmp_path):
     (tmp_path / "config.yaml").write_text("seed: 1\n")
     (tmp_path / "metrics.jsonl").write_text('{"update": 1}\n{"update": 2}\n{"upd')  # killed mid-line
     assert resume_kind(tmp_path) == "restart" and logged_updates(tmp_path) == "2 updates logged"
-    with pytest.raises(RunDirError, match=r"stopped before its first checkpoint \(2 updates logged\): restart it "
-                                          rf"there from update 0 with --resume {re.escape(str(tmp_path))},"):
+    with pytest.raises(
+        RunDirError,
+        match=r"stopped before its first checkpoint \(2 updates logged\): restart it "
+        rf"there from update 0 with --resume {re.escape(str(tmp_path))},",
+    ):
         claim_fresh(tmp_path)
     (tmp_path / "checkpoint.prev.pt").write_text("x")
     assert resume_kind(tmp_path) == "checkpoint"
@@ -132,8 +147,11 @@ def test_claim_fresh_refuses_an_empty_directory_another_process_holds(tmp_path, 
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     proc = holder(run_dir)
-    with pytest.raises(RunDirError, match=rf"run directory {re.escape(str(run_dir))} is in use by another "
-                                          rf"running process \(pid {proc.pid}\)"):
+    with pytest.raises(
+        RunDirError,
+        match=rf"run directory {re.escape(str(run_dir))} is in use by another "
+        rf"running process \(pid {proc.pid}\)",
+    ):
         claim_fresh(run_dir)
 
 
@@ -160,9 +178,12 @@ def test_claim_default_suffixes_a_taken_name(tmp_path):
 # ------------------------------------------------------------------ the lock
 def test_lock_is_refused_while_another_process_holds_it_and_free_once_it_is_killed(tmp_path, holder):
     proc = holder(tmp_path)
-    with pytest.raises(RunDirError, match=rf"^run directory {re.escape(str(tmp_path))} is in use by another running "
-                                          rf"process \(pid {proc.pid}\); wait for it to finish or stop it, or "
-                                          r"choose another run_dir\.$"):
+    with pytest.raises(
+        RunDirError,
+        match=rf"^run directory {re.escape(str(tmp_path))} is in use by another running "
+        rf"process \(pid {proc.pid}\); wait for it to finish or stop it, or "
+        r"choose another run_dir\.$",
+    ):
         RunLock(tmp_path)
     proc.kill()  # SIGKILL: no cleanup; the OS drops the flock
     proc.wait(timeout=60)

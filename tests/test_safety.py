@@ -17,21 +17,32 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-
 from _checkpoint_files import write_format2
-from rl_replay.checkpoint import checkpoint_path, load_checkpoint
+
 from rl_replay.config import Config, load_config
 from rl_replay.errors import NonFiniteError, RunDirError, SetupError
-from rl_replay.trainer import build
+from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.run.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 TRAIN = str(REPO / "scripts" / "train.py")
 EVALUATE = str(REPO / "scripts" / "evaluate.py")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "WANDB_SILENT": "true",
-       "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]), "PYTHONUNBUFFERED": "1"}
-TINY = ("env.num_envs=2", "collector.num_steps=8", "agent.kwargs={hidden_sizes: [16]}",
-        "log.progress=false", "log.wandb_mode=disabled")
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "WANDB_MODE": "disabled",
+    "WANDB_SILENT": "true",
+    "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)]),
+    "PYTHONUNBUFFERED": "1",
+}
+TINY = (
+    "env.num_envs=2",
+    "collector.num_steps=8",
+    "agent.kwargs={hidden_sizes: [16]}",
+    "log.progress=false",
+    "log.wandb_mode=disabled",
+)
 BATCH = 16
 TIMEOUT = 240  # generous: a loaded 2-core machine
 
@@ -41,8 +52,14 @@ def tiny(run_dir, updates, *extra):
 
 
 def start(script, *args, cwd):
-    return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, script, *map(str, args)],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(proc, timeout=TIMEOUT):
@@ -94,13 +111,17 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_place(tmp_path):
     """kill -9 before the first checkpoint: a fresh run there points at --resume, and --resume
     restarts the run from update 0 in the same directory and wandb run, saying how many logged
     updates it redoes. Neither message sends the user back to the other."""
-    from rl_replay.logger import read_metrics
+    from rl_replay.run.logger import read_metrics
 
     run = tmp_path / "run"
     offline = {**ENV, "WANDB_MODE": "offline"}
-    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, "total_env_steps=100000000", "checkpoint.every=0",
-                             f"run_dir={run}"], cwd=tmp_path, env=offline, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *TINY, "total_env_steps=100000000", "checkpoint.every=0", f"run_dir={run}"],
+        cwd=tmp_path,
+        env=offline,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_for_metrics(run, proc)
     finally:
@@ -114,14 +135,23 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_in_place(tmp_path):
     line = one_error_line(err)
     assert code == 2 and line == (
         f"error: run directory {run} holds a run that stopped before its first checkpoint ({words}): "
-        f"restart it there from update 0 with --resume {run}, or start a new one with another run_dir=...")
+        f"restart it there from update 0 with --resume {run}, or start a new one with another run_dir=..."
+    )
 
-    proc = subprocess.Popen([sys.executable, TRAIN, "--resume", str(run), "total_env_steps=32"], cwd=tmp_path,
-                            env=offline, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, "--resume", str(run), "total_env_steps=32"],
+        cwd=tmp_path,
+        env=offline,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     code, _, err = finish(proc)
     assert code == 0, err
-    assert err.splitlines()[0] == (f"warning: {run} has no checkpoint: the run stopped before its first one "
-                                   f"({words}); restarting it there from update 0 with its config.yaml.")
+    assert err.splitlines()[0] == (
+        f"warning: {run} has no checkpoint: the run stopped before its first one "
+        f"({words}); restarting it there from update 0 with its config.yaml."
+    )
     assert [r["update"] for r in read_metrics(run)] == [1, 2]  # the lost updates were redone, not kept
     assert load_checkpoint(run)["update"] == 2
     ids = {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")}
@@ -145,14 +175,25 @@ def test_default_run_dirs_are_unique_for_runs_started_together(tmp_path):
 def test_lock_refuses_a_second_writer_and_dies_with_its_process(finished_run, tmp_path):
     run = copy_run(finished_run, tmp_path / "run")
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom rl_replay.run_dir import RunLock\n"
-         f"lock = RunLock({str(run)!r})\nprint('locked', flush=True)\ntime.sleep(600)"],
-        cwd=REPO, env=ENV, stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom rl_replay.run.run_dir import RunLock\n"
+            f"lock = RunLock({str(run)!r})\nprint('locked', flush=True)\ntime.sleep(600)",
+        ],
+        cwd=REPO,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         before = snapshot(run)
-        with pytest.raises(RunDirError, match=rf"run directory {re.escape(str(run))} is in use by another "
-                                              rf"running process \(pid {holder.pid}\)"):
+        with pytest.raises(
+            RunDirError,
+            match=rf"run directory {re.escape(str(run))} is in use by another "
+            rf"running process \(pid {holder.pid}\)",
+        ):
             build(resume=run)
         assert snapshot(run) == before
     finally:
@@ -173,8 +214,11 @@ def test_resume_with_incompatible_overrides_writes_nothing(finished_run, tmp_pat
     line = one_error_line(err)
     assert code == 2 and "start a new run" in line, line
     assert re.search(r"env\.num_envs=4: its checkpoint was written with env\.num_envs=2", line), line
-    with pytest.raises(SetupError, match=r"agent\.kwargs=\{'hidden_sizes': \[32\]\}: its checkpoint was written "
-                                         r"with agent\.kwargs=\{'hidden_sizes': \[16\]\}"):
+    with pytest.raises(
+        SetupError,
+        match=r"agent\.kwargs=\{'hidden_sizes': \[32\]\}: its checkpoint was written "
+        r"with agent\.kwargs=\{'hidden_sizes': \[16\]\}",
+    ):
         build(resume=run, overrides=("agent.kwargs={hidden_sizes: [32]}",))
     assert snapshot(run) == before  # config.yaml and metrics.jsonl untouched
     # The run is intact: a plain resume continues it.
@@ -184,7 +228,7 @@ def test_resume_with_incompatible_overrides_writes_nothing(finished_run, tmp_pat
 
 
 def test_resume_refuses_config_and_run_dir(finished_run, tmp_path, capsys):
-    from rl_replay.cli import train_main
+    from rl_replay.run.cli import train_main
 
     other = tmp_path / "c.yaml"
     other.write_text("seed: 3\n")
@@ -214,7 +258,7 @@ def test_resume_falls_back_to_previous_checkpoint_and_removes_stale_temporaries(
 
 
 def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_path, capsys):
-    from rl_replay.cli import evaluate_main
+    from rl_replay.run.cli import evaluate_main
 
     truncated = copy_run(finished_run, tmp_path / "truncated")
     checkpoint_path(truncated).write_bytes(checkpoint_path(truncated).read_bytes()[:500])
@@ -230,8 +274,10 @@ def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_p
     for name, (proc, pattern) in procs.items():
         code, out, err = finish(proc)
         assert code == 2 and out == "" and re.search(pattern, one_error_line(err)), (name, err)
-    for args, pattern in (([str(truncated)], f"checkpoint {re.escape(str(checkpoint_path(truncated)))} is truncated"),
-                          ([str(finished_run), "--episodes", "-3"], "got -3")):
+    for args, pattern in (
+        ([str(truncated)], f"checkpoint {re.escape(str(checkpoint_path(truncated)))} is truncated"),
+        ([str(finished_run), "--episodes", "-3"], "got -3"),
+    ):
         assert evaluate_main(args) == 2
         out, err = capsys.readouterr()
         assert out == "" and re.search(pattern, one_error_line(err)), err
@@ -240,8 +286,7 @@ def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_p
 # ------------------------------------------------------------------ non-finite guards
 def test_divergence_stops_before_the_step_naming_update_term_and_checkpoint(tmp_path):
     run = tmp_path / "run"
-    trainer = build(tiny(run, 40, "optim.name=sgd", "optim.lr=1e3", "optim.max_grad_norm=null",
-                         "checkpoint.every=1"))
+    trainer = build(tiny(run, 40, "optim.name=sgd", "optim.lr=1e3", "optim.max_grad_norm=null", "checkpoint.every=1"))
     with pytest.raises(NonFiniteError) as info:
         trainer.train()
     message = str(info.value)
@@ -255,8 +300,16 @@ def test_divergence_stops_before_the_step_naming_update_term_and_checkpoint(tmp_
 
 
 def test_trainer_skips_bad_updates_within_budget(tmp_path, capsys):
-    trainer = build(tiny(tmp_path / "run", 40, "optim.name=sgd", "optim.lr=1e3", "optim.max_grad_norm=null",
-                         "optim.skip_nonfinite_updates=2"))
+    trainer = build(
+        tiny(
+            tmp_path / "run",
+            40,
+            "optim.name=sgd",
+            "optim.lr=1e3",
+            "optim.max_grad_norm=null",
+            "optim.skip_nonfinite_updates=2",
+        )
+    )
     with pytest.raises(NonFiniteError):
         trainer.train()
     warnings = [x for x in capsys.readouterr().err.splitlines() if x.startswith("warning: update")]
@@ -268,9 +321,19 @@ def test_trainer_skips_bad_updates_within_budget(tmp_path, capsys):
 def test_ppo_steps_are_guarded_too(tmp_path, capsys):
     # PPO makes several optimizer steps per update: each goes through the same guard, so a
     # skipped minibatch step is counted and the weights never become non-finite.
-    trainer = build(tiny(tmp_path / "run", 40, "loss.algorithm=ppo", "ppo.num_minibatches=1", "ppo.epochs=2",
-                         "optim.name=sgd", "optim.lr=1e3", "optim.max_grad_norm=null",
-                         "optim.skip_nonfinite_updates=1"))
+    trainer = build(
+        tiny(
+            tmp_path / "run",
+            40,
+            "loss.algorithm=ppo",
+            "ppo.num_minibatches=1",
+            "ppo.epochs=2",
+            "optim.name=sgd",
+            "optim.lr=1e3",
+            "optim.max_grad_norm=null",
+            "optim.skip_nonfinite_updates=1",
+        )
+    )
     with pytest.raises(NonFiniteError, match=r"stopped before the optimizer step"):
         trainer.train()
     assert trainer.guard.budget.skipped == 1
@@ -310,23 +373,35 @@ if "test_safety/NonFinite-v0" not in gym.registry:
 @pytest.mark.parametrize("bad, what", [("reward", "reward (nan)"), ("observation", "observation")])
 def test_env_non_finite_output_is_named(tmp_path, bad, what):
     trainer = build(tiny(tmp_path / "run", 4, "env.id=test_safety/NonFinite-v0", f"env.kwargs={{bad: {bad}}}"))
-    with pytest.raises(NonFiniteError, match=rf"environment 'test_safety/NonFinite-v0' returned a non-finite "
-                                             rf"{re.escape(what)} in sub-env 0"):
+    with pytest.raises(
+        NonFiniteError,
+        match=rf"environment 'test_safety/NonFinite-v0' returned a non-finite "
+        rf"{re.escape(what)} in sub-env 0",
+    ):
         trainer.train()
 
 
 # ------------------------------------------------------------------ agent contract
-@pytest.mark.parametrize("agent, pattern", [
-    ("WrongKeyAgent", r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', "),
-    ("ColumnValueAgent", r"'value' of shape \(2, 1\); expected \(2,\)"),
-    ("WideLogitsAgent", r"has 3 logits but the action space Discrete\(2\) has 2 actions"),
-    ("NarrowLogitsAgent", r"has 1 logits but the action space Discrete\(2\) has 2 actions"),
-    ("BatchNormAgent", r"forward\(\) changed its buffer 'body.1.running_mean', .*num_batches_tracked.*eval mode"),
-    ("WideStateAgent", r"forward\(\) returned state 'h' of shape \(2, 16\) but initial_state\(\) gives \(2, 8\)"),
-    ("NoResetAgent", r"with is_first set .* outputs \[.*'state.h'.*\] depend on the incoming state: .*Agent.reset_state"),
-    ("DistributionObjectAgent", r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its "
-                                r"parameters instead"),
-])
+@pytest.mark.parametrize(
+    "agent, pattern",
+    [
+        ("WrongKeyAgent", r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', "),
+        ("ColumnValueAgent", r"'value' of shape \(2, 1\); expected \(2,\)"),
+        ("WideLogitsAgent", r"has 3 logits but the action space Discrete\(2\) has 2 actions"),
+        ("NarrowLogitsAgent", r"has 1 logits but the action space Discrete\(2\) has 2 actions"),
+        ("BatchNormAgent", r"forward\(\) changed its buffer 'body.1.running_mean', .*num_batches_tracked.*eval mode"),
+        ("WideStateAgent", r"forward\(\) returned state 'h' of shape \(2, 16\) but initial_state\(\) gives \(2, 8\)"),
+        (
+            "NoResetAgent",
+            r"with is_first set .* outputs \[.*'state.h'.*\] depend on the incoming state: .*Agent.reset_state",
+        ),
+        (
+            "DistributionObjectAgent",
+            r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its "
+            r"parameters instead",
+        ),
+    ],
+)
 def test_agent_contract_errors_before_the_run_dir(tmp_path, monkeypatch, agent, pattern):
     monkeypatch.syspath_prepend(str(TESTS))
     monkeypatch.chdir(tmp_path)
@@ -384,18 +459,27 @@ BIG = "agent.kwargs={hidden_sizes: [256, 256]}"  # a 1.1 MB checkpoint: a second
 
 def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_last_one(small_fs, tmp_path):
     run = small_fs / "run"
-    code, out, err = finish(start(TRAIN, *TINY, BIG, "checkpoint.every=1", "total_env_steps=64", f"run_dir={run}",
-                                  cwd=tmp_path))
+    code, out, err = finish(
+        start(TRAIN, *TINY, BIG, "checkpoint.every=1", "total_env_steps=64", f"run_dir={run}", cwd=tmp_path)
+    )
     line = err.strip().splitlines()[-1]
     assert code == 1 and "Traceback" not in err, err
-    assert line == (f"error: cannot write {run / 'checkpoint.pt'}: No space left on device (ENOSPC); the last good "
-                    f"checkpoint is {run / 'checkpoint.pt'} (update 1). Free space or make the file system "
-                    f"writable, then continue with --resume {run}")
+    assert line == (
+        f"error: cannot write {run / 'checkpoint.pt'}: No space left on device (ENOSPC); the last good "
+        f"checkpoint is {run / 'checkpoint.pt'} (update 1). Free space or make the file system "
+        f"writable, then continue with --resume {run}"
+    )
     assert load_checkpoint(run)["update"] == 1  # verified: the failed write left it whole
     # The small env-state file of update 2 was written before the checkpoint failed; update 1's
     # is kept beside it, and the checkpoint names its own by checksum.
-    assert sorted(p.name for p in run.iterdir()) == [".lock", "checkpoint.pt", "config.yaml", "env_state.pkl",
-                                                     "env_state.prev.pkl", "metrics.jsonl"]
+    assert sorted(p.name for p in run.iterdir()) == [
+        ".lock",
+        "checkpoint.pt",
+        "config.yaml",
+        "env_state.pkl",
+        "env_state.prev.pkl",
+        "metrics.jsonl",
+    ]
 
 
 def test_resume_and_new_runs_on_a_read_only_file_system_are_one_line(small_fs, tmp_path):
@@ -407,10 +491,12 @@ def test_resume_and_new_runs_on_a_read_only_file_system_are_one_line(small_fs, t
     assert code == 2 and one_error_line(err) == (
         f"error: cannot write {run / '.lock'}: Read-only file system (EROFS); its last checkpoint "
         f"{run / 'checkpoint.pt'} is unchanged. A run directory must be writable: fix the file system or its "
-        "permissions, or use another directory (a run copied there resumes from it).")
+        "permissions, or use another directory (a run copied there resumes from it)."
+    )
     code, _, err = finish(start(TRAIN, *TINY, f"run_dir={small_fs / 'new'}", cwd=tmp_path))
     assert code == 2 and one_error_line(err).startswith(
-        f"error: cannot write {small_fs / 'new'}: Read-only file system (EROFS). A run directory must be writable")
+        f"error: cannot write {small_fs / 'new'}: Read-only file system (EROFS). A run directory must be writable"
+    )
     assert snapshot(run) == before
 
 
@@ -422,13 +508,21 @@ def test_a_file_size_limit_hit_by_the_first_checkpoint_is_one_line(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 1024, 256 * 1024))
 
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, BIG, "total_env_steps=16", f"run_dir={run}"], cwd=tmp_path,
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=limit)
+    proc = subprocess.Popen(
+        [sys.executable, TRAIN, *TINY, BIG, "total_env_steps=16", f"run_dir={run}"],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=limit,
+    )
     code, _, err = finish(proc)
     assert code == 1 and "Traceback" not in err, err
     assert err.strip().splitlines()[-1] == (
         f"error: cannot write {run / 'checkpoint.pt'}: File too large (EFBIG); no checkpoint was written yet. "
-        f"Free space or make the file system writable, then continue with --resume {run}")
+        f"Free space or make the file system writable, then continue with --resume {run}"
+    )
     assert not checkpoint_path(run).exists() and not list(run.glob(".checkpoint*"))
 
 
@@ -468,9 +562,23 @@ def test_signal_finishes_the_update_checkpoints_and_exits(tmp_path, sig, code):
 def test_ctrl_c_to_the_process_group_with_async_env_workers(tmp_path):
     """A terminal's Ctrl-C reaches every process of the group, env worker processes included."""
     run = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, TRAIN, *TINY, "env.vectorization=async", "total_env_steps=100000000",
-                             "checkpoint.every=0", f"run_dir={run}"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            TRAIN,
+            *TINY,
+            "env.vectorization=async",
+            "total_env_steps=100000000",
+            "checkpoint.every=0",
+            f"run_dir={run}",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         _wait_for_metrics(run, proc)
         os.killpg(proc.pid, signal.SIGINT)
@@ -483,18 +591,39 @@ def test_ctrl_c_to_the_process_group_with_async_env_workers(tmp_path):
     assert load_checkpoint(run)["update"] >= 1
     # Its checkpoint cannot hold the worker processes' envs; the resume says so in one line.
     done = load_checkpoint(run)["env_steps"]  # resume to the same total: builds, restores, trains nothing
-    proc = subprocess.run([sys.executable, TRAIN, "--resume", str(run), f"total_env_steps={done}"], cwd=tmp_path,
-                          env=ENV, capture_output=True, text=True, timeout=300)
-    assert "the checkpoint holds no environment state (env.vectorization=async): the resumed run starts fresh " \
-        "episodes with the saved wrapper statistics" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        [sys.executable, TRAIN, "--resume", str(run), f"total_env_steps={done}"],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (
+        "the checkpoint holds no environment state (env.vectorization=async): the resumed run starts fresh "
+        "episodes with the saved wrapper statistics" in proc.stderr
+    ), proc.stderr
 
 
 def test_second_sigint_exits_at_once(tmp_path):
     run = tmp_path / "run"
     proc = subprocess.Popen(
-        [sys.executable, TRAIN, *TINY, "agent.target=safety_agents:SlowAgent", "agent.kwargs={}",
-         "collector.num_steps=64", "total_env_steps=100000000", f"run_dir={run}"],
-        cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            TRAIN,
+            *TINY,
+            "agent.target=safety_agents:SlowAgent",
+            "agent.kwargs={}",
+            "collector.num_steps=64",
+            "total_env_steps=100000000",
+            f"run_dir={run}",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     reader = StderrReader(proc)
     try:
         reader.wait_for("run directory:", proc)
@@ -513,31 +642,44 @@ def test_second_sigint_exits_at_once(tmp_path):
 
 # ------------------------------------------------------------------ command line
 def test_cli_refusals_and_intermixed_overrides(tmp_path, monkeypatch, capsys):
-    from rl_replay.cli import train_main
+    from rl_replay.run.cli import train_main
 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("collector: {num_steps: 4}\n")
     cases = {
         "lr-inf": (["optim.lr=.inf"], r"error: Non-finite value for config key 'optim\.lr': inf"),
-        "contract": (["agent.target=safety_agents:ColumnValueAgent", "agent.kwargs={}"],
-                     r"error: agent safety_agents:ColumnValueAgent: forward\(\) returned 'value' of shape"),
+        "contract": (
+            ["agent.target=safety_agents:ColumnValueAgent", "agent.kwargs={}"],
+            r"error: agent safety_agents:ColumnValueAgent: forward\(\) returned 'value' of shape",
+        ),
     }
     procs = {}
     for name, (args, _) in cases.items():
         (tmp_path / name).mkdir()
         procs[name] = start(TRAIN, *TINY, *args, f"run_dir={tmp_path / name / 'run'}", cwd=tmp_path / name)
     mixed = tmp_path / "mixed"
-    procs["mixed"] = start(TRAIN, "env.num_envs=2", "log.progress=false", "--config", cfg, "total_env_steps=16",
-                           "log.wandb_mode=disabled", f"run_dir={mixed}", cwd=tmp_path)
-    for name, (args, pattern) in cases.items():
+    procs["mixed"] = start(
+        TRAIN,
+        "env.num_envs=2",
+        "log.progress=false",
+        "--config",
+        cfg,
+        "total_env_steps=16",
+        "log.wandb_mode=disabled",
+        f"run_dir={mixed}",
+        cwd=tmp_path,
+    )
+    for name, (_args, pattern) in cases.items():
         code, out, err = finish(procs[name])
         assert code == 2 and re.match(pattern, one_error_line(err)), (name, err)
         assert list((tmp_path / name).iterdir()) == [], name
     code, out, err = finish(procs["mixed"])
     assert code == 0, err
     monkeypatch.chdir(tmp_path / "lr-inf")
-    for args, pattern in ((["seed=-1"], r"error: Out of range value for config key 'seed': -1"),
-                          (["optim.lr=.nan"], r"error: Non-finite value for config key 'optim\.lr': nan")):
+    for args, pattern in (
+        (["seed=-1"], r"error: Out of range value for config key 'seed': -1"),
+        (["optim.lr=.nan"], r"error: Non-finite value for config key 'optim\.lr': nan"),
+    ):
         assert train_main([*TINY, *args]) == 2
         assert re.match(pattern, one_error_line(capsys.readouterr().err)), args
     assert list(Path.cwd().iterdir()) == []
@@ -546,8 +688,8 @@ def test_cli_refusals_and_intermixed_overrides(tmp_path, monkeypatch, capsys):
 
 
 def test_help_lists_every_config_key_with_its_docstring(tmp_path):
-    from rl_replay.cli import _field_docs
     from rl_replay.config import _iter_leaves
+    from rl_replay.run.cli import _field_docs
 
     code, out, err = finish(start(TRAIN, "--help", cwd=tmp_path))
     assert code == 0, err
@@ -565,6 +707,7 @@ def test_help_lists_every_config_key_with_its_docstring(tmp_path):
 
 def test_console_entry_points_resolve(capsys):
     import importlib
+
     import tomllib
 
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
@@ -572,7 +715,7 @@ def test_console_entry_points_resolve(capsys):
     for name, target in scripts.items():
         module, _, attr = target.partition(":")
         assert callable(getattr(importlib.import_module(module), attr)), name
-    from rl_replay.cli import evaluate_main
+    from rl_replay.run.cli import evaluate_main
 
     assert evaluate_main(["/nonexistent"]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("error: Config file not found")

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 
 from rl_replay.agent import build_agent
-from rl_replay.checkpoint import load_checkpoint
 from rl_replay.config import load_config
-from rl_replay.environment import make_vector_env
-from rl_replay.evaluate import evaluate
-from rl_replay.trainer import build
+from rl_replay.rollout.environment import make_vector_env
+from rl_replay.run.checkpoint import load_checkpoint
+from rl_replay.run.evaluate import evaluate
+from rl_replay.run.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN = str(REPO / "scripts" / "train.py")
@@ -25,11 +25,15 @@ EVALUATE = str(REPO / "scripts" / "evaluate.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
 
 
-
-
 def start(script, *args, cwd):
-    return subprocess.Popen([sys.executable, script, *map(str, args)], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, script, *map(str, args)],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def load_script(path):
@@ -68,8 +72,11 @@ def test_train_errors_are_one_line_exit_2_and_write_nothing(tmp_path):
         (["no_equals_sign"], r"error: Malformed override 'no_equals_sign'"),
         (["agent.target=rl_replay.agents.mlp:Nope"], r"error: agent\.target 'rl_replay\.agents\.mlp:Nope': module"),
         (["collector.num_steps=0"], r"error: Out of range value for config key 'collector\.num_steps'"),
-        (["--resume", "{tmp}/missing_run"], r"error: cannot resume .*missing_run: no such directory\. Start a new "
-                                            r"run there with run_dir=.*missing_run$"),
+        (
+            ["--resume", "{tmp}/missing_run"],
+            r"error: cannot resume .*missing_run: no such directory\. Start a new "
+            r"run there with run_dir=.*missing_run$",
+        ),
     ],
     ids=["bad-type", "malformed", "agent", "range", "resume"],
 )
@@ -92,21 +99,32 @@ def test_a_mistyped_config_path_names_the_nearest_config_and_lists_them(tmp_path
     monkeypatch.chdir(REPO)
     assert train.main(["--config", "configs/memry_gru.yaml"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == ("error: Config file not found: configs/memry_gru.yaml (did you mean configs/memory_gru.yaml?). "
-                    f"Configs in configs/: {', '.join(shipped)}")
+    assert line == (
+        "error: Config file not found: configs/memry_gru.yaml (did you mean configs/memory_gru.yaml?). "
+        f"Configs in configs/: {', '.join(shipped)}"
+    )
     (tmp_path / "mine.yaml").write_text("seed: 2\n")
     monkeypatch.chdir(tmp_path)
     assert train.main(["--config", "mien.yaml"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line == ("error: Config file not found: mien.yaml (did you mean mine.yaml?). Configs in ./: "
-                    f"mine.yaml; {REPO / 'configs'}/: {', '.join(shipped)}")
+    assert line == (
+        "error: Config file not found: mien.yaml (did you mean mine.yaml?). Configs in ./: "
+        f"mine.yaml; {REPO / 'configs'}/: {', '.join(shipped)}"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.yaml"]
 
 
 def test_the_masked_cartpole_config_starts_without_box_precision_warnings(tmp_path):
     """RescaleObservation's float bounds made gymnasium warn twice at every start."""
-    proc = start(TRAIN, "--config", REPO / "configs" / "ppo_pocartpole_gru.yaml", "total_env_steps=1",
-                 "log.progress=false", f"run_dir={tmp_path / 'run'}", cwd=tmp_path)
+    proc = start(
+        TRAIN,
+        "--config",
+        REPO / "configs" / "ppo_pocartpole_gru.yaml",
+        "total_env_steps=1",
+        "log.progress=false",
+        f"run_dir={tmp_path / 'run'}",
+        cwd=tmp_path,
+    )
     _, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err
     assert "precision lowered" not in err, err
@@ -114,19 +132,26 @@ def test_the_masked_cartpole_config_starts_without_box_precision_warnings(tmp_pa
 
 def test_evaluate_prints_mean_and_std(tmp_path):
     run_dir = tmp_path / "run"
-    cfg = load_config(None, [
-        "env.num_envs=2", "env.max_episode_steps=30", "collector.num_steps=8",
-        "total_env_steps=48", "agent.kwargs={hidden_sizes: [16]}", "log.progress=false",
-        "log.wandb_mode=disabled", f"run_dir={run_dir}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "env.num_envs=2",
+            "env.max_episode_steps=30",
+            "collector.num_steps=8",
+            "total_env_steps=48",
+            "agent.kwargs={hidden_sizes: [16]}",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            f"run_dir={run_dir}",
+        ],
+    )
     build(cfg).train()
     proc = start(EVALUATE, run_dir, "--episodes", 3, cwd=tmp_path)
 
     # What the script should print: the checkpoint's agent, evaluated here.
     state = load_checkpoint(run_dir)
     probe = make_vector_env("CartPole-v1", 1)
-    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
-                        probe.single_action_space)
+    agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space)
     probe.close()
     agent.load_state_dict(state["agent"])
     expected = evaluate(agent, "CartPole-v1", episodes=3, seed=12345, max_episode_steps=30)
@@ -135,8 +160,10 @@ def test_evaluate_prints_mean_and_std(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     first, result = out.strip().splitlines()[-2:]
-    assert first == (f"return {expected['return_mean']:.2f} +- {expected['return_std']:.2f} over 3 "
-                     f"episodes (checkpoint update 3, 48 env steps)")
+    assert first == (
+        f"return {expected['return_mean']:.2f} +- {expected['return_std']:.2f} over 3 "
+        f"episodes (checkpoint update 3, 48 env steps)"
+    )
     assert json.loads(result) == expected
 
 
@@ -155,12 +182,11 @@ def test_evaluate_records_video(tmp_path):
     import gymnasium as gym
 
     from rl_replay.agents.mlp import MLPAgent
-    from rl_replay.evaluate import evaluate
+    from rl_replay.run.evaluate import evaluate
 
     env = gym.make("CartPole-v1")
     agent = MLPAgent(env.observation_space, env.action_space, hidden_sizes=(8,))
-    result = evaluate(agent, "CartPole-v1", episodes=2, video_dir=str(tmp_path / "videos"),
-                      max_episode_steps=50)
+    result = evaluate(agent, "CartPole-v1", episodes=2, video_dir=str(tmp_path / "videos"), max_episode_steps=50)
     assert result["episodes"] == 2
     videos = sorted(p.name for p in (tmp_path / "videos").glob("*.mp4"))
     assert len(videos) >= 2, videos
@@ -170,8 +196,7 @@ def test_evaluate_records_video(tmp_path):
 PLOT = str(REPO / "scripts" / "plot_metrics.py")
 
 
-def test_plot_metrics_prints_the_same_table_from_metrics_jsonl_and_the_offline_wandb_run(
-        tmp_path, monkeypatch, capsys):
+def test_plot_metrics_prints_the_same_table_from_metrics_jsonl_and_the_offline_wandb_run(tmp_path, monkeypatch, capsys):
     """A user reads an offline run locally, no matplotlib needed: the table of metrics.jsonl and
     the one of the wandb files (what `wandb sync` would upload) agree row for row."""
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -180,9 +205,21 @@ def test_plot_metrics_prints_the_same_table_from_metrics_jsonl_and_the_offline_w
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
     run_dir = tmp_path / "run"
-    build(load_config(None, ["env.num_envs=2", "collector.num_steps=8", "total_env_steps=96",
-                             "agent.kwargs={hidden_sizes: [16]}", "log.progress=false", "log.wandb_mode=offline",
-                             "checkpoint.every=2", f"run_dir={run_dir}"])).train()
+    build(
+        load_config(
+            None,
+            [
+                "env.num_envs=2",
+                "collector.num_steps=8",
+                "total_env_steps=96",
+                "agent.kwargs={hidden_sizes: [16]}",
+                "log.progress=false",
+                "log.wandb_mode=offline",
+                "checkpoint.every=2",
+                f"run_dir={run_dir}",
+            ],
+        )
+    ).train()
     plot = load_script(PLOT)
     outputs = {}
     for source in ("metrics", "wandb"):

@@ -1,4 +1,4 @@
-"""rl_replay.sequence: a stored (T, n) sequence re-run as replay blocks from a start state,
+"""rl_replay.rollout.sequence: a stored (T, n) sequence re-run as replay blocks from a start state,
 against the plain-autograd reference (recurrence, bptt_truncate, episode starts inside the
 sequence), and the stacked-outputs distribution the collector and the replay share."""
 
@@ -17,7 +17,7 @@ from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.engine import GradientAccumulator
-from rl_replay.sequence import append_heads, block_spans, replay_sequence, stack_heads, truncate
+from rl_replay.rollout.sequence import append_heads, block_spans, replay_sequence, stack_heads, truncate
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -35,8 +35,12 @@ def sequence(seed=0):
     g = torch.Generator().manual_seed(seed)
     is_first = torch.zeros(T, N, dtype=torch.bool)
     is_first[5, 0] = is_first[8, 2] = True
-    return TensorDict(observation=torch.randn(T, N, 4, generator=g), is_first=is_first,
-                      action=torch.randint(0, 3, (T, N), generator=g), batch_size=[T, N])
+    return TensorDict(
+        observation=torch.randn(T, N, 4, generator=g),
+        is_first=is_first,
+        action=torch.randint(0, 3, (T, N), generator=g),
+        batch_size=[T, N],
+    )
 
 
 def gradients(agent, data, start_state, run):
@@ -65,16 +69,18 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
     data = sequence()
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
     acc = GradientAccumulator()
-    replayed, got = gradients(agent, data, start_state,
-                              lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate, block_steps))
+    replayed, got = gradients(
+        agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate, block_steps)
+    )
     # A stateless agent has no state to cut: its blocks ignore bptt_truncate.
     cut = None if name == "mlp" and block_steps > 1 else bptt_truncate
     assert acc.blocks_replayed == acc.num_blocks == len(block_spans(T, block_steps, cut))
     if name == "mlp" and block_steps > 1:
         # A stateless agent's block is one call over its k * n rows: the reference is plain
         # autograd on the same batched calls, and the per-step loop agrees to float rounding.
-        per_step, per_step_grads = gradients(agent, data, start_state,
-                                             lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0])
+        per_step, per_step_grads = gradients(
+            agent, data, start_state, lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0]
+        )
         assert_grads_match(got, per_step_grads, "sequence-mlp-batched-vs-per-step", rtol=1e-5, atol=1e-6)
         for key in ("log_prob", "entropy", "value"):
             torch.testing.assert_close(replayed[key], per_step[key], rtol=1e-5, atol=1e-6)
@@ -93,16 +99,23 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
 
 def test_stateless_blocks_take_dict_observations():
     # A Dict observation (a TensorDict per row) is flattened to k * n rows the same way.
-    space = gym.spaces.Dict({"pos": gym.spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32),
-                             "flag": gym.spaces.Discrete(3)})
+    space = gym.spaces.Dict(
+        {"pos": gym.spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32), "flag": gym.spaces.Discrete(3)}
+    )
     torch.manual_seed(0)
     agent = MLPAgent(space, ACT, hidden_sizes=(8,))
     g = torch.Generator().manual_seed(1)
-    observation = TensorDict(pos=torch.randn(T, N, 2, generator=g),
-                             flag=torch.nn.functional.one_hot(torch.randint(0, 3, (T, N), generator=g), 3).float(),
-                             batch_size=[T, N])
-    data = TensorDict(observation=observation, is_first=torch.zeros(T, N, dtype=torch.bool),
-                      action=torch.randint(0, 3, (T, N), generator=g), batch_size=[T, N])
+    observation = TensorDict(
+        pos=torch.randn(T, N, 2, generator=g),
+        flag=torch.nn.functional.one_hot(torch.randint(0, 3, (T, N), generator=g), 3).float(),
+        batch_size=[T, N],
+    )
+    data = TensorDict(
+        observation=observation,
+        is_first=torch.zeros(T, N, dtype=torch.bool),
+        action=torch.randint(0, 3, (T, N), generator=g),
+        batch_size=[T, N],
+    )
     acc = GradientAccumulator()
     got = replay_sequence(agent, agent, data, agent.initial_state(N), acc, None, 5)
     (got["log_prob"].sum() + got["value"].sum()).backward()
@@ -137,8 +150,9 @@ def test_plain_mode_is_the_same_loop_without_replay_blocks():
     agent = AGENTS["gru"]()
     data = sequence()
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
-    replayed, got = gradients(agent, data, start_state,
-                              lambda d, s: replay_sequence(agent, agent, d, s, GradientAccumulator(), 4))
+    replayed, got = gradients(
+        agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, GradientAccumulator(), 4)
+    )
     plain, want = gradients(agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, None, 4))
     assert (replayed == plain).all()
     assert_grads_match(got, want, "sequence-plain-mode", rtol=0, atol=0)
@@ -150,8 +164,11 @@ def test_truncate_detaches_after_every_kth_step():
     assert all(truncate(state, t, None) is state for t in range(6))
 
 
-@pytest.mark.parametrize("space", [gym.spaces.Discrete(5), gym.spaces.MultiDiscrete([3, 4]),
-                                   gym.spaces.Box(-1, 1, (2,))], ids=["discrete", "multidiscrete", "box"])
+@pytest.mark.parametrize(
+    "space",
+    [gym.spaces.Discrete(5), gym.spaces.MultiDiscrete([3, 4]), gym.spaces.Box(-1, 1, (2,))],
+    ids=["discrete", "multidiscrete", "box"],
+)
 def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
     """The collector and the sequence replay build one distribution over the stacked (T, N)
     outputs; its log-probs, entropies and their gradients equal those of one distribution
@@ -160,8 +177,10 @@ def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
     T, N = 6, 3
     head = ActionHead(space, 5, init_std=1.0)
     feats = [torch.randn(N, 5, requires_grad=True) for _ in range(T)]
-    outs = [TensorDict(dist=head(f), value=f.sum(-1), state=TensorDict(h=f * 2, batch_size=[N]),
-                       batch_size=[N]) for f in feats]
+    outs = [
+        TensorDict(dist=head(f), value=f.sum(-1), state=TensorDict(h=f * 2, batch_size=[N]), batch_size=[N])
+        for f in feats
+    ]
     with torch.no_grad():
         actions = torch.stack([head.distribution(o["dist"]).sample() for o in outs])
     per_step = [head.distribution(o["dist"]) for o in outs]
@@ -187,4 +206,3 @@ def test_block_spans_end_at_the_cuts():
     assert block_spans(12, 5, 4) == [(0, 4), (4, 8), (8, 12)]
     assert block_spans(10, 3, 4) == [(0, 3), (3, 4), (4, 7), (7, 8), (8, 10)]
     assert block_spans(3, 8) == [(0, 3)]
-

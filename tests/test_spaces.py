@@ -1,4 +1,4 @@
-"""rl_replay/spaces.py: batched gymnasium observations -> the tensors a replay block takes.
+"""rl_replay/rollout/spaces.py: batched gymnasium observations -> the tensors a replay block takes.
 
 Covers the conversion of each space kind (one-hot for Discrete and MultiDiscrete, with
 their ``start``; uint8 Boxes kept uint8; other Boxes and MultiBinary as float32; Dict and
@@ -17,10 +17,14 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from tensordict import TensorDict
 
 from rl_replay.errors import SetupError
-from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales, obs_converter
+from rl_replay.rollout.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales, obs_converter
 
-Box, Discrete, MultiDiscrete, MultiBinary = (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
-                                             gym.spaces.MultiBinary)
+Box, Discrete, MultiDiscrete, MultiBinary = (
+    gym.spaces.Box,
+    gym.spaces.Discrete,
+    gym.spaces.MultiDiscrete,
+    gym.spaces.MultiBinary,
+)
 
 
 # ------------------------------------------------------------------ leaves
@@ -54,12 +58,16 @@ def test_uint8_box_stays_uint8_and_other_boxes_become_float32():
 
 # ------------------------------------------------------------------ nested spaces
 def test_dict_and_tuple_become_nested_tensordicts_of_batch_n():
-    space = gym.spaces.Dict({
-        "pos": Box(-1, 1, (2,), np.float32),
-        "inner": gym.spaces.Tuple((Discrete(2), gym.spaces.Dict({"img": Box(0, 255, (1, 2), np.uint8)}))),
-    })
-    batch = {"pos": np.array([[0.5, -0.5]] * 3, np.float32),
-             "inner": (np.array([1, 0, 1]), {"img": np.array([[[7, 255]]] * 3, np.uint8)})}
+    space = gym.spaces.Dict(
+        {
+            "pos": Box(-1, 1, (2,), np.float32),
+            "inner": gym.spaces.Tuple((Discrete(2), gym.spaces.Dict({"img": Box(0, 255, (1, 2), np.uint8)}))),
+        }
+    )
+    batch = {
+        "pos": np.array([[0.5, -0.5]] * 3, np.float32),
+        "inner": (np.array([1, 0, 1]), {"img": np.array([[[7, 255]]] * 3, np.uint8)}),
+    }
     out = obs_converter(space)(batch)
     assert isinstance(out, TensorDict) and out.batch_size == torch.Size([3])
     assert out["inner"].batch_size == torch.Size([3]) and set(out["inner"].keys()) == {"0", "1"}
@@ -69,10 +77,12 @@ def test_dict_and_tuple_become_nested_tensordicts_of_batch_n():
 
 
 def test_leaf_keys_and_scales_follow_the_spaces_order():
-    space = gym.spaces.Tuple((
-        Box(0, 255, (4,), np.uint8),
-        gym.spaces.Dict({"b": Box(0, 1, (1,), np.uint8), "a": Box(0, 255, (1,), np.float32)}),
-    ))
+    space = gym.spaces.Tuple(
+        (
+            Box(0, 255, (4,), np.uint8),
+            gym.spaces.Dict({"b": Box(0, 1, (1,), np.uint8), "a": Box(0, 255, (1,), np.float32)}),
+        )
+    )
     assert leaf_keys(space) == [("0",), ("1", "a"), ("1", "b")]  # gymnasium sorts a dict's keys
     # Only a uint8 Box reaching 255 is an image to scale; a uint8 flag or a float are not.
     assert leaf_scales(space) == [1 / 255, 1.0, 1.0]
@@ -80,8 +90,9 @@ def test_leaf_keys_and_scales_follow_the_spaces_order():
 
 
 def test_flatten_orders_leaves_by_the_given_keys_and_scales_them():
-    td = TensorDict({"z": torch.tensor([[1.0, 2.0]]), "a": {"img": torch.tensor([[[255, 51]]], dtype=torch.uint8)}},
-                    batch_size=[1])
+    td = TensorDict(
+        {"z": torch.tensor([[1.0, 2.0]]), "a": {"img": torch.tensor([[[255, 51]]], dtype=torch.uint8)}}, batch_size=[1]
+    )
     keys, scales = [("a", "img"), ("z",)], [1 / 255, 1.0]
     flat = flatten(td, keys, scales)
     assert flat.dtype == torch.float32 and flat.shape == (1, 4)
@@ -100,8 +111,16 @@ SPACES = {  # id: (space, features of one flattened observation)
     "discrete": (Discrete(5, start=2), 5),
     "multi_discrete": (MultiDiscrete([2, 3, 4]), 9),
     "multi_binary": (MultiBinary(3), 3),
-    "dict": (gym.spaces.Dict({"d": Discrete(3), "m": MultiDiscrete([2, 2]),
-                              "t": gym.spaces.Tuple((MultiBinary(2), Box(0, 255, (2, 2), np.uint8)))}), 3 + 4 + 2 + 4),
+    "dict": (
+        gym.spaces.Dict(
+            {
+                "d": Discrete(3),
+                "m": MultiDiscrete([2, 2]),
+                "t": gym.spaces.Tuple((MultiBinary(2), Box(0, 255, (2, 2), np.uint8))),
+            }
+        ),
+        3 + 4 + 2 + 4,
+    ),
 }
 
 
@@ -120,15 +139,24 @@ def test_flat_size_is_the_width_flatten_gives_a_vector_envs_batch(space, width):
 
 
 # ------------------------------------------------------------------ unsupported spaces
-@pytest.mark.parametrize("space, message", [
-    (gym.spaces.Text(4), r"^MyAgent cannot handle observation space Text\(1, 4, .*\): supported are Box, "
-                         r"Discrete, MultiDiscrete, MultiBinary and Dict/Tuple of those\. Add a wrapper in "
-                         r"env\.wrappers"),
-    (gym.spaces.Tuple((Discrete(2), gym.spaces.Dict({"t": gym.spaces.Text(4)}))),
-     r"^MyAgent cannot handle observation space Text"),
-    (gym.spaces.Dict({}), r"^MyAgent: empty Dict observation space Dict\(\)\.$"),
-    (gym.spaces.Tuple(()), r"^MyAgent: empty Tuple observation space"),
-], ids=["text", "text_nested", "empty_dict", "empty_tuple"])
+@pytest.mark.parametrize(
+    "space, message",
+    [
+        (
+            gym.spaces.Text(4),
+            r"^MyAgent cannot handle observation space Text\(1, 4, .*\): supported are Box, "
+            r"Discrete, MultiDiscrete, MultiBinary and Dict/Tuple of those\. Add a wrapper in "
+            r"env\.wrappers",
+        ),
+        (
+            gym.spaces.Tuple((Discrete(2), gym.spaces.Dict({"t": gym.spaces.Text(4)}))),
+            r"^MyAgent cannot handle observation space Text",
+        ),
+        (gym.spaces.Dict({}), r"^MyAgent: empty Dict observation space Dict\(\)\.$"),
+        (gym.spaces.Tuple(()), r"^MyAgent: empty Tuple observation space"),
+    ],
+    ids=["text", "text_nested", "empty_dict", "empty_tuple"],
+)
 def test_unsupported_spaces_are_one_line_setup_errors(space, message):
     with pytest.raises(SetupError, match=message) as info:
         check_observation_space(space, "MyAgent")

@@ -39,8 +39,12 @@ class Cell(nn.Module):
     def forward(self, observation, is_first, state):
         h = state["h"] * (~is_first).unsqueeze(-1)
         h = self.cell(self.drop(torch.relu(self.enc(observation))), h)
-        return TensorDict(dist=TensorDict(logits=self.head(h), batch_size=h.shape[:1]), value=h.sum(-1),
-                          state=TensorDict(h=h, batch_size=h.shape[:1]), batch_size=h.shape[:1])
+        return TensorDict(
+            dist=TensorDict(logits=self.head(h), batch_size=h.shape[:1]),
+            value=h.sum(-1),
+            state=TensorDict(h=h, batch_size=h.shape[:1]),
+            batch_size=h.shape[:1],
+        )
 
 
 def data(seed: int = 0):
@@ -71,8 +75,9 @@ def blocked(model, acc, obs, is_first, h0, k, autocast=False):
     for t0 in range(0, T, k):
         t1 = min(T, t0 + k)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            h, state = replay_steps(model, acc, TensorDict(observation=obs[t0:t1], is_first=is_first[t0:t1],
-                                                           batch_size=[t1 - t0, B]), state)
+            h, state = replay_steps(
+                model, acc, TensorDict(observation=obs[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]), state
+            )
         heads.append(h)
     heads = torch.cat(heads)
     loss_of(heads["dist", "logits"], heads["value"], state["h"]).backward()
@@ -148,8 +153,9 @@ def test_no_graph_outlives_the_backward():
     torch.manual_seed(0)
     model, acc = Cell(), GradientAccumulator()
     obs, is_first, h0 = data()
-    heads, state = replay_steps(model, acc, TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]),
-                                TensorDict(h=h0, batch_size=[B]))
+    heads, state = replay_steps(
+        model, acc, TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]), TensorDict(h=h0, batch_size=[B])
+    )
     node = weakref.ref(heads["value"].grad_fn)
     loss_of(heads["dist", "logits"], heads["value"], state["h"]).backward()
     del heads, state
@@ -161,17 +167,24 @@ def test_without_grad_the_steps_simply_run():
     model = Cell()
     obs, is_first, h0 = data()
     with torch.no_grad():
-        heads, state = replay_steps(model, GradientAccumulator(),
-                                    TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]),
-                                    TensorDict(h=h0, batch_size=[B]))
+        heads, state = replay_steps(
+            model,
+            GradientAccumulator(),
+            TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]),
+            TensorDict(h=h0, batch_size=[B]),
+        )
     assert heads.batch_size == torch.Size([T, B]) and heads["dist", "logits"].shape == (T, B, 3)
     assert state["h"].shape == (B, H)
 
 
 def test_steps_must_have_a_step_dimension():
     with pytest.raises(ValueError, match="first batch dimension counts the steps"):
-        replay_steps(Cell(), GradientAccumulator(), TensorDict(observation=torch.randn(B, 4)),
-                     TensorDict(h=torch.zeros(B, H), batch_size=[B]))
+        replay_steps(
+            Cell(),
+            GradientAccumulator(),
+            TensorDict(observation=torch.randn(B, 4)),
+            TensorDict(h=torch.zeros(B, H), batch_size=[B]),
+        )
 
 
 class NoState(nn.Module):
@@ -185,8 +198,12 @@ class NoState(nn.Module):
 
 def test_each_step_must_return_the_next_state():
     with pytest.raises(TypeError, match=r"with keys \['logits'\]; each step must return a TensorDict with a 'state'"):
-        replay_steps(NoState(), GradientAccumulator(), TensorDict(observation=torch.randn(2, B, 4), batch_size=[2, B]),
-                     TensorDict(h=torch.zeros(B, H), batch_size=[B]))
+        replay_steps(
+            NoState(),
+            GradientAccumulator(),
+            TensorDict(observation=torch.randn(2, B, 4), batch_size=[2, B]),
+            TensorDict(h=torch.zeros(B, H), batch_size=[B]),
+        )
 
 
 class Counting(Cell):
@@ -202,6 +219,9 @@ class Counting(Cell):
 def test_a_model_that_changes_its_buffers_is_refused():
     obs, is_first, h0 = data()
     with pytest.raises(ReplayError, match="the forward changed buffer 'count'"):
-        replay_steps(Counting(), GradientAccumulator(),
-                     TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]),
-                     TensorDict(h=h0.requires_grad_(True), batch_size=[B]))
+        replay_steps(
+            Counting(),
+            GradientAccumulator(),
+            TensorDict(observation=obs, is_first=is_first, batch_size=[T, B]),
+            TensorDict(h=h0.requires_grad_(True), batch_size=[B]),
+        )

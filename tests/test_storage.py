@@ -40,8 +40,12 @@ def mapped(address: int) -> bool:
 
 def test_a_copy_is_a_tensor_of_its_own_with_the_sources_values_and_strides():
     store = SlabStore()
-    sources = [torch.randn(3, 4), torch.arange(6, dtype=torch.int64), torch.randn(4, 3).t(),
-               torch.tensor([True, False, True])]
+    sources = [
+        torch.randn(3, 4),
+        torch.arange(6, dtype=torch.int64),
+        torch.randn(4, 3).t(),
+        torch.tensor([True, False, True]),
+    ]
     copies = [store.copy(t, pinned=False) for t in sources]
     for src, out in zip(sources, copies):
         assert out.dtype == src.dtype and out.shape == src.shape and out.stride() == src.stride()

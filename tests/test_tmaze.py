@@ -89,12 +89,15 @@ def test_registered_and_checked():
         check_env(PassiveTMazeEnv(corridor_length=4), skip_render_check=True)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"corridor_length": 0}, "corridor_length must be >= 1"),
-    ({"corridor_length": 2.5}, "corridor_length must be an int"),
-    ({"penalty": 0.1}, "penalty must be <= 0"),
-    ({"goal_reward": float("nan")}, "goal_reward must be finite"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"corridor_length": 0}, "corridor_length must be >= 1"),
+        ({"corridor_length": 2.5}, "corridor_length must be an int"),
+        ({"penalty": 0.1}, "penalty must be <= 0"),
+        ({"goal_reward": float("nan")}, "goal_reward must be finite"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PassiveTMazeEnv(**kwargs)

@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from rl_replay.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.trainer import build
+from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.run.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -34,8 +34,6 @@ TINY = (
     "log.wandb_mode=disabled",
 )
 BATCH = 2 * 8  # env steps per update
-
-
 
 
 def tiny_cfg(run_dir, updates, *extra):
@@ -102,8 +100,8 @@ def test_failed_build_closes_envs_and_releases_the_run_dir(tmp_path, monkeypatch
     directory's lock is released; a resume then succeeds in the same process."""
     import fcntl
 
-    import rl_replay.trainer as trainer_module
-    from rl_replay.run_dir import LOCK_NAME
+    import rl_replay.run.setup as trainer_module
+    from rl_replay.run.run_dir import LOCK_NAME
 
     build(tiny_cfg(tmp_path / "run", 1)).train()
     made = []
@@ -158,13 +156,15 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     cfg_file = tmp_path / "tiny.yaml"
     run_b = tmp_path / "b"
     cfg_file.write_text(
-        "total_env_steps: %d\nrun_dir: %s\nenv: {id: CartPole-v1, num_envs: 2}\n"
+        f"total_env_steps: {updates * BATCH}\nrun_dir: {run_b}\nenv: {{id: CartPole-v1, num_envs: 2}}\n"
         "agent: {kwargs: {hidden_sizes: [16, 16]}}\ncollector: {num_steps: 8}\n"
-        "log: {progress: false, wandb_mode: disabled}\ncheckpoint: {every: 5}\n" % (updates * BATCH, run_b)
+        "log: {progress: false, wandb_mode: disabled}\ncheckpoint: {every: 5}\n"
     )
     proc = subprocess.Popen(
         [sys.executable, str(REPO / "scripts" / "train.py"), "--config", str(cfg_file)],
-        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         env={**os.environ, "OMP_NUM_THREADS": "1"},  # same thread count as this process
     )
     try:
@@ -233,8 +233,7 @@ def test_a_run_that_names_its_agent_by_the_old_path_resumes_under_the_short_name
 # ------------------------------------------------------------------ custom agent
 def test_custom_agent_from_config(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(TESTS))
-    cfg = tiny_cfg(tmp_path / "run", 3, "agent.target=custom_agent_module:TinyAgent",
-                   "agent.kwargs={hidden: 5}")
+    cfg = tiny_cfg(tmp_path / "run", 3, "agent.target=custom_agent_module:TinyAgent", "agent.kwargs={hidden: 5}")
     trainer = build(cfg)
     assert type(trainer.model).__name__ == "TinyAgent"
     assert trainer.model.body[0].out_features == 5
@@ -253,9 +252,16 @@ def test_custom_agent_from_config(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------ smoke + wandb offline
 REQUIRED_EVERY_UPDATE = (
-    "train/loss_policy", "train/loss_value", "train/entropy", "train/grad_norm",
-    "memory/peak_rss_bytes", "memory/replay_saved_bytes", "time/steps_per_sec",
-    "time/replay_backward_sec", "env_steps", "update",
+    "train/loss_policy",
+    "train/loss_value",
+    "train/entropy",
+    "train/grad_norm",
+    "memory/peak_rss_bytes",
+    "memory/replay_saved_bytes",
+    "time/steps_per_sec",
+    "time/replay_backward_sec",
+    "env_steps",
+    "update",
 )
 REQUIRED_ONCE = ("rollout/return_mean", "rollout/episode_length")
 
@@ -266,11 +272,18 @@ def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb_home"))
     run_dir = tmp_path / "run"
-    cfg = load_config(None, [
-        "env.num_envs=4", "collector.num_steps=16", "total_env_steps=2048",
-        "agent.kwargs={hidden_sizes: [16, 16]}", "log.progress=false", "log.wandb_mode=offline",
-        f"run_dir={run_dir}",
-    ])
+    cfg = load_config(
+        None,
+        [
+            "env.num_envs=4",
+            "collector.num_steps=16",
+            "total_env_steps=2048",
+            "agent.kwargs={hidden_sizes: [16, 16]}",
+            "log.progress=false",
+            "log.wandb_mode=offline",
+            f"run_dir={run_dir}",
+        ],
+    )
     trainer = build(cfg)
     metrics = trainer.train()
     assert trainer.update == 32 and trainer.env_steps == 2048
@@ -301,10 +314,20 @@ def test_smoke_training_with_wandb_offline(tmp_path, monkeypatch):
 # ------------------------------------------------------------------ the step budget
 def _train_cli(tmp_path, name, *args):
     return subprocess.Popen(
-        [sys.executable, str(REPO / "scripts" / "train.py"), *args, f"run_dir={tmp_path / name}",
-         "log.wandb_mode=disabled", "checkpoint.every=0"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            *args,
+            f"run_dir={tmp_path / name}",
+            "log.wandb_mode=disabled",
+            "checkpoint.every=0",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
 
 
 def test_total_env_steps_is_reached_in_every_mode_and_the_bar_ends_at_the_steps_taken(tmp_path):
@@ -314,14 +337,24 @@ def test_total_env_steps_is_reached_in_every_mode_and_the_bar_ends_at_the_steps_
     cases = {
         # MemoryCue with delay 4: every episode is 6 steps, 2 envs -> 12 steps an update
         # (not the cap's 40): ceil(100 / 12) = 9 updates, 108 steps.
-        "cue": ("env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 4}", "collector.mode=episode",
-                "collector.num_steps=20", "env.num_envs=2", "total_env_steps=100"),
+        "cue": (
+            "env.id=rl_replay/MemoryCue-v0",
+            "env.kwargs={delay: 4}",
+            "collector.mode=episode",
+            "collector.num_steps=20",
+            "env.num_envs=2",
+            "total_env_steps=100",
+        ),
         # CartPole episodes of varying length, capped at 50 steps.
-        "cartpole": ("collector.mode=episode", "collector.num_steps=50", "env.num_envs=2",
-                     "agent.kwargs={hidden_sizes: [16]}", "total_env_steps=400"),
+        "cartpole": (
+            "collector.mode=episode",
+            "collector.num_steps=50",
+            "env.num_envs=2",
+            "agent.kwargs={hidden_sizes: [16]}",
+            "total_env_steps=400",
+        ),
         # fixed mode, 16 steps an update: 40 steps take 3 updates (48 steps), as before.
-        "fixed": ("collector.num_steps=8", "env.num_envs=2", "agent.kwargs={hidden_sizes: [16]}",
-                  "total_env_steps=40"),
+        "fixed": ("collector.num_steps=8", "env.num_envs=2", "agent.kwargs={hidden_sizes: [16]}", "total_env_steps=40"),
     }
     procs = {name: _train_cli(tmp_path, name, *args) for name, args in cases.items()}
     for name, proc in procs.items():
@@ -347,18 +380,30 @@ def test_total_env_steps_is_reached_in_every_mode_and_the_bar_ends_at_the_steps_
 def test_a_custom_agent_target_alone_gets_none_of_the_default_mlp_kwargs(tmp_path):
     """default.yaml's agent.kwargs (hidden_sizes, for the MLP) are not passed to another target."""
     proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "train.py"), "agent.target=custom_agent_module:TinyAgent",
-         "total_env_steps=16", "env.num_envs=2", "collector.num_steps=8", "log.progress=false",
-         "log.wandb_mode=disabled", f"run_dir={tmp_path / 'run'}"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])})
+        [
+            sys.executable,
+            str(REPO / "scripts" / "train.py"),
+            "agent.target=custom_agent_module:TinyAgent",
+            "total_env_steps=16",
+            "env.num_envs=2",
+            "collector.num_steps=8",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])},
+    )
     assert proc.returncode == 0, proc.stderr
     saved = load_config(tmp_path / "run" / "config.yaml")
     assert saved.agent.target == "custom_agent_module:TinyAgent" and saved.agent.kwargs == {}
 
 
 def test_truncate_metrics_drops_later_and_partial_lines(tmp_path):
-    from rl_replay.logger import truncate_metrics
+    from rl_replay.run.logger import truncate_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"update": 1, "x": 1}\n{"update": 2, "x": 2}\n{"update": 3, "x": 3}\n{"update": 4, "x"')
@@ -401,11 +446,24 @@ def test_eval_every_logs_eval_metrics_and_leaves_training_untouched(tmp_path):
 
 
 def test_eval_every_on_memory_cue_reports_success(tmp_path):
-    cfg = load_config(None, ["env.id=rl_replay/MemoryCue-v0", "env.kwargs={delay: 3}", "env.num_envs=4",
-                             "collector.num_steps=5", "collector.mode=episode", "agent.target=gru",
-                             "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}", "log.progress=false",
-                             "log.wandb_mode=disabled", "total_env_steps=40", "eval.every=1", "eval.episodes=6",
-                             f"run_dir={tmp_path / 'run'}"])
+    cfg = load_config(
+        None,
+        [
+            "env.id=rl_replay/MemoryCue-v0",
+            "env.kwargs={delay: 3}",
+            "env.num_envs=4",
+            "collector.num_steps=5",
+            "collector.mode=episode",
+            "agent.target=gru",
+            "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
+            "log.progress=false",
+            "log.wandb_mode=disabled",
+            "total_env_steps=40",
+            "eval.every=1",
+            "eval.episodes=6",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+    )
     build(cfg).train()
     rows = read_metrics(tmp_path / "run")
     assert len(rows) == 2
@@ -447,8 +505,7 @@ def test_init_from_errors_name_the_source_and_write_nothing(tmp_path):
     with pytest.raises(SetupError, match=r"init_from=.*nothing.*no checkpoint there"):
         build(tiny_cfg(tmp_path / "a", 1, f"init_from={tmp_path / 'nothing'}"))
     with pytest.raises(SetupError, match=r"init_from=.*source.*does not fit this run's agent.*agent\.kwargs"):
-        build(tiny_cfg(tmp_path / "b", 1, f"init_from={tmp_path / 'source'}",
-                       "agent.kwargs={hidden_sizes: [32, 32]}"))
+        build(tiny_cfg(tmp_path / "b", 1, f"init_from={tmp_path / 'source'}", "agent.kwargs={hidden_sizes: [32, 32]}"))
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -24,19 +24,26 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from _checkpoint_files import write_format2, write_headed_pickle
-from rl_replay import safe_tree, trust
-from rl_replay.checkpoint import ENV_STATE_NAME, checkpoint_path, load_checkpoint, read_env_state
-from rl_replay.cli import convert_main, evaluate_main
+
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.trainer import build
+from rl_replay.run import safe_tree, trust
+from rl_replay.run.checkpoint import ENV_STATE_NAME, checkpoint_path, load_checkpoint, read_env_state
+from rl_replay.run.cli import convert_main, evaluate_main
+from rl_replay.run.setup import build
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
-TINY = ("env.id=CartPole-v1", "env.num_envs=2", "collector.num_steps=8", "agent.kwargs={hidden_sizes: [16]}",
-        "log.progress=false", "log.wandb_mode=disabled", "optim.anneal_lr=false")
+TINY = (
+    "env.id=CartPole-v1",
+    "env.num_envs=2",
+    "collector.num_steps=8",
+    "agent.kwargs={hidden_sizes: [16]}",
+    "log.progress=false",
+    "log.wandb_mode=disabled",
+    "optim.anneal_lr=false",
+)
 BATCH = 16
 
 
@@ -99,9 +106,11 @@ def test_a_planted_legacy_checkpoint_runs_nothing_under_evaluate_init_from_and_r
         torch.save(state, checkpoint_path(victim))
     (victim / "checkpoint.prev.pt").unlink()  # a fallback would hide what the latest file does
     kind = "in the format-1 layout" if layout == "headed" else r"a bare torch.save file \(no header\)"
-    refusal = (rf"checkpoint {re.escape(str(checkpoint_path(victim)))} is {kind}: a pickle, which can run any "
-               rf"code when loaded, so it is not loaded\. If you trust where it came from, convert it: python "
-               rf"scripts/convert_checkpoint\.py {re.escape(str(checkpoint_path(victim)))} --trust$")
+    refusal = (
+        rf"checkpoint {re.escape(str(checkpoint_path(victim)))} is {kind}: a pickle, which can run any "
+        rf"code when loaded, so it is not loaded\. If you trust where it came from, convert it: python "
+        rf"scripts/convert_checkpoint\.py {re.escape(str(checkpoint_path(victim)))} --trust$"
+    )
 
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
     err = capsys.readouterr().err.strip()
@@ -122,13 +131,19 @@ def test_the_scripts_refuse_a_planted_checkpoint_in_one_line_with_exit_code_2(ru
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "PYTHONPATH": f"{REPO}{os.pathsep}{TESTS}"}
     commands = {
         "evaluate": [REPO / "scripts" / "evaluate.py", victim, "--episodes", "1"],
-        "init_from": [REPO / "scripts" / "train.py", *TINY, f"total_env_steps={BATCH}", f"init_from={victim}",
-                      f"run_dir={tmp_path / 'warm'}"],
+        "init_from": [
+            REPO / "scripts" / "train.py",
+            *TINY,
+            f"total_env_steps={BATCH}",
+            f"init_from={victim}",
+            f"run_dir={tmp_path / 'warm'}",
+        ],
         "resume": [REPO / "scripts" / "train.py", "--resume", victim],
     }
     for name, args in commands.items():
-        proc = subprocess.run([sys.executable, *map(str, args)], env=env, cwd=tmp_path, capture_output=True,
-                              text=True, timeout=240)
+        proc = subprocess.run(
+            [sys.executable, *map(str, args)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240
+        )
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and "convert_checkpoint.py" in lines[0], (name, proc.stderr)
     assert not marker.exists()
@@ -172,8 +187,7 @@ def _plant_env_state(victim: Path, marker: Path, key: bytes | None) -> None:
     fields["sha256"], fields["size"] = hashlib.sha256(data).hexdigest(), str(len(data))
     if key is not None:
         fields["key"], fields["hmac-sha256"] = trust.fingerprint(key), trust.sign(data, key)
-    path.write_bytes(("RLREPLAY-ENVSTATE 1 " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n").encode()
-                     + data)
+    path.write_bytes(("RLREPLAY-ENVSTATE 1 " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n").encode() + data)
     state = load_checkpoint(victim)
     state["env_state"] = fields["sha256"]
     write_format2(state, checkpoint_path(victim))
@@ -189,8 +203,7 @@ def test_a_planted_env_state_is_never_unpickled_and_the_resume_starts_fresh_epis
     with pytest.warns(UserWarning) as caught:
         resumed = build(resume=victim, overrides=(f"total_env_steps={3 * BATCH}",))
     try:
-        why = ("changed after it was written" if signer == "tampered"
-               else "written by another user or machine")
+        why = "changed after it was written" if signer == "tampered" else "written by another user or machine"
         messages = [str(w.message) for w in caught if "environment state is not used" in str(w.message)]
         assert len(messages) == 1 and why in messages[0] and "--trust-env-state" in messages[0], messages
         assert "\n" not in messages[0]
@@ -228,16 +241,29 @@ def test_a_run_copied_to_another_user_resumes_with_fresh_envs_or_exactly_with_th
 
 def test_the_trust_flag_names_the_risk_and_needs_resume(run, tmp_path):
     victim = copy_run(run, tmp_path / "victim")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled",
-           "RL_REPLAY_CONFIG_DIR": str(tmp_path / "other_user")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "WANDB_MODE": "disabled",
+        "RL_REPLAY_CONFIG_DIR": str(tmp_path / "other_user"),
+    }
     train = str(REPO / "scripts" / "train.py")
-    proc = subprocess.run([sys.executable, train, "--resume", str(victim), "--trust-env-state",
-                           f"total_env_steps={3 * BATCH}"], env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, train, "--resume", str(victim), "--trust-env-state", f"total_env_steps={3 * BATCH}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"warning: --trust-env-state: unpickling .*env_state\.pkl, which was written by another user "
-                     r"or machine .*a pickle can run any code", proc.stderr), proc.stderr
-    proc = subprocess.run([sys.executable, train, "--trust-env-state"], env=env, capture_output=True, text=True,
-                          timeout=240)
+    assert re.search(
+        r"warning: --trust-env-state: unpickling .*env_state\.pkl, which was written by another user "
+        r"or machine .*a pickle can run any code",
+        proc.stderr,
+    ), proc.stderr
+    proc = subprocess.run(
+        [sys.executable, train, "--trust-env-state"], env=env, capture_output=True, text=True, timeout=240
+    )
     assert proc.returncode == 2 and "--trust-env-state applies to --resume" in proc.stderr
 
 
@@ -248,7 +274,7 @@ def test_env_state_is_found_by_the_checksum_its_checkpoint_names(run, tmp_path):
     key = trust.user_secret()
     digest = load_checkpoint(victim)["env_state"]
     (victim / ENV_STATE_NAME).rename(victim / "env_state.prev.pkl")
-    from rl_replay.checkpoint import save_env_state
+    from rl_replay.run.checkpoint import save_env_state
 
     save_env_state([b"not the checkpoint's"], tmp_path / "elsewhere", key)
     (tmp_path / "elsewhere" / ENV_STATE_NAME).rename(victim / ENV_STATE_NAME)
@@ -266,11 +292,17 @@ def test_a_checkpoint_lacking_what_the_command_needs_is_one_line(run, tmp_path, 
     write_format2({"agent": {"bogus": torch.zeros(2)}, "update": 1, "env_steps": 16}, checkpoint_path(victim))
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
     err = capsys.readouterr().err.strip()
-    assert re.fullmatch(rf"error: checkpoint {re.escape(str(checkpoint_path(victim)))} does not fit the agent its "
-                        r"config\.yaml builds \(missing .*; unexpected bogus\): .*", err), err
-    with pytest.raises(SetupError, match=rf"checkpoint {re.escape(str(checkpoint_path(victim)))} lacks 'optimizer', "
-                                         r"'collector', 'rng', 'recent_returns', 'config', 'world_size', which "
-                                         r"--resume needs"):
+    assert re.fullmatch(
+        rf"error: checkpoint {re.escape(str(checkpoint_path(victim)))} does not fit the agent its "
+        r"config\.yaml builds \(missing .*; unexpected bogus\): .*",
+        err,
+    ), err
+    with pytest.raises(
+        SetupError,
+        match=rf"checkpoint {re.escape(str(checkpoint_path(victim)))} lacks 'optimizer', "
+        r"'collector', 'rng', 'recent_returns', 'config', 'world_size', which "
+        r"--resume needs",
+    ):
         build(resume=victim)
     write_format2({"agent": {}}, checkpoint_path(victim))
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
@@ -278,16 +310,25 @@ def test_a_checkpoint_lacking_what_the_command_needs_is_one_line(run, tmp_path, 
 
 
 # ----------------------------------------------------------------- foreign config targets
-@pytest.mark.parametrize("override, message", [
-    ("agent.target=custom_agent_module:plant_marker", r"agent\.target 'custom_agent_module:plant_marker' is "
-                                                      r"<function plant_marker .*>, not a subclass of rl_replay\.Agent"),
-    ("env.wrappers=[{target: 'custom_agent_module:plant_marker'}]",
-     r"env\.wrappers\[0\]\.target 'custom_agent_module:plant_marker' is <function .*>, not a gymnasium\.Wrapper "
-     r"subclass"),
-    ("env.id=custom_agent_module:plant_marker", r"unknown environment id 'plant_marker'"),
-])
-def test_a_foreign_config_calls_nothing_but_agents_wrappers_and_registered_envs(run, tmp_path, override, message,
-                                                                                 capsys, monkeypatch):
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "agent.target=custom_agent_module:plant_marker",
+            r"agent\.target 'custom_agent_module:plant_marker' is "
+            r"<function plant_marker .*>, not a subclass of rl_replay\.Agent",
+        ),
+        (
+            "env.wrappers=[{target: 'custom_agent_module:plant_marker'}]",
+            r"env\.wrappers\[0\]\.target 'custom_agent_module:plant_marker' is <function .*>, not a gymnasium\.Wrapper "
+            r"subclass",
+        ),
+        ("env.id=custom_agent_module:plant_marker", r"unknown environment id 'plant_marker'"),
+    ],
+)
+def test_a_foreign_config_calls_nothing_but_agents_wrappers_and_registered_envs(
+    run, tmp_path, override, message, capsys, monkeypatch
+):
     import custom_agent_module
 
     victim = copy_run(run, tmp_path / "victim")
@@ -311,11 +352,16 @@ def test_the_secret_is_made_private_on_first_use_and_refused_when_others_can_rea
     assert len(key) == 32 and trust.user_secret() == key
     assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     path.chmod(0o644)
-    with pytest.raises(SetupError, match=rf"{re.escape(str(path))} is readable by other users \(mode 0644\).*"
-                                         rf"chmod 600 {re.escape(str(path))}$"):
+    with pytest.raises(
+        SetupError,
+        match=rf"{re.escape(str(path))} is readable by other users \(mode 0644\).*"
+        rf"chmod 600 {re.escape(str(path))}$",
+    ):
         trust.user_secret()
     monkeypatch.delenv("RL_REPLAY_CONFIG_DIR")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
     assert trust.secret_path() == tmp_path / "xdg" / "rl_replay" / "secret.key"
     assert trust.user_secret() != key
-    assert trust.verify(b"data", trust.sign(b"data", key), key) and not trust.verify(b"data!", trust.sign(b"data", key), key)
+    assert trust.verify(b"data", trust.sign(b"data", key), key) and not trust.verify(
+        b"data!", trust.sign(b"data", key), key
+    )

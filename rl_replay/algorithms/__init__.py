@@ -5,7 +5,7 @@ arguments, ``cls(cfg, collector, model, optimizer, info=..., device=..., guard=.
 owns collection and optimisation of one update (it holds the collector, the model and the
 optimizer); the trainer only anneals the learning rate, calls ``update()`` and logs. Every
 optimizer step goes through :func:`rl_replay.algorithms.common.optimizer_step`; the loss
-math is pure functions in :mod:`rl_replay.losses`.
+math is pure functions in :mod:`rl_replay.algorithms.losses`.
 
 =============  ==========================================================================
 ``a2c``        :class:`~rl_replay.algorithms.a2c.A2C`: GAE actor-critic
@@ -34,12 +34,21 @@ from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, clip_grad_norm, optimizer_step
 from rl_replay.algorithms.ppo import PPO
 from rl_replay.algorithms.reinforce import REINFORCE
-from rl_replay.collector import Collector
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
+from rl_replay.rollout.collector import Collector
 
-__all__ = ["A2C", "PPO", "REGISTRY", "REINFORCE", "Algorithm", "UpdateResult", "clip_grad_norm",
-           "make_algorithm", "optimizer_step"]
+__all__ = [
+    "A2C",
+    "PPO",
+    "REGISTRY",
+    "REINFORCE",
+    "Algorithm",
+    "UpdateResult",
+    "clip_grad_norm",
+    "make_algorithm",
+    "optimizer_step",
+]
 
 #: ``loss.algorithm`` -> the class that runs it.
 REGISTRY: dict[str, type[Algorithm]] = {
@@ -49,13 +58,20 @@ REGISTRY: dict[str, type[Algorithm]] = {
 }
 
 
-def make_algorithm(cfg: Config, collector: Collector, model: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer, info: dist_utils.DistInfo,
-                   device: torch.device, guard: StepGuard | None = None) -> Algorithm:
+def make_algorithm(
+    cfg: Config,
+    collector: Collector,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    info: dist_utils.DistInfo,
+    device: torch.device,
+    guard: StepGuard | None = None,
+) -> Algorithm:
     """The update rule named by ``cfg.loss.algorithm``; ``guard`` checks each optimizer step."""
     try:
         cls = REGISTRY[cfg.loss.algorithm]
     except KeyError:
-        raise ValueError(f"Invalid value for config key 'loss.algorithm': {cfg.loss.algorithm!r}. "
-                         f"Registered: {', '.join(REGISTRY)}") from None
+        raise ValueError(
+            f"Invalid value for config key 'loss.algorithm': {cfg.loss.algorithm!r}. Registered: {', '.join(REGISTRY)}"
+        ) from None
     return cls(cfg, collector, model, optimizer, info=info, device=device, guard=guard)

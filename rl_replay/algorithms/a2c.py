@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from tensordict import TensorDict
 
+from rl_replay.algorithms.losses import a2c_loss
 from rl_replay.algorithms.policy_gradient import PolicyGradient
 from rl_replay.config import LossConfig
-from rl_replay.losses import a2c_loss
 
 __all__ = ["A2C"]
 
 
 class A2C(PolicyGradient):
-    """Advantage actor-critic (:func:`rl_replay.losses.a2c_loss`); no advantage normalisation by default."""
+    """Advantage actor-critic (:func:`rl_replay.algorithms.losses.a2c_loss`); no advantage normalisation by default."""
 
     @classmethod
     def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
         return a2c_loss(
-            data, gamma=loss.gamma, gae_lambda=loss.gae_lambda, value_coef=loss.value_coef,
-            entropy_coef=loss.entropy_coef, normalize_advantages=cls.normalize_advantages(loss),
+            data,
+            gamma=loss.gamma,
+            gae_lambda=loss.gae_lambda,
+            value_coef=loss.value_coef,
+            entropy_coef=loss.entropy_coef,
+            normalize_advantages=cls.normalize_advantages(loss),
         )

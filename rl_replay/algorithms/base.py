@@ -9,9 +9,9 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay.algorithms.common import UpdateResult
-from rl_replay.collector import Collector
 from rl_replay.config import Config, LossConfig
 from rl_replay.guards import StepGuard
+from rl_replay.rollout.collector import Collector
 
 __all__ = ["Algorithm"]
 
@@ -37,9 +37,17 @@ class Algorithm(ABC):
     #: Whether advantages are normalised when ``loss.normalize_advantages`` is None.
     normalizes_advantages_by_default: ClassVar[bool] = False
 
-    def __init__(self, cfg: Config, collector: Collector, model: torch.nn.Module,
-                 optimizer: torch.optim.Optimizer, *, info: dist_utils.DistInfo | None = None,
-                 device: torch.device | str = "cpu", guard: StepGuard | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        collector: Collector,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        info: dist_utils.DistInfo | None = None,
+        device: torch.device | str = "cpu",
+        guard: StepGuard | None = None,
+    ) -> None:
         self.cfg = cfg
         self.collector = collector
         self.model = model

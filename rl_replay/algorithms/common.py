@@ -5,12 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
 from tensordict import TensorDict
 
-from rl_replay.collector import Rollout
+from rl_replay.algorithms.losses import total_loss
 from rl_replay.guards import StepGuard
-from rl_replay.losses import total_loss
+from rl_replay.rollout.collector import Rollout
 
 __all__ = ["UpdateResult", "clip_grad_norm", "optimizer_step"]
 
@@ -46,8 +45,13 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
-def optimizer_step(terms: TensorDict, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                   max_grad_norm: float | None, guard: StepGuard | None = None) -> torch.Tensor:
+def optimizer_step(
+    terms: TensorDict,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    guard: StepGuard | None = None,
+) -> torch.Tensor:
     """backward of ``total_loss(terms)`` -> clip -> ``optimizer.step()`` -> ``zero_grad``.
 
     Every optimizer step of every algorithm goes through here, so the run's non-finite

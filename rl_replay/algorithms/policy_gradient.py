@@ -9,10 +9,10 @@ from tensordict import TensorDict
 
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Rollout
 from rl_replay.config import LossConfig
 from rl_replay.engine import GradientAccumulator
-from rl_replay.sequence import replay_sequence
+from rl_replay.rollout.collector import Rollout
+from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["PolicyGradient"]
 
@@ -22,7 +22,7 @@ class PolicyGradient(Algorithm):
 
     With ``collector.block_steps`` 1 collection records one replay block per step. With k > 1
     the rollout is collected under ``no_grad`` and its stored rows are replayed from the
-    rollout's start state in blocks of k steps (:func:`rl_replay.sequence.replay_sequence`,
+    rollout's start state in blocks of k steps (:func:`rl_replay.rollout.sequence.replay_sequence`,
     PPO's path): the same outputs and gradients for a deterministic agent, an extra forward
     per step, and the per-block machinery paid once per k steps instead of every step.
     Either way the loss over the whole rollout is back-propagated once, which replays every
@@ -32,7 +32,7 @@ class PolicyGradient(Algorithm):
     @classmethod
     @abstractmethod
     def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
-        """The named loss terms (see :mod:`rl_replay.losses`) of a collected (T, N) rollout."""
+        """The named loss terms (see :mod:`rl_replay.algorithms.losses`) of a collected (T, N) rollout."""
 
     def collect(self) -> Rollout:
         """One rollout whose ``log_prob``, ``entropy`` and ``value`` are attached to autograd
@@ -43,9 +43,17 @@ class PolicyGradient(Algorithm):
         rollout = self.collector.collect(graph=False)
         rollout.accumulator = GradientAccumulator()
         # next_value stays the collection's (detached; the same numbers).
-        rollout.data.update(replay_sequence(
-            self.model, self.collector.policy, rollout.data, rollout.start_state, rollout.accumulator,
-            self.collector.bptt_truncate, block_steps=block_steps))
+        rollout.data.update(
+            replay_sequence(
+                self.model,
+                self.collector.policy,
+                rollout.data,
+                rollout.start_state,
+                rollout.accumulator,
+                self.collector.bptt_truncate,
+                block_steps=block_steps,
+            )
+        )
         return rollout
 
     def update(self) -> UpdateResult:

@@ -1,11 +1,11 @@
 """Recurrent PPO on replay blocks: whole-sequence minibatches whose memory does not grow with T.
 
 Collection runs the policy without a graph and keeps what the update needs (see
-:meth:`rl_replay.collector.Collector.collect` with ``graph=False``). GAE is computed once
+:meth:`rl_replay.rollout.collector.Collector.collect` with ``graph=False``). GAE is computed once
 per rollout. Each epoch shuffles the environments and splits them into
 ``num_minibatches`` groups; a minibatch is the whole T-step sequence of its envs. Its
 steps are re-run as replay blocks from the envs' stored start state
-(:func:`rl_replay.sequence.replay_sequence`), the recurrent state
+(:func:`rl_replay.rollout.sequence.replay_sequence`), the recurrent state
 flowing from block to block (agents reset it inside the block at ``is_first``, exactly as
 in collection), so the gradient spans the whole sequence while only the blocks' inputs
 are kept: peak memory is the minibatch's saved block inputs plus one block's activations.
@@ -23,13 +23,13 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
-from rl_replay.engine import GradientAccumulator
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.collector import Rollout
+from rl_replay.algorithms.losses import gae_targets, ppo_loss
 from rl_replay.config import Config
-from rl_replay.losses import gae_targets, ppo_loss
-from rl_replay.sequence import replay_sequence
+from rl_replay.engine import GradientAccumulator
+from rl_replay.rollout.collector import Rollout
+from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["PPO"]
 
@@ -46,10 +46,13 @@ class PPO(Algorithm):
     def loss(cls, batch: TensorDict, cfg: Config) -> TensorDict:
         """The named loss terms of one minibatch: the replayed ``log_prob`` / ``entropy`` /
         ``value`` with the stored ``old_log_prob``, ``old_value``, ``advantage``, ``return``
-        and ``valid`` (:func:`rl_replay.losses.ppo_loss` with the run's settings)."""
+        and ``valid`` (:func:`rl_replay.algorithms.losses.ppo_loss` with the run's settings)."""
         return ppo_loss(
-            batch, clip_coef=cfg.ppo.clip_coef, clip_vloss=cfg.ppo.clip_vloss,
-            value_coef=cfg.loss.value_coef, entropy_coef=cfg.loss.entropy_coef,
+            batch,
+            clip_coef=cfg.ppo.clip_coef,
+            clip_vloss=cfg.ppo.clip_vloss,
+            value_coef=cfg.loss.value_coef,
+            entropy_coef=cfg.loss.entropy_coef,
             normalize_advantages=cls.normalize_advantages(cfg.loss),
         )
 
@@ -67,11 +70,18 @@ class PPO(Algorithm):
         data = rollout.data
         T, N = data.batch_size
         advantages, returns, explained_variance = gae_targets(
-            data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda)
+            data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda
+        )
         stored = TensorDict(
-            observation=data["observation"], is_first=data["is_first"], action=data["action"],
-            old_log_prob=data["log_prob"], old_value=data["value"], advantage=advantages,
-            **{"return": returns}, valid=data["valid"], batch_size=[T, N],
+            observation=data["observation"],
+            is_first=data["is_first"],
+            action=data["action"],
+            old_log_prob=data["log_prob"],
+            old_value=data["value"],
+            advantage=advantages,
+            **{"return": returns},
+            valid=data["valid"],
+            batch_size=[T, N],
         )
         per_mb = N // p.num_minibatches  # config validation guarantees it divides
         sums: dict[str, float] = {}
@@ -82,9 +92,8 @@ class PPO(Algorithm):
         for _ in range(p.epochs):
             order = torch.randperm(N)
             for k in range(p.num_minibatches):
-                envs = order[k * per_mb:(k + 1) * per_mb]
-                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(
-                    stored[:, envs], rollout.start_state[envs])
+                envs = order[k * per_mb : (k + 1) * per_mb]
+                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(stored[:, envs], rollout.start_state[envs])
                 grad_norms.append(float(grad_norm))
                 saved_bytes = max(saved_bytes, mb_saved)
                 replay_sec += mb_replay_sec
@@ -96,12 +105,14 @@ class PPO(Algorithm):
                 break
         steps = len(grad_norms)
         metrics = {"train/" + key: value / steps for key, value in sums.items()}
-        metrics.update({
-            "train/explained_variance": float(explained_variance),
-            "train/epochs_run": float(epochs_run),
-            "memory/replay_saved_bytes": float(saved_bytes),
-            "time/replay_recompute_sec": replay_sec,
-        })
+        metrics.update(
+            {
+                "train/explained_variance": float(explained_variance),
+                "train/epochs_run": float(epochs_run),
+                "memory/replay_saved_bytes": float(saved_bytes),
+                "time/replay_recompute_sec": replay_sec,
+            }
+        )
         return metrics, sum(grad_norms) / steps
 
     def _minibatch(self, mb: TensorDict, start_state: TensorDict):
@@ -110,8 +121,15 @@ class PPO(Algorithm):
         Returns (detached loss terms, pre-clip grad norm, saved block-input bytes, replay seconds).
         """
         acc = GradientAccumulator()
-        new = replay_sequence(self.model, self.collector.policy, mb, start_state, acc,
-                              self.collector.bptt_truncate, block_steps=self.cfg.ppo.block_steps)
+        new = replay_sequence(
+            self.model,
+            self.collector.policy,
+            mb,
+            start_state,
+            acc,
+            self.collector.bptt_truncate,
+            block_steps=self.cfg.ppo.block_steps,
+        )
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
         terms = self.loss(batch, self.cfg)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)

@@ -4,19 +4,23 @@ from __future__ import annotations
 
 from tensordict import TensorDict
 
+from rl_replay.algorithms.losses import reinforce_loss
 from rl_replay.algorithms.policy_gradient import PolicyGradient
 from rl_replay.config import LossConfig
-from rl_replay.losses import reinforce_loss
 
 __all__ = ["REINFORCE"]
 
 
 class REINFORCE(PolicyGradient):
-    """REINFORCE (:func:`rl_replay.losses.reinforce_loss`); no advantage normalisation by default."""
+    """REINFORCE (:func:`rl_replay.algorithms.losses.reinforce_loss`); no advantage normalisation by default."""
 
     @classmethod
     def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
         return reinforce_loss(
-            data, gamma=loss.gamma, baseline=loss.baseline, value_coef=loss.value_coef,
-            entropy_coef=loss.entropy_coef, normalize_advantages=cls.normalize_advantages(loss),
+            data,
+            gamma=loss.gamma,
+            baseline=loss.baseline,
+            value_coef=loss.value_coef,
+            entropy_coef=loss.entropy_coef,
+            normalize_advantages=cls.normalize_advantages(loss),
         )

@@ -26,5 +26,12 @@ from rl_replay.engine.errors import ReplayError
 from rl_replay.engine.replay import StateWatch, checkpoint_fsdp_forward, replay
 from rl_replay.engine.steps import replay_steps
 
-__all__ = ["GradientAccumulator", "ReplayError", "StateWatch", "checkpoint_fsdp_forward",
-           "keep_freed_memory", "replay", "replay_steps"]
+__all__ = [
+    "GradientAccumulator",
+    "ReplayError",
+    "StateWatch",
+    "checkpoint_fsdp_forward",
+    "keep_freed_memory",
+    "replay",
+    "replay_steps",
+]

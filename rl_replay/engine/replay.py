@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, nullcontext
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.autograd.graph import _engine_run_backward
 from tensordict import TensorDict, TensorDictBase
+from torch.autograd.graph import _engine_run_backward
 
 from rl_replay.engine.accumulator import _ACCUMULATOR_KEY, GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
@@ -158,10 +158,11 @@ class _ModelPlan(StateWatch):
         self.absorb = bool(self.fsdp_units)
         super().__init__(model)
         self.params: tuple[torch.nn.Parameter, ...] = (
-            () if module is None else tuple(p for p in module.parameters() if p.requires_grad))
+            () if module is None else tuple(p for p in module.parameters() if p.requires_grad)
+        )
         self.site: weakref.ref | None = None  # the last block's site, weakly (see _Site)
 
-    def check_versions(self, before: list[int], when: str, block: "_ReplayCtx") -> list[int]:
+    def check_versions(self, before: list[int], when: str, block: _ReplayCtx) -> list[int]:
         """``before`` if nothing watched changed since; raises ReplayError otherwise."""
         changed = self.changed(before)
         if not changed:
@@ -248,9 +249,7 @@ def _fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
         strategy = sub.sharding_strategy
         # FSDP1 itself turns FULL_SHARD into NO_SHARD when the world has one rank.
         single_rank = getattr(sub, "world_size", None) == 1
-        if strategy != ShardingStrategy.FULL_SHARD and not (
-            single_rank and strategy == ShardingStrategy.NO_SHARD
-        ):
+        if strategy != ShardingStrategy.FULL_SHARD and not (single_rank and strategy == ShardingStrategy.NO_SHARD):
             raise ReplayError(
                 _PREFIX + f"{where} uses sharding strategy {strategy.name}; replay supports "
                 "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
@@ -264,8 +263,7 @@ def _tensordict_leaves(value: Any, out: list[torch.Tensor]) -> None:
     """The tensors inside TensorDicts in ``value``, however nested in dicts, lists and
     tuples (FSDP1's own traversal finds every other tensor but skips these)."""
     if isinstance(value, TensorDictBase):
-        out.extend(t for t in value.values(include_nested=True, leaves_only=True)
-                   if isinstance(t, torch.Tensor))
+        out.extend(t for t in value.values(include_nested=True, leaves_only=True) if isinstance(t, torch.Tensor))
     elif isinstance(value, Mapping):
         for v in value.values():
             _tensordict_leaves(v, out)
@@ -340,9 +338,12 @@ class _KwargsLayout:
         return dict(zip(self.keys, args))
 
     def __eq__(self, other: object) -> bool:
-        return (isinstance(other, _KwargsLayout) and self.keys == other.keys
-                and self.positions == other.positions
-                and all(_same_value(a, b) for a, b in zip(self.values, other.values)))
+        return (
+            isinstance(other, _KwargsLayout)
+            and self.keys == other.keys
+            and self.positions == other.positions
+            and all(_same_value(a, b) for a, b in zip(self.values, other.values))
+        )
 
     __hash__ = None  # mutable-free but compared structurally; never a dict key
 
@@ -379,8 +380,7 @@ class _TDSpec:
 
     def build(self, leaves: Iterator[torch.Tensor]) -> TensorDict:
         """The TensorDict of this structure holding the next leaves of ``leaves``."""
-        source = {key: next(leaves) if child is None else child.build(leaves)
-                  for key, child in self.entries}
+        source = {key: next(leaves) if child is None else child.build(leaves) for key, child in self.entries}
         device = self.device
         if device is not None and any(v.device != device for v in source.values()):
             device = None  # as the pytree path: a device only if every entry is on it
@@ -389,8 +389,7 @@ class _TDSpec:
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
         """The model's keyword arguments: top-level entries, nested ones as TensorDicts."""
         leaves = iter(tensors)
-        return {key: next(leaves) if child is None else child.build(leaves)
-                for key, child in self.entries}
+        return {key: next(leaves) if child is None else child.build(leaves) for key, child in self.entries}
 
 
 _SPECS: dict[tuple, _TDSpec] = {}
@@ -466,8 +465,18 @@ class _Site:
     and a block reuses it when nothing differs.
     """
 
-    __slots__ = ("model", "plan", "accumulator", "layout", "context_fn", "device",
-                 "out_spec", "last", "interned", "__weakref__")
+    __slots__ = (
+        "model",
+        "plan",
+        "accumulator",
+        "layout",
+        "context_fn",
+        "device",
+        "out_spec",
+        "last",
+        "interned",
+        "__weakref__",
+    )
 
     def __init__(self, model, plan, accumulator, layout, context_fn, device) -> None:
         self.model = model
@@ -487,9 +496,13 @@ class _Site:
         return layout.call(self.model, tensors)  # a multi-step block (engine/steps.py)
 
     def matches(self, model, accumulator, layout, context_fn, device) -> bool:
-        return (self.model is model and self.accumulator is accumulator
-                and self.context_fn is context_fn and self.device == device
-                and self.layout == layout)
+        return (
+            self.model is model
+            and self.accumulator is accumulator
+            and self.context_fn is context_fn
+            and self.device == device
+            and self.layout == layout
+        )
 
     def intern_last(self, versions: tuple) -> tuple:
         """``versions``, or the equal tuple the previous block keeps."""
@@ -514,7 +527,7 @@ class _RestoredState:
 
     __slots__ = ("block", "stack")
 
-    def __init__(self, block: "_ReplayCtx") -> None:
+    def __init__(self, block: _ReplayCtx) -> None:
         self.block = block
         self.stack = None
 
@@ -544,7 +557,7 @@ def _same(t):
     return t
 
 
-def _save_inputs(tensors: Sequence[torch.Tensor], site: "_Site"):
+def _save_inputs(tensors: Sequence[torch.Tensor], site: _Site):
     """What a block saves of its inputs (Rule 1): ``(saved, devices, versions, slices)``.
 
     ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
@@ -656,9 +669,14 @@ def _place_outputs(flat: tuple, inputs: Sequence[torch.Tensor], slabs) -> tuple:
     placed: dict[int, torch.Tensor] = {}
     out = []
     for position, o in enumerate(flat):
-        if (type(o) is not torch.Tensor or o.is_cuda or o.layout != torch.strided
-                or o.numel() == 0 or not _dense(o)
-                or o.untyped_storage().data_ptr() in inputs_storage):
+        if (
+            type(o) is not torch.Tensor
+            or o.is_cuda
+            or o.layout != torch.strided
+            or o.numel() == 0
+            or not _dense(o)
+            or o.untyped_storage().data_ptr() in inputs_storage
+        ):
             out.append(o)
             continue
         p = placed.get(id(o))
@@ -828,9 +846,20 @@ class _ReplayCtx(_ReplayFunction._backward_cls):  # type: ignore[misc, name-defi
     keeps anyway) says which inputs get gradients.
     """
 
-    __slots__ = ("site", "index", "cpu_rng", "cuda_device", "cuda_rng", "autocast",
-                 "recompute_context", "num_outputs", "versions", "input_versions",
-                 "input_devices", "input_slices")
+    __slots__ = (
+        "site",
+        "index",
+        "cpu_rng",
+        "cuda_device",
+        "cuda_rng",
+        "autocast",
+        "recompute_context",
+        "num_outputs",
+        "versions",
+        "input_versions",
+        "input_devices",
+        "input_slices",
+    )
 
     def capture_state(self) -> None:
         self.cpu_rng = torch.get_rng_state()
@@ -844,9 +873,7 @@ class _ReplayCtx(_ReplayFunction._backward_cls):  # type: ignore[misc, name-defi
         self.cuda_device = cuda_device
         self.cuda_rng = None if cuda_device is None else torch.cuda.get_rng_state(cuda_device)
         types = ("cpu",) if cuda_device is None else ("cpu", "cuda")
-        autocast = tuple(
-            (t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types
-        )
+        autocast = tuple((t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types)
         # Interned: every block of a rollout usually has the same state (kept until backward).
         self.autocast = _AUTOCAST_STATES.setdefault(autocast, autocast)
 
@@ -871,8 +898,9 @@ class _ReplayCtx(_ReplayFunction._backward_cls):  # type: ignore[misc, name-defi
 _ReplayFunction._backward_cls = _ReplayCtx
 
 
-def _recompute_and_backward(block: _ReplayCtx, saved: Sequence[torch.Tensor],
-                            requires_grad: Sequence[bool], grads) -> tuple:
+def _recompute_and_backward(
+    block: _ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
+) -> tuple:
     """Recompute one block with grad enabled and back-propagate ``grads`` through it;
     returns the gradients of its inputs (None where an input does not require grad)."""
     inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
@@ -909,8 +937,9 @@ def _backward_from(block: _ReplayCtx, flat: Sequence[torch.Tensor], grads: Seque
         # graph itself): ``torch.autograd.backward`` would only re-check what autograd
         # already guarantees for ``grads`` (one per output, of its dtype and device) and
         # the shapes compared above.
-        _engine_run_backward(tuple(roots), tuple(root_grads), False, False, (), allow_unreachable=True,
-                             accumulate_grad=True)
+        _engine_run_backward(
+            tuple(roots), tuple(root_grads), False, False, (), allow_unreachable=True, accumulate_grad=True
+        )
 
 
 # ----------------------------------------------------------------------- shared driver
@@ -1091,7 +1120,8 @@ def checkpoint_fsdp_forward(
             _check_metadata(key, value)
     if not positions:
         raise ValueError(
-            _PREFIX + "checkpoint_fsdp_forward needs at least one tensor keyword input; got "
+            _PREFIX
+            + "checkpoint_fsdp_forward needs at least one tensor keyword input; got "
             + (", ".join(f"{k}={type(v).__name__}" for k, v in kwargs.items()) or "no inputs")
             + ". Pass the observation (or another tensor) as a keyword argument."
         )
@@ -1131,9 +1161,11 @@ def _accumulator_from(accumulated: GradientAccumulator | dict) -> GradientAccumu
 
 
 def _check_metadata(key: str, value: Any) -> None:
-    if isinstance(value, (list, tuple, dict, set, frozenset, TensorDictBase)) and any(
-        isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)
-    ) or isinstance(value, TensorDictBase):
+    if (
+        isinstance(value, (list, tuple, dict, set, frozenset, TensorDictBase))
+        and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value))
+        or isinstance(value, TensorDictBase)
+    ):
         raise ValueError(
             _PREFIX + f"keyword '{key}' is a {type(value).__name__} containing tensors; tensors "
             "must be passed directly as keyword arguments so they can be saved and get "

@@ -18,15 +18,15 @@ contributions first and differ in the last bits.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.replay import (ContextFn, _apply, _backward_from, _flatten_td, _intern_spec, _ReplayCtx,
-                                     _TDSpec)
+from rl_replay.engine.replay import ContextFn, _apply, _backward_from, _flatten_td, _intern_spec, _ReplayCtx, _TDSpec
 
 __all__ = ["replay_steps"]
 
@@ -51,7 +51,8 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, _TDSpec, _TDSpec
     """One step's outputs as (head leaves, state leaves, heads spec, state spec)."""
     if type(out) is not TensorDict or "state" not in out.keys():
         raise TypeError(
-            _PREFIX + f"replay_steps: {type(model).__name__} returned {type(out).__name__}"
+            _PREFIX
+            + f"replay_steps: {type(model).__name__} returned {type(out).__name__}"
             + ("" if type(out) is not TensorDict else f" with keys {sorted(out.keys())}")
             + "; each step must return a TensorDict with a 'state' entry (the next step's state) "
             "besides its other outputs."
@@ -125,8 +126,9 @@ class _StepsLayout:
         stacked = _stacked(heads_spec, self.k).build(iter([torch.stack(c) for c in columns]))
         return TensorDict._new_unsafe({"heads": stacked, "state": state}, batch_size=torch.Size([]))
 
-    def recompute_and_backward(self, block: _ReplayCtx, saved: Sequence[torch.Tensor],
-                               requires_grad: Sequence[bool], grads) -> tuple:
+    def recompute_and_backward(
+        self, block: _ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
+    ) -> tuple:
         """Recompute the k steps with grad, then one nested backward per step, newest
         first (see the module docstring for why not one for all)."""
         inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
@@ -155,11 +157,9 @@ class _StepsLayout:
         head_grads, state_grads = list(grads[:num_heads]), list(grads[num_heads:])
         for i in range(self.k - 1, -1, -1):
             heads, state_out, state_in = steps.pop()
-            _backward_from(block, heads + state_out,
-                           [None if g is None else g[i] for g in head_grads] + state_grads)
+            _backward_from(block, heads + state_out, [None if g is None else g[i] for g in head_grads] + state_grads)
             state_grads = [t.grad if t.requires_grad else None for t in state_in]
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
-
 
     def _stepwise(self, block: _ReplayCtx, inputs, step_leaves, state_in, requires_grad, grads) -> tuple:
         """The FSDP1 path: each step recomputed with grad just before its own backward.
@@ -179,8 +179,12 @@ class _StepsLayout:
                 state = self.state_spec.build(iter(state_in))
                 for i in range(k):
                     if uses_rng:
-                        rngs.append((torch.get_rng_state(), None if block.cuda_rng is None
-                                     else torch.cuda.get_rng_state(block.cuda_device)))
+                        rngs.append(
+                            (
+                                torch.get_rng_state(),
+                                None if block.cuda_rng is None else torch.cuda.get_rng_state(block.cuda_device),
+                            )
+                        )
                     if i + 1 == k:
                         break
                     out = model(**self._step_kwargs(step_leaves, i, state))
@@ -190,9 +194,11 @@ class _StepsLayout:
             num_heads = block.num_outputs - len(starts[0])
             head_grads, state_grads = list(grads[:num_heads]), list(grads[num_heads:])
             for i in range(k - 1, -1, -1):
-                leaves = (inputs[self.num_step_leaves:] if i == 0 else
-                          [t.detach().requires_grad_(t.dtype.is_floating_point or t.dtype.is_complex)
-                           for t in starts[i]])
+                leaves = (
+                    inputs[self.num_step_leaves :]
+                    if i == 0
+                    else [t.detach().requires_grad_(t.dtype.is_floating_point or t.dtype.is_complex) for t in starts[i]]
+                )
                 with torch.enable_grad(), block.recompute_state():
                     if uses_rng:
                         cpu, cuda = rngs[i]
@@ -202,14 +208,15 @@ class _StepsLayout:
                     out = model(**self._step_kwargs(step_leaves, i, self.state_spec.build(iter(leaves))))
                 heads, state_out, _, _ = _split_step(out, model)
                 del out
-                _backward_from(block, heads + state_out,
-                               [None if g is None else g[i] for g in head_grads] + state_grads)
+                _backward_from(
+                    block, heads + state_out, [None if g is None else g[i] for g in head_grads] + state_grads
+                )
                 state_grads = [t.grad if t.requires_grad else None for t in leaves]
         site.plan.check_versions(block.versions, "the recompute", block)
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 
-_LAYOUTS: "weakref.WeakValueDictionary[tuple, _StepsLayout]" = weakref.WeakValueDictionary()
+_LAYOUTS: weakref.WeakValueDictionary[tuple, _StepsLayout] = weakref.WeakValueDictionary()
 
 
 def _layout_for(spec: _TDSpec, k: int) -> _StepsLayout:
@@ -268,8 +275,7 @@ def replay_steps(
         heads = TensorDict({key: torch.stack(v) for key, v in columns.items()}, batch_size=[k, *steps.batch_size[1:]])
         return heads, state
     leaves: list[torch.Tensor] = []
-    spec = _flatten_td(TensorDict._new_unsafe({"steps": steps, "state": state}, batch_size=torch.Size([])),
-                       leaves)
+    spec = _flatten_td(TensorDict._new_unsafe({"steps": steps, "state": state}, batch_size=torch.Size([])), leaves)
     if spec is None:
         raise TypeError(
             _PREFIX + "replay_steps takes plain TensorDicts (no subclasses, named dimensions or non-tensor "
@@ -282,10 +288,14 @@ def replay_steps(
     def what(i: int) -> str:
         nonlocal paths
         if paths is None:
-            paths = [("steps",) + (k_ if isinstance(k_, tuple) else (k_,))
-                     for k_, _ in steps.items(include_nested=True, leaves_only=True)]
-            paths += [("state",) + (k_ if isinstance(k_, tuple) else (k_,))
-                      for k_, _ in state.items(include_nested=True, leaves_only=True)]
+            paths = [
+                ("steps",) + (k_ if isinstance(k_, tuple) else (k_,))
+                for k_, _ in steps.items(include_nested=True, leaves_only=True)
+            ]
+            paths += [
+                ("state",) + (k_ if isinstance(k_, tuple) else (k_,))
+                for k_, _ in state.items(include_nested=True, leaves_only=True)
+            ]
         return f"input {paths[i]!r}"
 
     out = _apply(model, accumulator, leaves, _layout_for(spec, k), context_fn, what)

@@ -104,8 +104,7 @@ class _Chunk:
         # A tensor of its own over the chunk's storage (no ``_base``, its own version
         # counter); same strides as the source: dense tensors are a permutation of a
         # contiguous layout over exactly numel elements, and kernels may depend on it.
-        out = torch.empty(0, dtype=like.dtype).set_(
-            storage, start // like.element_size(), like.shape, like.stride())
+        out = torch.empty(0, dtype=like.dtype).set_(storage, start // like.element_size(), like.shape, like.stride())
         self.used = start + nbytes
         self.last = weakref.ref(out)
         self._first = None

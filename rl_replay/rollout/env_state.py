@@ -31,8 +31,15 @@ from gymnasium.wrappers.utils import RunningMeanStd
 
 from rl_replay.errors import SetupError
 
-__all__ = ["pickle_envs", "wrapper_statistics", "vector_statistics", "set_vector_statistics",
-           "pool_statistics", "apply_statistics", "training_statistics"]
+__all__ = [
+    "pickle_envs",
+    "wrapper_statistics",
+    "vector_statistics",
+    "set_vector_statistics",
+    "pool_statistics",
+    "apply_statistics",
+    "training_statistics",
+]
 
 Stats = list[dict[str, Any]]  # one sub-env's: {"wrapper", "attr", "mean", "var", "count"} per RunningMeanStd
 
@@ -51,8 +58,11 @@ def _rebuild_wrapper(cls: type, env: gym.Env, kwargs: dict[str, Any], state: dic
 
 class _EnvPickler(pickle.Pickler):
     def reducer_override(self, obj):
-        if (isinstance(obj, gym.Wrapper) and isinstance(obj, gym.utils.RecordConstructorArgs)
-                and any(_is_local_function(v) for v in vars(obj).values())):
+        if (
+            isinstance(obj, gym.Wrapper)
+            and isinstance(obj, gym.utils.RecordConstructorArgs)
+            and any(_is_local_function(v) for v in vars(obj).values())
+        ):
             # The constructor makes the local function again from its arguments and the inner env.
             state = {k: v for k, v in vars(obj).items() if not _is_local_function(v)}
             return _rebuild_wrapper, (type(obj), obj.env, dict(obj._saved_kwargs), state)
@@ -88,8 +98,16 @@ def _wrapper_name(wrapper: gym.Wrapper) -> str:
 
 def wrapper_statistics(env: gym.Env) -> Stats:
     """The running statistics held by ``env``'s wrappers (outermost first), as numpy copies."""
-    return [{"wrapper": _wrapper_name(w), "attr": name, "mean": np.array(rms.mean), "var": np.array(rms.var),
-             "count": float(rms.count)} for w, name, rms in _holders(env)]
+    return [
+        {
+            "wrapper": _wrapper_name(w),
+            "attr": name,
+            "mean": np.array(rms.mean),
+            "var": np.array(rms.var),
+            "count": float(rms.count),
+        }
+        for w, name, rms in _holders(env)
+    ]
 
 
 # The running statistics of gymnasium's own normalizers: the attributes an async worker's env
@@ -108,8 +126,15 @@ def vector_statistics(envs: gym.vector.VectorEnv) -> list[Stats]:
             continue
         for stats, rms in zip(out, envs.get_attr(attr)):
             if isinstance(rms, RunningMeanStd):
-                stats.append({"wrapper": None, "attr": attr, "mean": np.array(rms.mean),
-                              "var": np.array(rms.var), "count": float(rms.count)})
+                stats.append(
+                    {
+                        "wrapper": None,
+                        "attr": attr,
+                        "mean": np.array(rms.mean),
+                        "var": np.array(rms.var),
+                        "count": float(rms.count),
+                    }
+                )
     return out
 
 
@@ -142,8 +167,9 @@ def pool_statistics(per_env: Sequence[Stats]) -> Stats:
         means = np.stack([np.asarray(e["mean"], dtype=np.float64) for e in entries])
         weights = (counts / total).reshape(-1, *([1] * (means.ndim - 1)))
         mean = (weights * means).sum(0)
-        var = (weights * (np.stack([np.asarray(e["var"], dtype=np.float64) for e in entries])
-                          + (means - mean) ** 2)).sum(0)
+        var = (
+            weights * (np.stack([np.asarray(e["var"], dtype=np.float64) for e in entries]) + (means - mean) ** 2)
+        ).sum(0)
         pooled.append({**entries[0], "mean": mean, "var": var, "count": float(total)})
     return pooled
 

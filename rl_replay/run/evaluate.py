@@ -6,10 +6,10 @@ import numpy as np
 import torch
 
 from rl_replay.agent import Agent
-from rl_replay.env_state import apply_statistics
-from rl_replay.environment import env_episode_return, make_env, make_vector_env
 from rl_replay.errors import SetupError
-from rl_replay.spaces import obs_converter
+from rl_replay.rollout.env_state import apply_statistics
+from rl_replay.rollout.environment import env_episode_return, make_env, make_vector_env
+from rl_replay.rollout.spaces import obs_converter
 
 __all__ = ["evaluate", "log_evaluation"]
 
@@ -39,7 +39,7 @@ def evaluate(
     (needs the optional ``moviepy`` dependency and an env with ``rgb_array`` rendering).
     ``env_imports``, ``env_wrappers`` and ``env_observation_keys`` are the run's ``env.imports``,
     ``env.wrappers`` and ``env.observation_keys``; ``env_statistics``
-    (:func:`rl_replay.env_state.training_statistics`) are the training run's wrapper statistics
+    (:func:`rl_replay.rollout.env_state.training_statistics`) are the training run's wrapper statistics
     (``NormalizeObservation``...): every env gets them, frozen, so the agent sees inputs scaled
     as in training. None leaves the wrappers' own (fresh) statistics.
     The agent runs in eval mode; its previous training mode is restored afterwards.
@@ -50,16 +50,28 @@ def evaluate(
         from gymnasium.wrappers import RecordVideo
 
         # One env, every episode recorded (RecordVideo needs rgb_array rendering).
-        env = make_env(env_id, imports=env_imports, wrappers=env_wrappers, kwargs=kwargs,
-                       max_episode_steps=max_episode_steps, render_mode="rgb_array",
-                       observation_keys=env_observation_keys)
+        env = make_env(
+            env_id,
+            imports=env_imports,
+            wrappers=env_wrappers,
+            kwargs=kwargs,
+            max_episode_steps=max_episode_steps,
+            render_mode="rgb_array",
+            observation_keys=env_observation_keys,
+        )
         recorded = RecordVideo(env, video_dir, episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
         vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
-        vector_env = make_vector_env(env_id, num_envs, kwargs=kwargs, max_episode_steps=max_episode_steps,
-                                     imports=env_imports, wrappers=env_wrappers,
-                                     observation_keys=env_observation_keys)
+        vector_env = make_vector_env(
+            env_id,
+            num_envs,
+            kwargs=kwargs,
+            max_episode_steps=max_episode_steps,
+            imports=env_imports,
+            wrappers=env_wrappers,
+            observation_keys=env_observation_keys,
+        )
     if env_statistics is not None:
         try:
             for env in vector_env.envs:
@@ -117,8 +129,16 @@ def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed,
     return result
 
 
-def log_evaluation(run_dir, cfg, result: dict[str, float], *, checkpoint: dict, video_dir: str | None = None,
-                   deterministic: bool = True, seed: int = 12345) -> str:
+def log_evaluation(
+    run_dir,
+    cfg,
+    result: dict[str, float],
+    *,
+    checkpoint: dict,
+    video_dir: str | None = None,
+    deterministic: bool = True,
+    seed: int = 12345,
+) -> str:
     """Log an evaluation to the training run's wandb project as a run of ``job_type="eval"``.
 
     The eval run joins the training run's group (``log.group``, else the run directory's
@@ -130,7 +150,7 @@ def log_evaluation(run_dir, cfg, result: dict[str, float], *, checkpoint: dict, 
     """
     from pathlib import Path
 
-    from rl_replay.logger import wandb_preflight
+    from rl_replay.run.logger import wandb_preflight
 
     run_dir = Path(run_dir)
     mode = wandb_preflight(cfg.log.wandb_mode)
@@ -140,11 +160,22 @@ def log_evaluation(run_dir, cfg, result: dict[str, float], *, checkpoint: dict, 
 
     name = cfg.log.run_name or run_dir.name
     run = wandb.init(
-        project=cfg.log.wandb_project, entity=cfg.log.wandb_entity, dir=str(run_dir), mode=mode,
-        name=f"{name}-eval", group=cfg.log.group or name, tags=list(cfg.log.tags) or None, job_type="eval",
-        config={"train_run_id": checkpoint.get("wandb_id"), "checkpoint_update": checkpoint["update"],
-                "checkpoint_env_steps": checkpoint["env_steps"], "deterministic": deterministic, "seed": seed,
-                "env": {"id": cfg.env.id}},
+        project=cfg.log.wandb_project,
+        entity=cfg.log.wandb_entity,
+        dir=str(run_dir),
+        mode=mode,
+        name=f"{name}-eval",
+        group=cfg.log.group or name,
+        tags=list(cfg.log.tags) or None,
+        job_type="eval",
+        config={
+            "train_run_id": checkpoint.get("wandb_id"),
+            "checkpoint_update": checkpoint["update"],
+            "checkpoint_env_steps": checkpoint["env_steps"],
+            "deterministic": deterministic,
+            "seed": seed,
+            "env": {"id": cfg.env.id},
+        },
         settings=wandb.Settings(init_timeout=15) if mode == "online" else None,
     )
     try:

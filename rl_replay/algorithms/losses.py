@@ -1,4 +1,5 @@
-"""Returns, generalised advantage estimation and policy-gradient loss terms.
+"""Policy-gradient loss terms (A2C, REINFORCE, PPO) over a rollout; returns and GAE are in
+:mod:`rl_replay.algorithms.returns`.
 
 Everything here operates on a rollout :class:`~tensordict.TensorDict` of batch
 shape ``[T, N]`` (``T`` timesteps, ``N`` environments) as produced by the
@@ -30,13 +31,13 @@ values or gradients: the gradient reaching an invalid row is exactly 0.
 
 from __future__ import annotations
 
-from typing import Iterable
-
 import torch
 from tensordict import TensorDict
 
+from rl_replay.algorithms.returns import check_same_shapes, compute_gae, discounted_returns
+
 __all__ = [
-    "compute_gae",
+    "compute_gae",  # re-exported from rl_replay.algorithms.returns
     "discounted_returns",
     "a2c_loss",
     "reinforce_loss",
@@ -63,27 +64,6 @@ _ROLLOUT_KEYS = (
 # --------------------------------------------------------------------------- #
 # Validation helpers
 # --------------------------------------------------------------------------- #
-def _check_same_shapes(named: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Raise ValueError unless all tensors are 2-D and share one shape."""
-    items = list(named)
-    ref_name, ref = items[0]
-    if ref.dim() != 2:
-        raise ValueError(
-            f"{ref_name!r} must have shape (T, N), got {tuple(ref.shape)}"
-        )
-    for name, tensor in items[1:]:
-        if tensor.shape != ref.shape:
-            raise ValueError(
-                f"shape mismatch: {name!r} has shape {tuple(tensor.shape)} but "
-                f"{ref_name!r} has shape {tuple(ref.shape)}; all entries must be (T, N)"
-            )
-
-
-def _check_discount(name: str, x: float) -> None:
-    if not 0.0 <= float(x) <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {x}")
-
-
 def _validate_rollout(rollout: TensorDict) -> dict[str, torch.Tensor]:
     """Check keys, shapes, flag dtypes and that at least one row is valid.
 
@@ -100,12 +80,9 @@ def _validate_rollout(rollout: TensorDict) -> dict[str, torch.Tensor]:
     present = set(rollout.keys())
     missing = [k for k in _ROLLOUT_KEYS if k not in present]
     if missing:
-        raise KeyError(
-            f"rollout is missing key(s) {missing}; rollout has keys "
-            f"{sorted(str(k) for k in present)}"
-        )
+        raise KeyError(f"rollout is missing key(s) {missing}; rollout has keys {sorted(str(k) for k in present)}")
     tensors = {k: rollout.get(k) for k in _ROLLOUT_KEYS}
-    _check_same_shapes(tensors.items())
+    check_same_shapes(tensors.items())
     for k in _FLAG_KEYS:
         if tensors[k].dtype != torch.bool:
             raise TypeError(f"rollout key {k!r} must be a bool tensor, got {tensors[k].dtype}")
@@ -162,130 +139,6 @@ def _explained_variance(
     var_res = _masked_var(returns - value, valid, n_valid)
     safe = torch.where(var_y > 0, var_y, torch.ones_like(var_y))
     return torch.where(var_y > 0, 1.0 - var_res / safe, torch.zeros_like(var_y))
-
-
-# --------------------------------------------------------------------------- #
-# Returns and advantages
-# --------------------------------------------------------------------------- #
-def compute_gae(
-    reward: torch.Tensor,
-    value: torch.Tensor,
-    next_value: torch.Tensor,
-    terminated: torch.Tensor,
-    truncated: torch.Tensor,
-    *,
-    gamma: float,
-    gae_lambda: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised advantage estimation over a (T, N) rollout.
-
-    ``delta_t = r_t + gamma * (1 - terminated_t) * next_value_t - value_t`` and
-    ``A_t = delta_t + gamma * lambda * (1 - done_t) * A_{t+1}`` with
-    ``done = terminated | truncated`` and ``A_T = 0``: the recursion never
-    crosses an episode boundary, a terminated step does not bootstrap and a
-    truncated step bootstraps from its ``next_value``. Both masks are applied
-    with ``torch.where``, so a NaN ``next_value`` on a terminated step or a NaN
-    advantage beyond an episode boundary cannot leak. Computed under
-    ``torch.no_grad``; ``value`` is detached here.
-
-    This function knows nothing about ``valid``; the loss functions zero
-    invalid rows and mark them done before calling it.
-
-    Args:
-        reward: (T, N) float rewards.
-        value: (T, N) critic estimates V(s_t) (detached here).
-        next_value: (T, N) V of the observation after step t (detached).
-        terminated: (T, N) bool, episode terminated at step t.
-        truncated: (T, N) bool, episode truncated at step t.
-        gamma: discount factor in [0, 1].
-        gae_lambda: GAE lambda in [0, 1].
-
-    Returns:
-        (advantages, returns): both (T, N), detached; ``returns = advantages + value``.
-
-    Raises:
-        ValueError: shapes differ or are not 2-D, or gamma / gae_lambda not in [0, 1].
-    """
-    _check_same_shapes(
-        [
-            ("reward", reward),
-            ("value", value),
-            ("next_value", next_value),
-            ("terminated", terminated),
-            ("truncated", truncated),
-        ]
-    )
-    _check_discount("gamma", gamma)
-    _check_discount("gae_lambda", gae_lambda)
-    with torch.no_grad():
-        dtype = torch.promote_types(reward.dtype, value.dtype)
-        reward = reward.to(dtype)  # (T, N)
-        value = value.detach().to(dtype)  # (T, N)
-        next_value = next_value.detach().to(dtype)  # (T, N)
-        terminated = terminated.bool()  # (T, N)
-        not_done = ~(terminated | truncated.bool())  # (T, N)
-
-        bootstrap = torch.where(terminated, 0.0, next_value)  # (T, N)
-        delta = reward + gamma * bootstrap - value  # (T, N)
-        coef = gamma * gae_lambda
-
-        advantages = torch.empty_like(delta)  # (T, N)
-        last = torch.zeros_like(delta[0])  # (N,) = A_{t+1}
-        for t in range(delta.shape[0] - 1, -1, -1):
-            last = delta[t] + coef * torch.where(not_done[t], last, 0.0)  # (N,)
-            advantages[t] = last
-        returns = advantages + value  # (T, N)
-    return advantages, returns
-
-
-def discounted_returns(
-    reward: torch.Tensor,
-    next_value: torch.Tensor,
-    terminated: torch.Tensor,
-    truncated: torch.Tensor,
-    *,
-    gamma: float,
-) -> torch.Tensor:
-    """Monte-Carlo discounted return with bootstrap at truncation and the last row.
-
-    ``G_t = r_t + gamma * G_{t+1}`` inside an episode; at a terminated step
-    ``G_t = r_t``; at a truncated step, and at the last row when it is not
-    terminated, ``G_t = r_t + gamma * next_value_t``. ``next_value`` is read
-    only on those rows. Implemented as :func:`compute_gae` with ``lambda = 1``
-    and a zero baseline, so for a consistent rollout (``next_value_t ==
-    value_{t+1}`` inside episodes) it equals ``compute_gae(..., gae_lambda=1)[1]``.
-
-    Args:
-        reward: (T, N) float rewards.
-        next_value: (T, N) V of the observation after step t (detached).
-        terminated: (T, N) bool, episode terminated at step t.
-        truncated: (T, N) bool, episode truncated at step t.
-        gamma: discount factor in [0, 1].
-
-    Returns:
-        (T, N) detached discounted returns.
-
-    Raises:
-        ValueError: shapes differ or are not 2-D, or gamma not in [0, 1].
-    """
-    _check_same_shapes(
-        [
-            ("reward", reward),
-            ("next_value", next_value),
-            ("terminated", terminated),
-            ("truncated", truncated),
-        ]
-    )
-    with torch.no_grad():
-        last_row = torch.zeros_like(truncated, dtype=torch.bool)  # (T, N)
-        last_row[-1] = True
-        reads_bootstrap = truncated.bool() | last_row  # (T, N)
-        nv = torch.where(reads_bootstrap, next_value.detach(), 0.0)  # (T, N)
-        zero_value = torch.zeros_like(reward)  # (T, N)
-        _, returns = compute_gae(
-            reward, zero_value, nv, terminated, truncated, gamma=gamma, gae_lambda=1.0
-        )
-    return returns
 
 
 # --------------------------------------------------------------------------- #
@@ -427,9 +280,7 @@ def reinforce_loss(
     """
     t = _sanitize(_validate_rollout(rollout))
     n_valid = t["valid"].sum()  # () int
-    returns = discounted_returns(
-        t["reward"], t["next_value"], t["terminated"], t["truncated"], gamma=gamma
-    )  # (T, N)
+    returns = discounted_returns(t["reward"], t["next_value"], t["terminated"], t["truncated"], gamma=gamma)  # (T, N)
     advantages = returns - t["value"].detach() if baseline else returns  # (T, N)
     return _policy_terms(
         t,
@@ -465,8 +316,13 @@ def gae_targets(
     """
     t = _sanitize(_validate_rollout(rollout))
     advantages, returns = compute_gae(
-        t["reward"], t["value"], t["next_value"], t["terminated"], t["truncated"],
-        gamma=gamma, gae_lambda=gae_lambda,
+        t["reward"],
+        t["value"],
+        t["next_value"],
+        t["terminated"],
+        t["truncated"],
+        gamma=gamma,
+        gae_lambda=gae_lambda,
     )  # (T, N) each
     valid = t["valid"]
     advantages = torch.where(valid, advantages, 0.0)
@@ -518,7 +374,7 @@ def ppo_loss(
     if missing:
         raise KeyError(f"PPO batch is missing key(s) {missing}; it has {sorted(map(str, batch.keys()))}")
     raw = {k: batch.get(k) for k in _PPO_KEYS}
-    _check_same_shapes(raw.items())
+    check_same_shapes(raw.items())
     valid = raw["valid"].bool()  # (T, n)
     if not bool(valid.any()):
         raise ValueError("PPO batch has no valid row (valid is False everywhere)")
@@ -572,9 +428,7 @@ def total_loss(terms: TensorDict) -> torch.Tensor:
     """
     keys = [k for k in terms.keys() if isinstance(k, str) and k.startswith(LOSS_PREFIX)]
     if not keys:
-        raise ValueError(
-            f"no '{LOSS_PREFIX}*' entry to sum; keys are {sorted(map(str, terms.keys()))}"
-        )
+        raise ValueError(f"no '{LOSS_PREFIX}*' entry to sum; keys are {sorted(map(str, terms.keys()))}")
     total = terms.get(keys[0])
     for k in keys[1:]:
         total = total + terms.get(k)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from rl_replay import distributed as dist_utils
-from rl_replay.memory_stats import update_memory
+from rl_replay.run.memory_stats import update_memory
 
 if TYPE_CHECKING:
     from rl_replay.algorithms.common import UpdateResult
@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 __all__ = ["pool_update_metrics"]
 
 
-def pool_update_metrics(result: UpdateResult, *, recent_returns: Collection[float], lr: float,
-                        skipped_updates: int, device: torch.device,
-                        info: dist_utils.DistInfo) -> tuple[dict[str, float], int]:
+def pool_update_metrics(
+    result: UpdateResult,
+    *,
+    recent_returns: Collection[float],
+    lr: float,
+    skipped_updates: int,
+    device: torch.device,
+    info: dist_utils.DistInfo,
+) -> tuple[dict[str, float], int]:
     """The metric row of one update and the env steps it took on all ranks together.
 
     ``recent_returns`` are this rank's last episode returns, this update's included
@@ -34,14 +40,18 @@ def pool_update_metrics(result: UpdateResult, *, recent_returns: Collection[floa
     """
     rollout = result.rollout
     update_sec = result.collect_sec + result.optimize_sec
-    pooled = dist_utils.reduce_sums({
-        "steps": rollout.env_steps,
-        "episodes": len(rollout.episode_returns),
-        "return": sum(rollout.episode_returns),
-        "length": sum(rollout.episode_lengths),
-        "judged": len(rollout.episode_successes),
-        "success": sum(rollout.episode_successes),
-    }, device, info)
+    pooled = dist_utils.reduce_sums(
+        {
+            "steps": rollout.env_steps,
+            "episodes": len(rollout.episode_returns),
+            "return": sum(rollout.episode_returns),
+            "length": sum(rollout.episode_lengths),
+            "judged": len(rollout.episode_successes),
+            "success": sum(rollout.episode_successes),
+        },
+        device,
+        info,
+    )
     steps = pooled["steps"]
     nan = float("nan")
     episodes, judged = pooled["episodes"], pooled["judged"]

@@ -1,6 +1,6 @@
 """A trainer's checkpoint: one code path for single-process and FSDP1 runs.
 
-Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.checkpoint.save_checkpoint`:
+Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.run.checkpoint.save_checkpoint`:
 numbers and JSON only, nothing that runs code when read):
 
 =================  ==============================================================
@@ -11,7 +11,7 @@ numbers and JSON only, nothing that runs code when read):
                    from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
 ``collector``      list indexed by rank: each rank's collector state, without its env
                    pickle (that is in ``env_state.pkl``).
-``rng``            list indexed by rank: :func:`~rl_replay.checkpoint.capture_rng`
+``rng``            list indexed by rank: :func:`~rl_replay.run.checkpoint.capture_rng`
                    (python, numpy, torch and, on CUDA, the CUDA generator).
 ``recent_returns`` list indexed by rank: each rank's recent episode returns.
 ``env_state``      sha256 of the ``env_state.pkl`` payload written with it (None: no env pickles).
@@ -33,19 +33,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rl_replay import trust
-from rl_replay.checkpoint import (capture_rng, checkpoint_path, load_latest, non_finite_tensors, read_env_state,
-                                  require, restore_rng,
-                                  save_checkpoint, save_env_state)
+from rl_replay import distributed as dist_utils
 from rl_replay.config import config_to_dict
 from rl_replay.errors import CheckpointError, SetupError
+from rl_replay.run import trust
+from rl_replay.run.checkpoint import (
+    capture_rng,
+    checkpoint_path,
+    load_latest,
+    non_finite_tensors,
+    read_env_state,
+    require,
+    restore_rng,
+    save_checkpoint,
+    save_env_state,
+)
 
 __all__ = ["save_trainer", "read_trainer_state", "load_trainer", "restore_trainer_rng", "check_world_size"]
 
@@ -110,16 +118,6 @@ def _gather_to_main(obj: Any, info) -> list[Any] | None:
     return gathered
 
 
-def _broadcast_from_main(value: Any, info) -> Any:
-    if not info.distributed:
-        return value
-    import torch.distributed as dist
-
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def save_trainer(trainer) -> Path:
     """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
 
@@ -166,7 +164,7 @@ def save_trainer(trainer) -> Path:
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
     # Barrier: no rank continues before rank 0 has written (or failed to write) the file.
-    message = _broadcast_from_main(None if error is None else str(error), info)
+    message = dist_utils.broadcast_from_main(None if error is None else str(error), info)
     if error is not None:
         raise error
     if message is not None:
@@ -186,19 +184,29 @@ def check_world_size(state: dict[str, Any], world_size: int, where: str | Path) 
 
 
 # What each command needs of a checkpoint (checked before anything is built from it).
-RESUME_KEYS = ("update", "env_steps", "agent", "optimizer", "collector", "rng", "recent_returns",
-               "config", "world_size")
+RESUME_KEYS = (
+    "update",
+    "env_steps",
+    "agent",
+    "optimizer",
+    "collector",
+    "rng",
+    "recent_returns",
+    "config",
+    "world_size",
+)
 
 
-def read_trainer_state(run_dir: str | Path, info, *, trust_env_state: bool = False
-                       ) -> tuple[dict[str, Any], Path, str | None]:
+def read_trainer_state(
+    run_dir: str | Path, info, *, trust_env_state: bool = False
+) -> tuple[dict[str, Any], Path, str | None]:
     """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
 
     The env pickles are put back into the collector states only where
-    :func:`rl_replay.checkpoint.read_env_state` gives them (this user's MAC, or
+    :func:`rl_replay.run.checkpoint.read_env_state` gives them (this user's MAC, or
     ``trust_env_state``), and only if every rank has them; otherwise each collector state says
     why it starts fresh episodes. Returns ``(state, path, warning)`` as
-    :func:`rl_replay.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
+    :func:`rl_replay.run.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
     env state).
     """
     state, path, warning = load_latest(run_dir)
@@ -206,8 +214,10 @@ def read_trainer_state(run_dir: str | Path, info, *, trust_env_state: bool = Fal
     check_world_size(state, info.world_size, path)
     for key in ("collector", "rng", "recent_returns"):
         if not isinstance(state[key], list) or len(state[key]) != info.world_size:
-            raise CheckpointError(f"checkpoint {path} holds {key!r} for {len(state[key]) if isinstance(state[key], list) else 'no'} "
-                                  f"ranks, not one per rank of its world size {info.world_size}.")
+            raise CheckpointError(
+                f"checkpoint {path} holds {key!r} for {len(state[key]) if isinstance(state[key], list) else 'no'} "
+                f"ranks, not one per rank of its world size {info.world_size}."
+            )
     if not all(isinstance(c, dict) for c in state["collector"]):
         raise CheckpointError(f"checkpoint {path} holds a collector state that is not a table.")
     digest = state.get("env_state")
@@ -223,8 +233,11 @@ def read_trainer_state(run_dir: str | Path, info, *, trust_env_state: bool = Fal
         collector["envs"] = found.pickles[rank] if usable else None
         if digest and not usable:
             why = found.note if found and found.note else "another rank could not use its env state"
-            collector["fresh_envs"] = (why, "resume with --trust-env-state to unpickle it if you trust where it came "
-                                            "from (unpickling can run any code)")
+            collector["fresh_envs"] = (
+                why,
+                "resume with --trust-env-state to unpickle it if you trust where it came "
+                "from (unpickling can run any code)",
+            )
     if usable and found.note:
         warning = f"{warning} {found.note}" if warning else found.note
     return state, path, warning

@@ -1,7 +1,7 @@
 """Which pickles this user wrote: a per-user secret and HMAC-SHA256 over what must stay a pickle.
 
 A run directory may come from someone else; reading its weights executes nothing
-(:mod:`rl_replay.safe_tree`). The environment state of a checkpoint (the sync sub-envs with
+(:mod:`rl_replay.run.safe_tree`). The environment state of a checkpoint (the sync sub-envs with
 their wrappers and RNGs) can only be a pickle, and unpickling runs whatever the pickle names.
 So it is unpickled only when it carries a MAC made with *this user's* secret: a file that
 this user's runs wrote. A file from another user or machine, or one changed after it was
@@ -92,8 +92,10 @@ def user_secret() -> bytes:
             os.unlink(tmp)
         return _read(path)
     except OSError as exc:
-        raise SetupError(f"cannot create the per-user secret {path}: {exc.strerror or exc}. Set "
-                         "RL_REPLAY_CONFIG_DIR to a private, writable directory.") from None
+        raise SetupError(
+            f"cannot create the per-user secret {path}: {exc.strerror or exc}. Set "
+            "RL_REPLAY_CONFIG_DIR to a private, writable directory."
+        ) from None
 
 
 def fingerprint(key: bytes) -> str:

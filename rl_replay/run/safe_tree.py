@@ -11,7 +11,7 @@ pickle, so a file from someone else can hold wrong numbers but cannot run anythi
 The round trip is exact: tensors keep dtype and values, numpy arrays and scalars keep their
 dtype, tuples stay tuples, integer dict keys stay integers (an optimizer's state is keyed by
 parameter index). ``bytes`` come back as ``bytes``: what they hold is for the caller to decide
-whether to trust (the environment pickles of :mod:`rl_replay.checkpoint` are MAC-checked first).
+whether to trust (the environment pickles of :mod:`rl_replay.run.checkpoint` are MAC-checked first).
 """
 
 from __future__ import annotations
@@ -69,8 +69,11 @@ class _Writer:
             stored = torch.from_numpy(np.array(array, dtype=native, order="C"))
             return {"$np": self._add(stored), "dtype": array.dtype.str, "scalar": isinstance(obj, np.generic)}
         if isinstance(obj, (bytes, bytearray)):
-            return {"$b": self._add(torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj
-                                    else torch.zeros(0, dtype=torch.uint8))}
+            return {
+                "$b": self._add(
+                    torch.frombuffer(bytearray(obj), dtype=torch.uint8) if obj else torch.zeros(0, dtype=torch.uint8)
+                )
+            }
         if isinstance(obj, tuple):
             return {"$tuple": [self.encode(v) for v in obj]}
         if isinstance(obj, list):
@@ -130,7 +133,7 @@ def loads(data: bytes) -> tuple[Any, dict[str, str]]:
         tensors = load(bytes(data))
         # safetensors.torch.load gives no metadata; read it from the file's JSON header.
         length = int.from_bytes(data[:8], "little")
-        header = json.loads(bytes(data[8:8 + length]))
+        header = json.loads(bytes(data[8 : 8 + length]))
         meta = header.get("__metadata__") or {}
         encoded = json.loads(meta[TREE_KEY])
     except (SafetensorError, KeyError, ValueError, TypeError) as exc:

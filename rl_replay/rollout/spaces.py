@@ -28,8 +28,15 @@ from tensordict import TensorDict
 
 from rl_replay.errors import SetupError
 
-__all__ = ["obs_converter", "flat_size", "flatten", "check_observation_space", "leaf_keys", "leaf_scales",
-           "usable_keys"]
+__all__ = [
+    "obs_converter",
+    "flat_size",
+    "flatten",
+    "check_observation_space",
+    "leaf_keys",
+    "leaf_scales",
+    "usable_keys",
+]
 
 Converter = Callable[[Any], "torch.Tensor | TensorDict"]
 
@@ -49,8 +56,7 @@ def check_observation_space(space: gym.Space, who: str = "rl_replay") -> None:
         for _, sub in _children(space):
             check_observation_space(sub, who)
         return
-    if not isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete,
-                              gym.spaces.MultiBinary)):
+    if not isinstance(space, (gym.spaces.Box, gym.spaces.Discrete, gym.spaces.MultiDiscrete, gym.spaces.MultiBinary)):
         raise SetupError(
             f"{who} cannot handle observation space {space}: supported are Box, Discrete, "
             "MultiDiscrete, MultiBinary and Dict/Tuple of those. Add a wrapper in env.wrappers that "
@@ -59,8 +65,10 @@ def check_observation_space(space: gym.Space, who: str = "rl_replay") -> None:
 
 
 # Wrappers named when an observation space holds nothing a tensor can carry.
-_WRAPPER_HINT = ("for MiniGrid {target: minigrid.wrappers:ImgObsWrapper}; a Dict's non-tensor keys are dropped "
-                 "by themselves, or chosen with env.observation_keys")
+_WRAPPER_HINT = (
+    "for MiniGrid {target: minigrid.wrappers:ImgObsWrapper}; a Dict's non-tensor keys are dropped "
+    "by themselves, or chosen with env.observation_keys"
+)
 
 
 def _is_usable(space: gym.Space) -> bool:
@@ -83,16 +91,20 @@ def usable_keys(space: gym.Space, selected: list[str] | None = None) -> tuple[li
     is_dict = isinstance(space, gym.spaces.Dict)
     if selected:
         if not is_dict:
-            raise SetupError(f"env.observation_keys {selected} selects keys of a Dict observation, but the "
-                             f"observation space is {space}; remove env.observation_keys.")
+            raise SetupError(
+                f"env.observation_keys {selected} selects keys of a Dict observation, but the "
+                f"observation space is {space}; remove env.observation_keys."
+            )
         keys = [str(k) for k in space.spaces]
         missing = [k for k in selected if k not in keys]
         if missing:
             raise SetupError(f"env.observation_keys: {missing} not in the observation space's keys {keys}.")
         bad = [k for k in selected if not _is_usable(space.spaces[k])]
         if bad:
-            raise SetupError(f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "
-                             f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}.")
+            raise SetupError(
+                f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "
+                f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}."
+            )
         return list(selected), [k for k in keys if k not in selected]
     if _is_usable(space):
         return None
@@ -101,8 +113,10 @@ def usable_keys(space: gym.Space, selected: list[str] | None = None) -> tuple[li
         dropped = [str(k) for k in space.spaces if str(k) not in kept]
         if kept:
             return kept, dropped
-    raise SetupError(f"the observation space {space} holds nothing rl_replay can turn into tensors; add a wrapper "
-                     f"in env.wrappers that makes arrays of it ({_WRAPPER_HINT}).")
+    raise SetupError(
+        f"the observation space {space} holds nothing rl_replay can turn into tensors; add a wrapper "
+        f"in env.wrappers that makes arrays of it ({_WRAPPER_HINT})."
+    )
 
 
 def obs_converter(space: gym.Space, device: torch.device | str = "cpu") -> Converter:
@@ -179,8 +193,9 @@ def leaf_scales(space: gym.Space) -> list[float]:
     return [1.0 / 255.0 if image else 1.0]
 
 
-def flatten(observation: torch.Tensor | TensorDict, keys: list[tuple[str, ...]] | None = None,
-            scales: list[float] | None = None) -> torch.Tensor:
+def flatten(
+    observation: torch.Tensor | TensorDict, keys: list[tuple[str, ...]] | None = None, scales: list[float] | None = None
+) -> torch.Tensor:
     """``(N, features)`` float32: the observation's leaves flattened and concatenated.
 
     ``keys`` (from :func:`leaf_keys`) fixes the order of a nested observation's leaves;

@@ -20,18 +20,17 @@ import os
 import time
 from pathlib import Path
 
-from rl_replay.checkpoint import checkpoint_path, previous_checkpoint_path
 from rl_replay.errors import RunDirError
-from rl_replay.logger import read_metrics
+from rl_replay.run.checkpoint import checkpoint_path, previous_checkpoint_path
+from rl_replay.run.logger import read_metrics
 
-__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name", "resume_kind",
-           "logged_updates"]
+__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name", "resume_kind", "logged_updates"]
 
 LOCK_NAME = ".lock"
 
 # Locks this process holds, by resolved path: a run directory is owned by a process, so a
 # second trainer built in the same process (a resume after an in-process run) takes over.
-_HELD: dict[str, "RunLock"] = {}
+_HELD: dict[str, RunLock] = {}
 
 
 class RunLock:
@@ -128,12 +127,10 @@ def resume_kind(run_dir: str | os.PathLike) -> str:
     """
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
-        raise RunDirError(f"cannot resume {run_dir}: no such directory. Start a new run there with "
-                          f"run_dir={run_dir}")
+        raise RunDirError(f"cannot resume {run_dir}: no such directory. Start a new run there with run_dir={run_dir}")
     if not (run_dir / "config.yaml").is_file():
         where = f"run_dir={run_dir}" if not _contents(run_dir) else "another run_dir=..."
-        raise RunDirError(f"cannot resume {run_dir}: it holds no run (no config.yaml). Start a new run "
-                          f"with {where}")
+        raise RunDirError(f"cannot resume {run_dir}: it holds no run (no config.yaml). Start a new run with {where}")
     return "checkpoint" if _has_checkpoint(run_dir) else "restart"
 
 

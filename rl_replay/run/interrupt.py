@@ -36,8 +36,11 @@ class StopOnSignal:
             signal.signal(s, signal.SIG_DFL)
         if self._announce:
             # os.write: print() from a handler can re-enter a stream the main code is writing.
-            os.write(2, f"\nreceived {signal.Signals(signum).name}: finishing this update, then writing a "
-                        "checkpoint (send it again to exit at once)\n".encode())
+            os.write(
+                2,
+                f"\nreceived {signal.Signals(signum).name}: finishing this update, then writing a "
+                "checkpoint (send it again to exit at once)\n".encode(),
+            )
 
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():

@@ -23,7 +23,9 @@ import json
 import math
 import os
 import socket
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -32,8 +34,15 @@ from urllib.parse import urlparse
 from rl_replay.errors import SetupError
 
 __all__ = [
-    "RunLogger", "RunSummary", "truncate_metrics", "read_metrics", "unsent_wandb_id", "resolve_wandb_mode",
-    "wandb_preflight", "summarize",
+    "ProgressLines",
+    "RunLogger",
+    "RunSummary",
+    "truncate_metrics",
+    "read_metrics",
+    "unsent_wandb_id",
+    "resolve_wandb_mode",
+    "wandb_preflight",
+    "summarize",
 ]
 
 METRICS_NAME = "metrics.jsonl"
@@ -207,6 +216,50 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, float]:
     return summary.value()
 
 
+class ProgressLines:
+    """Progress for a log file: one plain line every ``every`` seconds and a last one at the end.
+
+    ``progress: update 120, 61440/500000 env steps (12.3%), 2113 env steps/s, return 87.4, ETA 3m28s``
+    (the rate is the average since this process started logging).
+    """
+
+    def __init__(self, total: int, start: int, *, every: float = 30.0, stream=None, clock=time.monotonic) -> None:
+        self.total, self.start, self.every = total, start, every
+        self.stream, self.clock = stream, clock
+        self._t0 = self._last = clock()
+        self._pending: tuple[int, int, float | None] | None = None
+
+    def update(self, update: int, env_steps: int, ret: float | None) -> None:
+        self._pending = (update, env_steps, ret)
+        if self.clock() - self._last >= self.every:
+            self._write()
+
+    def close(self) -> None:
+        if self._pending is not None:
+            self._write()
+
+    def _write(self) -> None:
+        assert self._pending is not None
+        update, steps, ret = self._pending
+        self.total = max(self.total, steps)  # the last update may overshoot the budget
+        now = self.clock()
+        rate = (steps - self.start) / max(now - self._t0, 1e-9)
+        parts = [
+            f"update {update}",
+            f"{steps}/{self.total} env steps ({100.0 * steps / max(self.total, 1):.1f}%)",
+            f"{rate:.0f} env steps/s",
+        ]
+        if ret is not None:
+            parts.append(f"return {ret:.1f}")
+        if rate > 0 and steps < self.total:
+            eta = int((self.total - steps) / rate)
+            parts.append(
+                f"ETA {eta // 3600}h{eta % 3600 // 60:02d}m" if eta >= 3600 else f"ETA {eta // 60}m{eta % 60:02d}s"
+            )
+        print("progress: " + ", ".join(parts), file=self.stream or sys.stderr, flush=True)
+        self._last, self._pending = now, None
+
+
 class RunLogger:
     """Writes each update's metrics to ``metrics.jsonl``, wandb and the progress bar.
 
@@ -242,6 +295,7 @@ class RunLogger:
         tags: list[str] | tuple[str, ...] = (),
         extras: dict[str, Any] | None = None,
         progress: bool = True,
+        progress_every: float = 30.0,
         total_env_steps: int = 0,
         start_env_steps: int = 0,
         start_update: int = 0,
@@ -251,6 +305,7 @@ class RunLogger:
         self._file = None
         self._wandb = None
         self._bar = None
+        self._lines: ProgressLines | None = None
         self._pending: list[dict[str, Any]] = []  # rows not yet covered by a checkpoint
         self.wandb_id = wandb_id
         if not is_main:
@@ -267,10 +322,18 @@ class RunLogger:
 
             settings = wandb.Settings(init_timeout=15) if mode == "online" else None
             self._wandb = wandb.init(
-                project=wandb_project, entity=wandb_entity, name=run_name, dir=str(self.run_dir),
-                mode=mode, config={**config, "run": dict(extras or {})}, id=wandb_id,
-                resume="allow" if wandb_id else None, group=group, tags=list(tags) or None,
-                job_type="train", settings=settings,
+                project=wandb_project,
+                entity=wandb_entity,
+                name=run_name,
+                dir=str(self.run_dir),
+                mode=mode,
+                config={**config, "run": dict(extras or {})},
+                id=wandb_id,
+                resume="allow" if wandb_id else None,
+                group=group,
+                tags=list(tags) or None,
+                job_type="train",
+                settings=settings,
             )
             self.wandb_id = self._wandb.id
             if not (self.run_dir / WANDB_MARK_NAME).exists():
@@ -279,11 +342,15 @@ class RunLogger:
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
             self._resend(history, start_update)
-        if progress:
+        if progress and not sys.stderr.isatty():
+            # A log file: redrawing a bar ~10 times a second would fill it with carriage returns.
+            self._lines = ProgressLines(total_env_steps, start_env_steps, every=progress_every)
+        elif progress:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total_env_steps, initial=start_env_steps, unit="step",
-                             dynamic_ncols=True, smoothing=0.1)
+            self._bar = tqdm(
+                total=total_env_steps, initial=start_env_steps, unit="step", dynamic_ncols=True, smoothing=0.1
+            )
         self._last_steps = start_env_steps
 
     # ------------------------------------------------------------------ wandb rows
@@ -349,12 +416,16 @@ class RunLogger:
             if record.get("time/steps_per_sec") is not None:
                 post["sps"] = f"{record['time/steps_per_sec']:.0f}"
             self._bar.set_postfix(post, refresh=False)
+        if self._lines is not None:
+            self._lines.update(update, env_steps, record.get("rollout/return_recent"))
         self._last_steps = env_steps
 
     def close(self) -> None:
         """Close the file and wandb. Rows after the last checkpoint stay out of wandb."""
         if self._bar is not None:
             self._bar.close()
+        if self._lines is not None:
+            self._lines.close()
         if self._file is not None:
             try:
                 self._file.close()

@@ -1,10 +1,10 @@
 """Checkpoint files that run no code when read, are written atomically and are never lost.
 
-A checkpoint is two files (README, "Sharing runs"):
+A checkpoint is two files (docs/operations.md, "Sharing runs"):
 
 * ``checkpoint.pt``: one header line, then a `safetensors` file holding every number of the
   run (weights, optimizer, counters, RNG states, collector arrays) with the tree's shape as
-  JSON (:mod:`rl_replay.safe_tree`)::
+  JSON (:mod:`rl_replay.run.safe_tree`)::
 
       RLREPLAY-CHECKPOINT 2 sha256=<64 hex digits> size=<payload bytes>\\n
       <safetensors bytes>
@@ -13,7 +13,7 @@ A checkpoint is two files (README, "Sharing runs"):
   evaluated or warm-started from.
 * ``env_state.pkl`` (only for sync envs that pickle): the sub-envs pickled whole, which a
   resume needs to continue exactly. Its header adds an HMAC-SHA256 made with this user's
-  secret (:mod:`rl_replay.trust`)::
+  secret (:mod:`rl_replay.run.trust`)::
 
       RLREPLAY-ENVSTATE 1 sha256=<hex> size=<bytes> key=<key id> hmac-sha256=<hex>\\n
       <safetensors bytes: one pickle per rank, as uint8>
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import random
 import tempfile
@@ -47,14 +46,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from rl_replay import safe_tree, trust
 from rl_replay.errors import CheckpointError
+from rl_replay.run import safe_tree, trust
 
 __all__ = [
-    "CHECKPOINT_NAME", "PREVIOUS_NAME", "ENV_STATE_NAME", "save_checkpoint", "load_checkpoint",
-    "load_latest", "checkpoint_path", "previous_checkpoint_path", "remove_stale_temporaries",
-    "capture_rng", "restore_rng", "non_finite_tensors", "require", "load_agent_weights", "save_env_state", "read_env_state",
-    "EnvState", "convert_legacy", "CONVERT_COMMAND",
+    "CHECKPOINT_NAME",
+    "PREVIOUS_NAME",
+    "ENV_STATE_NAME",
+    "save_checkpoint",
+    "load_checkpoint",
+    "load_latest",
+    "checkpoint_path",
+    "previous_checkpoint_path",
+    "remove_stale_temporaries",
+    "capture_rng",
+    "restore_rng",
+    "non_finite_tensors",
+    "require",
+    "load_agent_weights",
+    "save_env_state",
+    "read_env_state",
+    "EnvState",
+    "convert_legacy",
+    "CONVERT_COMMAND",
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -85,8 +99,11 @@ def _previous(path: Path) -> Path:
 # ------------------------------------------------------------------------- finite weights
 def non_finite_tensors(state: dict[str, Any]) -> list[str]:
     """Names of the floating-point tensors in ``state`` holding NaN or infinity."""
-    return [name for name, t in state.items()
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    return [
+        name
+        for name, t in state.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
 
 
 # ------------------------------------------------------------------------------ RNG state
@@ -161,7 +178,7 @@ def _write_atomic(path: Path, header: bytes, data: bytes | memoryview, check: Ca
 
 def _fields(line: bytes, magic: bytes, shown: Path, what: str) -> dict[str, str]:
     try:
-        return dict(part.split("=", 1) for part in line[len(magic):].decode().split())
+        return dict(part.split("=", 1) for part in line[len(magic) :].decode().split())
     except (ValueError, UnicodeDecodeError):
         raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
 
@@ -172,7 +189,9 @@ def _checked_payload(data: bytes, fields: dict[str, str], shown: Path, what: str
     except (KeyError, ValueError):
         raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
     if len(data) != expected:
-        raise CheckpointError(f"{what} {shown} is truncated or padded: {len(data)} payload bytes instead of {expected}.")
+        raise CheckpointError(
+            f"{what} {shown} is truncated or padded: {len(data)} payload bytes instead of {expected}."
+        )
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{what} {shown} is corrupt: its sha256 checksum does not match its contents.")
     return data
@@ -203,12 +222,14 @@ def _read_checkpoint_bytes(path: Path, *, shown: Path | None = None) -> bytes:
             raise CheckpointError(f"{shown} is not an rl_replay checkpoint (it does not start with its header).")
         line = head + f.readline(_HEADER_MAX)
         data = f.read()
-    version, _, rest = line[len(_MAGIC):].partition(b" ")
+    version, _, rest = line[len(_MAGIC) :].partition(b" ")
     if version == b"1":
         raise _legacy_error(shown, "in the format-1 layout")
     if version != str(FORMAT).encode():
-        raise CheckpointError(f"checkpoint {shown} has format {version.decode(errors='replace')!r}, which this "
-                              f"version of rl_replay does not read (it reads format {FORMAT}); upgrade rl_replay.")
+        raise CheckpointError(
+            f"checkpoint {shown} has format {version.decode(errors='replace')!r}, which this "
+            f"version of rl_replay does not read (it reads format {FORMAT}); upgrade rl_replay."
+        )
     return _checked_payload(data, _fields(b" " + rest, b"", shown, "checkpoint"), shown, "checkpoint")
 
 
@@ -216,7 +237,7 @@ def _read_checkpoint_bytes(path: Path, *, shown: Path | None = None) -> bytes:
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:
     """Verify, write and rename ``payload`` into ``path``; keep the old file as the previous one.
 
-    ``payload`` is a tree :mod:`rl_replay.safe_tree` stores (no arbitrary objects). Raises
+    ``payload`` is a tree :mod:`rl_replay.run.safe_tree` stores (no arbitrary objects). Raises
     :class:`CheckpointError` (and writes nothing) if ``payload["agent"]`` holds a non-finite
     tensor: a diverged model must never replace the last good checkpoint.
     """
@@ -241,8 +262,10 @@ def _decode(data: bytes, path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not an rl_replay checkpoint (it holds no agent weights).")
     odd = [k for k, v in state["agent"].items() if not isinstance(v, torch.Tensor)]
     if odd:
-        raise CheckpointError(f"checkpoint {path} is not an rl_replay checkpoint: its agent entries "
-                              f"{', '.join(map(repr, odd[:4]))} are not tensors.")
+        raise CheckpointError(
+            f"checkpoint {path} is not an rl_replay checkpoint: its agent entries "
+            f"{', '.join(map(repr, odd[:4]))} are not tensors."
+        )
     return state
 
 
@@ -265,8 +288,10 @@ def require(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str],
     """One-line CheckpointError naming ``path`` and the entries of ``keys`` that ``state`` lacks."""
     missing = [k for k in keys if k not in state]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which "
-                              f"{needed_for} needs: it was not written by rl_replay's trainer.")
+        raise CheckpointError(
+            f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which "
+            f"{needed_for} needs: it was not written by rl_replay's trainer."
+        )
 
 
 def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
@@ -275,17 +300,25 @@ def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor],
     own = agent.state_dict()
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
-    shapes = [f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}" for k in own
-              if k in weights and weights[k].shape != own[k].shape]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and weights[k].shape != own[k].shape
+    ]
 
     def few(names: list[str]) -> str:
         return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
 
-    problems = ([f"missing {few(missing)}"] if missing else []) + \
-        ([f"unexpected {few(unexpected)}"] if unexpected else []) + ([f"other shapes: {few(shapes)}"] if shapes else [])
+    problems = (
+        ([f"missing {few(missing)}"] if missing else [])
+        + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+        + ([f"other shapes: {few(shapes)}"] if shapes else [])
+    )
     if problems:
-        raise CheckpointError(f"checkpoint {path} does not fit the agent its config.yaml builds "
-                              f"({'; '.join(problems)}): the checkpoint is not of this run's agent.")
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the agent its config.yaml builds "
+            f"({'; '.join(problems)}): the checkpoint is not of this run's agent."
+        )
     agent.load_state_dict(weights)
 
 
@@ -305,7 +338,11 @@ def load_latest(run_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, str |
             state = load_checkpoint(previous)
         except CheckpointError:
             raise exc from None
-        return state, previous, f"{exc} Resuming from the previous checkpoint {previous} (update {state.get('update')})."
+        return (
+            state,
+            previous,
+            f"{exc} Resuming from the previous checkpoint {previous} (update {state.get('update')}).",
+        )
 
 
 # -------------------------------------------------------------------------- env-state file
@@ -317,8 +354,12 @@ def save_env_state(pickles: list[bytes | None], run_dir: str | os.PathLike, key:
     path = Path(run_dir) / ENV_STATE_NAME
     data = safe_tree.dumps(list(pickles), {"format": "rl_replay-env-state-1"})
     digest = hashlib.sha256(data).hexdigest()
-    header = _ENV_MAGIC + (f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} "
-                           f"hmac-sha256={trust.sign(data, key)}\n").encode()
+    header = (
+        _ENV_MAGIC
+        + (
+            f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} hmac-sha256={trust.sign(data, key)}\n"
+        ).encode()
+    )
     _write_atomic(path, header, data, lambda tmp: _read_env_file(tmp, shown=path))
     return digest
 
@@ -367,13 +408,18 @@ def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust
         if trust.verify(data, fields.get("hmac-sha256", ""), key):
             note = None
         else:
-            why = ("changed after it was written (its MAC does not verify with this user's key)" if mine else
-                   f"written by another user or machine (signed with key {fields.get('key', '?')}, this user's "
-                   f"is {trust.fingerprint(key)} in {trust.secret_path()})")
+            why = (
+                "changed after it was written (its MAC does not verify with this user's key)"
+                if mine
+                else f"written by another user or machine (signed with key {fields.get('key', '?')}, this user's "
+                f"is {trust.fingerprint(key)} in {trust.secret_path()})"
+            )
             if not trust_file:
                 return EnvState(None, f"{path} was not unpickled: it was {why}")
-            note = (f"--trust-env-state: unpickling {path}, which was {why}; a pickle can run any code, "
-                    "so this trusts whoever wrote it")
+            note = (
+                f"--trust-env-state: unpickling {path}, which was {why}; a pickle can run any code, "
+                "so this trusts whoever wrote it"
+            )
         try:
             pickles, _ = safe_tree.loads(data)
         except ValueError as exc:
@@ -406,8 +452,10 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
         if "a pickle" not in str(exc):
             raise
     if not trust_file:
-        raise CheckpointError(f"converting {path} unpickles it, which runs any code it names: pass --trust "
-                              "if you trust where it came from.")
+        raise CheckpointError(
+            f"converting {path} unpickles it, which runs any code it names: pass --trust "
+            "if you trust where it came from."
+        )
     raw = path.read_bytes()
     if raw.startswith(_MAGIC):
         line, _, data = raw.partition(b"\n")
@@ -421,8 +469,13 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
     if not isinstance(state, dict) or "agent" not in state:
         raise CheckpointError(f"{path} is not an rl_replay checkpoint.")
     if "collector" in state and "world_size" not in state:  # single-process files before FSDP
-        state = dict(state, world_size=1, collector=[state["collector"]], rng=[state["rng"]],
-                     recent_returns=[state["recent_returns"]])
+        state = dict(
+            state,
+            world_size=1,
+            collector=[state["collector"]],
+            rng=[state["rng"]],
+            recent_returns=[state["recent_returns"]],
+        )
     pickles = [c.pop("envs", None) if isinstance(c, dict) else None for c in state.get("collector", [])]
     if any(p is not None for p in pickles):
         state["env_state"] = save_env_state(pickles, path.parent, key)

@@ -36,9 +36,9 @@ def _records(path: Path):
         if left < 7:  # block trailer padding
             pos += left
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         pos += 7
-        chunk, pos = data[pos:pos + length], pos + length
+        chunk, pos = data[pos : pos + length], pos + length
         if kind == 0:
             break
         if kind == _FULL:
@@ -80,8 +80,13 @@ def read_offline_run(run_dir: str | Path, wait: float = 60.0) -> dict[str, Any]:
         if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    out: dict[str, Any] = {"config": {}, "summary": {}, "history": [], "metrics": [],
-                           "complete": any(r.WhichOneof("record_type") == "exit" for r in records)}
+    out: dict[str, Any] = {
+        "config": {},
+        "summary": {},
+        "history": [],
+        "metrics": [],
+        "complete": any(r.WhichOneof("record_type") == "exit" for r in records),
+    }
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":

@@ -22,7 +22,7 @@ from pathlib import Path
 
 __all__ = ["train_main", "evaluate_main", "convert_main", "config_help"]
 
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "default.yaml"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 
 TRAIN_USAGE = """Train an agent. One process:
 
@@ -48,9 +48,13 @@ def _field_docs(cls: type) -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = " ".join(after.value.value.split())
     return docs
 
@@ -121,41 +125,61 @@ def train_main(argv: list[str] | None = None) -> int:
     prog = "rl-replay-train" if argv is None and not sys.argv[0].endswith(".py") else "python scripts/train.py"
     parser = argparse.ArgumentParser(
         prog=prog if prog == "rl-replay-train" else None,
-        description=TRAIN_USAGE.format(prog=prog), epilog=config_help(),
+        description=TRAIN_USAGE.format(prog=prog),
+        epilog=config_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--config", default=None, help=f"YAML config (default: configs/{DEFAULT_CONFIG.name})")
-    parser.add_argument("--resume", default=None, metavar="RUN_DIR",
-                        help="continue the run in RUN_DIR with its own config.yaml (overrides allowed)")
-    parser.add_argument("--trust-env-state", action="store_true",
-                        help="with --resume: unpickle the run's env_state.pkl even if it was not written by this "
-                             "user on this machine (a pickle can run any code: only for runs you trust)")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
-                        help="config overrides, e.g. optim.lr=3e-4 (see the keys below)")
+    parser.add_argument(
+        "--resume",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR with its own config.yaml (overrides allowed)",
+    )
+    parser.add_argument(
+        "--trust-env-state",
+        action="store_true",
+        help="with --resume: unpickle the run's env_state.pkl even if it was not written by this "
+        "user on this machine (a pickle can run any code: only for runs you trust)",
+    )
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="section.key=value",
+        help="config overrides, e.g. optim.lr=3e-4 (see the keys below)",
+    )
     args = parser.parse_intermixed_args(argv)
 
     from rl_replay.config import load_config
     from rl_replay.errors import CheckpointError, NonFiniteError, RunWriteError, SetupError, TrainingInterrupted
 
     if args.resume and args.config:
-        print(f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
-              "cannot be combined with it: pass changes as key=value overrides, or drop --resume to "
-              "start a new run from the config file.", file=sys.stderr)
+        print(
+            f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
+            "cannot be combined with it: pass changes as key=value overrides, or drop --resume to "
+            "start a new run from the config file.",
+            file=sys.stderr,
+        )
         return 2
     if args.trust_env_state and not args.resume:
-        print("error: --trust-env-state applies to --resume RUN_DIR only (a new run, or init_from=, reads "
-              "weights and unpickles nothing).", file=sys.stderr)
+        print(
+            "error: --trust-env-state applies to --resume RUN_DIR only (a new run, or init_from=, reads "
+            "weights and unpickles nothing).",
+            file=sys.stderr,
+        )
         return 2
     if args.resume and any(_override_key(o) == "run_dir" for o in args.overrides):
-        print(f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
-              "start a new run elsewhere, drop --resume instead).", file=sys.stderr)
+        print(
+            f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
+            "start a new run elsewhere, drop --resume instead).",
+            file=sys.stderr,
+        )
         return 2
     try:
-        from rl_replay.trainer import build
+        from rl_replay.run.setup import build
 
         if args.resume:
-            trainer = build(resume=args.resume, overrides=tuple(args.overrides),
-                            trust_env_state=args.trust_env_state)
+            trainer = build(resume=args.resume, overrides=tuple(args.overrides), trust_env_state=args.trust_env_state)
         else:
             if args.config and not Path(args.config).is_file():
                 raise FileNotFoundError(_missing_config(args.config))
@@ -179,8 +203,11 @@ def train_main(argv: list[str] | None = None) -> int:
         metrics = trainer.train()
         if info.is_main and metrics:
             # A NaN here only means that no episode ended in the last update: leave it out.
-            shown = {k: round(v, 3) for k, v in metrics.items()
-                     if k.startswith(("rollout/return", "train/loss")) and math.isfinite(v)}
+            shown = {
+                k: round(v, 3)
+                for k, v in metrics.items()
+                if k.startswith(("rollout/return", "train/loss")) and math.isfinite(v)
+            }
             print(f"finished {trainer.update} updates, {trainer.env_steps} env steps: {shown}", file=sys.stderr)
     except TrainingInterrupted as exc:
         code = exc.exit_code
@@ -221,19 +248,27 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     prog = "rl-replay-evaluate" if argv is None and not sys.argv[0].endswith(".py") else "python scripts/evaluate.py"
     parser = argparse.ArgumentParser(
         prog=prog if prog == "rl-replay-evaluate" else None,
-        description=EVALUATE_USAGE.format(prog=prog), formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=EVALUATE_USAGE.format(prog=prog),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("run_dir", help="run directory (with config.yaml and checkpoint.pt)")
     parser.add_argument("--episodes", type=int, default=None, help="default: eval.episodes of the run's config")
     parser.add_argument("--stochastic", action="store_true", help="sample actions instead of the mode")
     parser.add_argument("--seed", type=int, default=12345)
-    parser.add_argument("env_overrides", nargs="*", metavar="env.kwargs.KEY=VALUE",
-                        help="evaluate on a changed environment: env.kwargs.* or env.max_episode_steps "
-                             "(the agent's architecture comes from the run and cannot change)")
+    parser.add_argument(
+        "env_overrides",
+        nargs="*",
+        metavar="env.kwargs.KEY=VALUE",
+        help="evaluate on a changed environment: env.kwargs.* or env.max_episode_steps "
+        "(the agent's architecture comes from the run and cannot change)",
+    )
     parser.add_argument("--video", default=None, metavar="DIR", help="record videos into DIR")
-    parser.add_argument("--wandb", action="store_true",
-                        help="log the result (and video) to the training run's wandb project, as an eval run "
-                             "in its group (mode: WANDB_MODE, else the run's log.wandb_mode)")
+    parser.add_argument(
+        "--wandb",
+        action="store_true",
+        help="log the result (and video) to the training run's wandb project, as an eval run "
+        "in its group (mode: WANDB_MODE, else the run's log.wandb_mode)",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.episodes is not None and args.episodes < 1:
         print(f"error: --episodes must be a positive number of episodes, got {args.episodes}.", file=sys.stderr)
@@ -241,17 +276,20 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     for ov in args.env_overrides:
         key = _override_key(ov)
         if not (key.startswith("env.kwargs.") or key in ("env.kwargs", "env.max_episode_steps")):
-            print(f"error: evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
-                  "the agent and everything else come from the run's config.yaml.", file=sys.stderr)
+            print(
+                f"error: evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
+                "the agent and everything else come from the run's config.yaml.",
+                file=sys.stderr,
+            )
             return 2
 
     from rl_replay.agent import build_agent
-    from rl_replay.checkpoint import load_agent_weights, load_checkpoint, non_finite_tensors, require
     from rl_replay.config import load_config
-    from rl_replay.env_state import training_statistics
-    from rl_replay.environment import make_vector_env
     from rl_replay.errors import SetupError
-    from rl_replay.evaluate import evaluate
+    from rl_replay.rollout.env_state import training_statistics
+    from rl_replay.rollout.environment import make_vector_env
+    from rl_replay.run.checkpoint import load_agent_weights, load_checkpoint, non_finite_tensors, require
+    from rl_replay.run.evaluate import evaluate
 
     run_dir = Path(args.run_dir)
     try:
@@ -270,15 +308,22 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
                 "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
             )
-        probe = make_vector_env(cfg.env.id, 1, kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps,
-                                imports=cfg.env.imports, wrappers=cfg.env.wrappers,
-                                observation_keys=cfg.env.observation_keys)
-        agent = build_agent(cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space,
-                            probe.single_action_space)
+        probe = make_vector_env(
+            cfg.env.id,
+            1,
+            kwargs=cfg.env.kwargs,
+            max_episode_steps=cfg.env.max_episode_steps,
+            imports=cfg.env.imports,
+            wrappers=cfg.env.wrappers,
+            observation_keys=cfg.env.observation_keys,
+        )
+        agent = build_agent(
+            cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space
+        )
         probe.close()
         load_agent_weights(agent, state["agent"], ckpt)
         if args.wandb:
-            from rl_replay.logger import wandb_preflight
+            from rl_replay.run.logger import wandb_preflight
 
             wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
     except (SetupError, ValueError, FileNotFoundError) as exc:
@@ -294,21 +339,37 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             print("error: --video needs the optional video dependency: pip install -e '.[video]'", file=sys.stderr)
             return 2
     result = evaluate(
-        agent, cfg.env.id, episodes=args.episodes or cfg.eval.episodes,
-        deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed,
-        env_kwargs=cfg.env.kwargs, max_episode_steps=cfg.env.max_episode_steps, video_dir=args.video,
-        env_imports=cfg.env.imports, env_wrappers=cfg.env.wrappers, env_statistics=env_statistics,
+        agent,
+        cfg.env.id,
+        episodes=args.episodes or cfg.eval.episodes,
+        deterministic=cfg.eval.deterministic and not args.stochastic,
+        seed=args.seed,
+        env_kwargs=cfg.env.kwargs,
+        max_episode_steps=cfg.env.max_episode_steps,
+        video_dir=args.video,
+        env_imports=cfg.env.imports,
+        env_wrappers=cfg.env.wrappers,
+        env_statistics=env_statistics,
         env_observation_keys=cfg.env.observation_keys,
     )
-    print(f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
-          f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "
-          f"{state['env_steps']} env steps)")
+    print(
+        f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
+        f"{int(result['episodes'])} episodes (checkpoint update {state['update']}, "
+        f"{state['env_steps']} env steps)"
+    )
     print(json.dumps(result))
     if args.wandb:
-        from rl_replay.evaluate import log_evaluation
+        from rl_replay.run.evaluate import log_evaluation
 
-        mode = log_evaluation(run_dir, cfg, result, checkpoint=state, video_dir=args.video,
-                              deterministic=cfg.eval.deterministic and not args.stochastic, seed=args.seed)
+        mode = log_evaluation(
+            run_dir,
+            cfg,
+            result,
+            checkpoint=state,
+            video_dir=args.video,
+            deterministic=cfg.eval.deterministic and not args.stochastic,
+            seed=args.seed,
+        )
         print(f"wandb: evaluation logged ({mode}) to project {cfg.log.wandb_project}", file=sys.stderr)
     return 0
 
@@ -317,15 +378,16 @@ def convert_main(argv: list[str] | None = None) -> int:
     """``scripts/convert_checkpoint.py``: rewrite a legacy (pickled) checkpoint in the current format."""
     parser = argparse.ArgumentParser(
         description="Convert a checkpoint written before format 2 (a pickle) into format 2 (numbers that run no "
-                    "code when loaded, plus env_state.pkl signed with your key). Loading the old file unpickles "
-                    "it, which runs any code it names: do it only for files you trust, and say so with --trust.")
+        "code when loaded, plus env_state.pkl signed with your key). Loading the old file unpickles "
+        "it, which runs any code it names: do it only for files you trust, and say so with --trust."
+    )
     parser.add_argument("path", help="a run directory (its checkpoint.pt) or a checkpoint file")
     parser.add_argument("--trust", action="store_true", help="I trust where this file came from; unpickle it")
     args = parser.parse_args(argv)
 
-    from rl_replay import trust
-    from rl_replay.checkpoint import convert_legacy
     from rl_replay.errors import SetupError
+    from rl_replay.run import trust
+    from rl_replay.run.checkpoint import convert_legacy
 
     try:
         path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())

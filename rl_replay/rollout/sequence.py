@@ -7,7 +7,7 @@ outputs other than the state are gathered with :func:`append_heads` / :func:`sta
 so the action distribution is built once on the stacked (T, n) outputs (the loss's graph
 then has a few nodes in all instead of a few per step, each kept until the backward).
 :func:`replay_sequence` is that loop over a stored sequence (PPO's minibatches,
-:mod:`rl_replay.horizon`).
+:mod:`rl_replay.run.horizon`).
 
 Imports the engine and nothing from the algorithms or the trainer.
 """
@@ -22,8 +22,9 @@ from rl_replay.engine import GradientAccumulator, replay, replay_steps
 __all__ = ["append_heads", "block_inputs", "block_spans", "replay_sequence", "stack_heads", "truncate"]
 
 
-def block_inputs(observation: torch.Tensor | TensorDict, state: TensorDict, is_first: torch.Tensor,
-                 n: int) -> TensorDict:
+def block_inputs(
+    observation: torch.Tensor | TensorDict, state: TensorDict, is_first: torch.Tensor, n: int
+) -> TensorDict:
     """One step's agent inputs for ``n`` envs: ``observation``, ``state`` and ``is_first``.
 
     ``device=None``: the observation, the state and the flags may live on different
@@ -73,9 +74,15 @@ def block_spans(T: int, block_steps: int, bptt_truncate: int | None = None) -> l
     return spans
 
 
-def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_state: TensorDict,
-                    accumulator: GradientAccumulator | None, bptt_truncate: int | None = None,
-                    block_steps: int = 1) -> TensorDict:
+def replay_sequence(
+    model: torch.nn.Module,
+    policy,
+    data: TensorDict,
+    start_state: TensorDict,
+    accumulator: GradientAccumulator | None,
+    bptt_truncate: int | None = None,
+    block_steps: int = 1,
+) -> TensorDict:
     """Re-run a stored (T, n) sequence step by step; returns ``log_prob``, ``entropy``, ``value``.
 
     Args:
@@ -109,8 +116,12 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
     if accumulator is not None and block_steps > 1:
         blocks = []
         for start, stop in block_spans(T, block_steps, bptt_truncate):
-            steps = TensorDict(observation=observation[start:stop], is_first=is_first[start:stop],
-                               batch_size=[stop - start, n], device=None)
+            steps = TensorDict(
+                observation=observation[start:stop],
+                is_first=is_first[start:stop],
+                batch_size=[stop - start, n],
+                device=None,
+            )
             heads, state = replay_steps(model, accumulator, steps, state)
             state = truncate(state, stop - 1, bptt_truncate)
             blocks.append(heads)
@@ -127,8 +138,9 @@ def replay_sequence(model: torch.nn.Module, policy, data: TensorDict, start_stat
     return _sequence_outputs(policy, [heads], data)
 
 
-def _replay_stateless(model: torch.nn.Module, policy, data: TensorDict, accumulator: GradientAccumulator,
-                      block_steps: int) -> TensorDict:
+def _replay_stateless(
+    model: torch.nn.Module, policy, data: TensorDict, accumulator: GradientAccumulator, block_steps: int
+) -> TensorDict:
     """:func:`replay_sequence` for a stateless agent: each block of ``block_steps`` rows is one
     replay block, the agent called once on the block's ``k * n`` rows (``is_first`` only resets
     a state, so it changes nothing here; it is passed on as the contract asks)."""
@@ -137,9 +149,13 @@ def _replay_stateless(model: torch.nn.Module, policy, data: TensorDict, accumula
     blocks = []
     for start, stop in block_spans(T, block_steps):
         k = stop - start
-        inputs = TensorDict(observation=observation[start:stop].flatten(0, 1),
-                            state=TensorDict({}, batch_size=[k * n], device=None),
-                            is_first=is_first[start:stop].flatten(0, 1), batch_size=[k * n], device=None)
+        inputs = TensorDict(
+            observation=observation[start:stop].flatten(0, 1),
+            state=TensorDict({}, batch_size=[k * n], device=None),
+            is_first=is_first[start:stop].flatten(0, 1),
+            batch_size=[k * n],
+            device=None,
+        )
         out = replay(model, accumulator, inputs)
         blocks.append(out.exclude("state").unflatten(0, (k, n)))
     return _sequence_outputs(policy, blocks, data)
@@ -151,5 +167,6 @@ def _sequence_outputs(policy, blocks: list[TensorDict], data: TensorDict) -> Ten
     heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
     blocks.clear()
     dist = policy.distribution(heads)
-    return TensorDict(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                      value=heads["value"], batch_size=data.batch_size)
+    return TensorDict(
+        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=data.batch_size
+    )

@@ -23,7 +23,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay.engine import GradientAccumulator
-from rl_replay.sequence import replay_sequence
+from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["episode_horizon"]
 
@@ -48,13 +48,13 @@ def _episode_span(is_first: torch.Tensor, valid: torch.Tensor) -> tuple[int, int
 
 def _float_leaves(observation) -> list[torch.Tensor]:
     if isinstance(observation, TensorDict):
-        return [v for v in observation.values(include_nested=True, leaves_only=True)
-                if torch.is_floating_point(v)]
+        return [v for v in observation.values(include_nested=True, leaves_only=True) if torch.is_floating_point(v)]
     return [observation] if torch.is_floating_point(observation) else []
 
 
-def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
-                    bptt_truncate: int | None = None, block_steps: int = 1) -> dict[str, float]:
+def episode_horizon(
+    model: torch.nn.Module, policy, data: TensorDict, bptt_truncate: int | None = None, block_steps: int = 1
+) -> dict[str, float]:
     """Gradient of an episode's last decision with respect to its first observation.
 
     Args:
@@ -75,7 +75,7 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
     if span is None:
         return {}
     env, first, last = span
-    episode = data[first:last + 1, env:env + 1].select("observation", "is_first", "action")
+    episode = data[first : last + 1, env : env + 1].select("observation", "is_first", "action")
     obs0 = episode["observation"][0]
     # The first observation's floating-point parts become leaves to differentiate.
     if isinstance(obs0, TensorDict):
@@ -97,8 +97,15 @@ def episode_horizon(model: torch.nn.Module, policy, data: TensorDict,
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         # (dropout in the blocks must not move the training RNG streams). The first row's
         # block resets the state (is_first), so any start state will do.
-        replayed = replay_sequence(model, policy, episode, policy.initial_state(1, device),
-                                   GradientAccumulator(), bptt_truncate, block_steps=block_steps)
+        replayed = replay_sequence(
+            model,
+            policy,
+            episode,
+            policy.initial_state(1, device),
+            GradientAccumulator(),
+            bptt_truncate,
+            block_steps=block_steps,
+        )
         replayed["log_prob"][-1].sum().backward()  # not autograd.grad(): replay blocks refuse it
     for p, g in zip(params, held):
         p.grad = g

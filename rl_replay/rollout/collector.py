@@ -11,23 +11,23 @@ output is exactly the bootstrap value ``V(final obs)`` a truncated step needs, s
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import gymnasium as gym
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rl_replay.engine import GradientAccumulator
 from rl_replay.agent import Agent
+from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
-from rl_replay.environment import env_episode_return
-from rl_replay.env_state import pickle_envs, set_vector_statistics, vector_statistics
-from rl_replay.engine import replay
-from rl_replay.sequence import append_heads, block_inputs, stack_heads, truncate
-from rl_replay.spaces import obs_converter
+from rl_replay.rollout.env_state import pickle_envs, set_vector_statistics, vector_statistics
+from rl_replay.rollout.environment import env_episode_return
+from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
+from rl_replay.rollout.spaces import obs_converter
 from rl_replay.targets import unpickle
 
 __all__ = ["Collector", "Rollout"]
@@ -188,8 +188,11 @@ class Collector:
                     successes.append(float(info["success"][i]))
                 self._ep_return[i] = 0.0
                 self._ep_length[i] = 0
-            for key, value in (("observation", inputs["observation"]), ("is_first", inputs["is_first"]),
-                               ("action", action)):
+            for key, value in (
+                ("observation", inputs["observation"]),
+                ("is_first", inputs["is_first"]),
+                ("action", action),
+            ):
                 cols[key].append(value)
             flags["reward"].append(reward)
             flags["terminated"].append(terminated & valid_np)
@@ -207,11 +210,13 @@ class Collector:
             if self.reduce_sums is not None:
                 # Under FSDP a rank that stopped alone (episode over, or bad env output) would
                 # leave the others waiting in their next forward's all-gather: decide together.
-                sums = self.reduce_sums({"bad": float(problem is not None),
-                                         "unfinished": float(not everyone_finished)})
+                sums = self.reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})
                 if sums["bad"]:
-                    raise NonFiniteError(problem or f"environment '{self._env_id}' returned a non-finite "
-                                         "value on another rank (its own error names it); every rank stops.")
+                    raise NonFiniteError(
+                        problem
+                        or f"environment '{self._env_id}' returned a non-finite "
+                        "value on another rank (its own error names it); every rank stops."
+                    )
                 everyone_finished = self.mode == "episode" and not sums["unfinished"]
             if everyone_finished:
                 break
@@ -226,14 +231,12 @@ class Collector:
         stacked = stack_heads(heads, T, N)
         del heads
         dist = self.policy.distribution(stacked)
-        data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(),
-                    value=stacked["value"])
+        data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"])
         for key, column in flags.items():
             dtype = torch.float32 if key == "reward" else torch.bool
             data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
         data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
-        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes,
-                       start_state)
+        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes, start_state)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:
@@ -244,9 +247,12 @@ class Collector:
             "obs": self._obs.to_dict() if isinstance(self._obs, TensorDict) else self._obs,
             "obs_is_tensordict": isinstance(self._obs, TensorDict),
             "state": None if self._state is None else self._state.to_dict(),
-            "is_first": self._is_first, "autoreset": self._autoreset.copy(),
-            "ep_return": self._ep_return.copy(), "ep_length": self._ep_length.copy(),
-            "envs": None, "env_statistics": vector_statistics(self.envs),
+            "is_first": self._is_first,
+            "autoreset": self._autoreset.copy(),
+            "ep_return": self._ep_return.copy(),
+            "ep_length": self._ep_length.copy(),
+            "envs": None,
+            "env_statistics": vector_statistics(self.envs),
         }
         if isinstance(self.envs, gym.vector.SyncVectorEnv):
             try:
@@ -255,8 +261,11 @@ class Collector:
             except Exception as exc:  # depends on the env: a user's wrapper holding a lambda
                 if not self._warned_unsaved_envs:
                     self._warned_unsaved_envs = True
-                    warnings.warn(f"environments cannot be pickled ({exc}); a resume starts fresh episodes "
-                                  "(with the saved wrapper statistics)", stacklevel=2)
+                    warnings.warn(
+                        f"environments cannot be pickled ({exc}); a resume starts fresh episodes "
+                        "(with the saved wrapper statistics)",
+                        stacklevel=2,
+                    )
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -274,18 +283,25 @@ class Collector:
             self._reset(None)
             if state.get("fresh_envs") is not None:  # the run layer would not unpickle them
                 why, fix = state["fresh_envs"]
-                warnings.warn(f"the checkpoint's environment state is not used ({why}): the resumed run keeps "
-                              "weights, optimizer and counters but starts fresh episodes with the saved wrapper "
-                              f"statistics, so it does not continue exactly; {fix}.", stacklevel=2)
+                warnings.warn(
+                    f"the checkpoint's environment state is not used ({why}): the resumed run keeps "
+                    "weights, optimizer and counters but starts fresh episodes with the saved wrapper "
+                    f"statistics, so it does not continue exactly; {fix}.",
+                    stacklevel=2,
+                )
                 return
             if isinstance(self.envs, gym.vector.SyncVectorEnv):
                 why, fix = "the envs could not be pickled", "make the env's wrappers picklable"
             else:
                 why, fix = "env.vectorization=async", "use env.vectorization=sync"
-            warnings.warn(f"the checkpoint holds no environment state ({why}): the resumed run starts fresh "
-                          "episodes with the saved wrapper statistics, so it does not continue exactly; "
-                          f"{fix} for runs that must resume exactly.", stacklevel=2)
+            warnings.warn(
+                f"the checkpoint holds no environment state ({why}): the resumed run starts fresh "
+                "episodes with the saved wrapper statistics, so it does not continue exactly; "
+                f"{fix} for runs that must resume exactly.",
+                stacklevel=2,
+            )
             return
+
         # Checkpoints load onto the CPU; the policy may live on a GPU.
         def to(t):
             return None if t is None else t.to(self.device)
@@ -294,8 +310,9 @@ class Collector:
         if state.get("obs_is_tensordict"):
             obs = TensorDict(obs, batch_size=[self.num_envs])
         self._obs = to(obs)
-        self._state = (None if state["state"] is None
-                       else TensorDict(state["state"], batch_size=[self.num_envs]).to(self.device))
+        self._state = (
+            None if state["state"] is None else TensorDict(state["state"], batch_size=[self.num_envs]).to(self.device)
+        )
         self._is_first = to(state["is_first"])
         self._autoreset = state["autoreset"]
         self._ep_return = state["ep_return"]

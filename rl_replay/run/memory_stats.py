@@ -77,8 +77,10 @@ def update_memory(device: torch.device | str) -> dict[str, float]:
     device = torch.device(device)
     if _can_reset:
         kb = _status_kb("VmRSS", "VmHWM")  # one read of /proc/self/status for both
-        out: dict[str, float] = {"memory/rss_bytes": float(kb["VmRSS"] * 1024),
-                                 "memory/peak_rss_bytes": float(kb["VmHWM"] * 1024)}
+        out: dict[str, float] = {
+            "memory/rss_bytes": float(kb["VmRSS"] * 1024),
+            "memory/peak_rss_bytes": float(kb["VmHWM"] * 1024),
+        }
     else:
         out = {"memory/rss_bytes": _current_rss_bytes()}
         out["memory/peak_rss_bytes"] = _lifetime_peak_bytes()
@@ -95,9 +97,21 @@ def heap_in_use() -> int | None:
     import ctypes
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in (
-            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-            "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (n, ctypes.c_size_t)
+            for n in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     try:
         libc = ctypes.CDLL("libc.so.6")

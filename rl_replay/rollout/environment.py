@@ -22,19 +22,27 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.errors import SetupError
-from rl_replay.spaces import usable_keys
+from rl_replay.rollout.spaces import usable_keys
 from rl_replay.targets import import_module, resolve, split_env_id
 
-__all__ = ["import_env_modules", "resolve_env_id", "load_wrappers", "observation_filter", "make_env",
-           "make_vector_env", "env_episode_return"]
+__all__ = [
+    "import_env_modules",
+    "resolve_env_id",
+    "load_wrappers",
+    "observation_filter",
+    "make_env",
+    "make_vector_env",
+    "env_episode_return",
+]
 
 # info key of the episode statistics recorded beneath the configured wrappers (see make_vector_env).
 RAW_EPISODE_KEY = "env_episode"
 
 # Wrapper bounds from a config are Python floats (float64), and a float32 Box casting them makes
 # gymnasium warn at every start (RescaleObservation's min_obs / max_obs): the cast is the point.
-warnings.filterwarnings("ignore", message=r".*Box (low|high)'s precision lowered by casting",
-                        module=r"gymnasium\.spaces\.box")
+warnings.filterwarnings(
+    "ignore", message=r".*Box (low|high)'s precision lowered by casting", module=r"gymnasium\.spaces\.box"
+)
 
 _REGISTER_HINT = (
     "A custom env must be registered (gymnasium.register(id=..., entry_point='pkg.mod:MyEnv')) "
@@ -107,8 +115,10 @@ def observation_filter(space: gym.Space, observation_keys: Sequence[str] = ()) -
     kept, dropped = selection
     if dropped and not observation_keys:
         kinds = ", ".join(f"{k}: {type(space[k]).__name__}" for k in dropped)
-        line = (f"warning: dropping the observation keys {dropped} ({kinds}), which hold no tensors; "
-                f"keeping {kept}. Set env.observation_keys to choose the keys.")
+        line = (
+            f"warning: dropping the observation keys {dropped} ({kinds}), which hold no tensors; "
+            f"keeping {kept}. Set env.observation_keys to choose the keys."
+        )
         if line not in _WARNED:
             _WARNED.add(line)
             print(line, file=sys.stderr, flush=True)
@@ -199,8 +209,13 @@ def make_vector_env(
             loaded = [_record_env_episodes, *loaded]
         if select is not None:
             loaded = [*loaded, select]
-        return gym.make_vec(env_id, num_envs=num_envs, vectorization_mode=vectorization,
-                            wrappers=loaded, **_make_kwargs(kwargs, max_episode_steps))
+        return gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode=vectorization,
+            wrappers=loaded,
+            **_make_kwargs(kwargs, max_episode_steps),
+        )
     except TypeError as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
 

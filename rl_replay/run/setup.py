@@ -1,0 +1,395 @@
+"""Setting up a run: a config (or a run directory to resume, or a warm start) into a ready
+:class:`~rl_replay.run.trainer.Trainer`.
+
+:func:`build` validates everything that can be wrong (env id, agent path and contract, action
+space, distributed setup, a resume's overrides against its checkpoint) *before* anything is
+written to the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rl_replay import distributed as dist_utils
+from rl_replay.agent import Agent, build_agent, canonical_agent_target
+from rl_replay.config import Config, batch_size_per_rank, config_to_dict, load_config, num_updates, save_config
+from rl_replay.contract import check_agent
+from rl_replay.engine import keep_freed_memory
+from rl_replay.errors import CheckpointError, SetupError
+from rl_replay.rollout.collector import Collector
+from rl_replay.rollout.environment import make_vector_env
+from rl_replay.run.checkpoint import load_checkpoint, load_latest, remove_stale_temporaries
+from rl_replay.run.interrupt import children_ignore_sigint
+from rl_replay.run.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
+from rl_replay.run.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
+from rl_replay.run.trainer import Trainer
+from rl_replay.run.trainer_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng
+
+__all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
+
+
+def make_optimizer(params, cfg) -> torch.optim.Optimizer:
+    """Adam, RMSprop or SGD from an :class:`~rl_replay.config.OptimConfig`."""
+    if cfg.name == "adam":
+        return torch.optim.Adam(params, lr=cfg.lr, eps=cfg.eps)
+    if cfg.name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=cfg.lr, eps=cfg.eps, alpha=0.99)
+    return torch.optim.SGD(params, lr=cfg.lr)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+# Keys a resume cannot change: the checkpoint's envs, agent and optimizer state are built
+# for them (pickled envs would even silently replace the newly made ones).
+RESUME_FIXED_KEYS = (
+    "seed",
+    "env.id",
+    "env.num_envs",
+    "env.vectorization",
+    "env.kwargs",
+    "env.max_episode_steps",
+    "env.observation_keys",
+    "agent.target",
+    "agent.kwargs",
+    "optim.name",
+)
+
+
+def _dotted(data: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> None:
+    now, defaults = config_to_dict(cfg), config_to_dict(Config())
+    for key in RESUME_FIXED_KEYS:
+        ours, theirs = _dotted(now, key), _dotted(saved, key)
+        if theirs is None and _dotted(defaults, key) is not None:
+            theirs = _dotted(defaults, key)  # a checkpoint written before the key existed
+        if key == "agent.target":  # 'gru' and an older run's 'agents.gru:GRUAgent' are one class
+            ours, theirs = canonical_agent_target(ours), canonical_agent_target(theirs)
+        if ours != theirs:
+            raise SetupError(
+                f"cannot resume {where} with {key}={_dotted(now, key)!r}: its checkpoint was written with "
+                f"{key}={_dotted(saved, key)!r}, and a resumed run keeps its environments, agent and "
+                f"optimizer. Resume without that override, or start a new run (another run_dir) to change it."
+            )
+
+
+def _on_main(fn, info: dist_utils.DistInfo):
+    """Run ``fn`` on rank 0 only and return its result there (None on other ranks).
+
+    A SetupError it raises is raised on every rank, so no rank waits for a failed peer.
+    """
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except SetupError as exc:
+            if not info.distributed:
+                raise
+            error = str(exc)
+    if info.distributed:
+        error = dist_utils.broadcast_from_main(error, info)
+        if error is not None:
+            raise SetupError(error)
+    return result
+
+
+def build(
+    cfg: Config | None = None,
+    *,
+    resume: str | Path | None = None,
+    overrides: tuple[str, ...] = (),
+    trust_env_state: bool = False,
+) -> Trainer:
+    """Build a Trainer from a config, or resume the run in ``resume`` (its saved config).
+
+    Everything that can be misconfigured is checked before anything is written: a fresh
+    run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
+    into the new objects before its ``config.yaml`` is rewritten; one that stopped before its
+    first checkpoint restarts in place from update 0 (a warning says how many logged updates
+    that redoes). A failure releases what was taken until then (the run directory's lock, the
+    envs, the logger); the returned trainer holds them until :meth:`Trainer.close`.
+
+    A resume unpickles the checkpoint's environment state only if this user's MAC verifies it
+    (:mod:`rl_replay.run.trust`), or with ``trust_env_state``; otherwise it starts fresh episodes
+    and says why.
+    """
+    restart = False
+    if resume is not None:
+        resume = Path(resume)
+        restart = resume_kind(resume) == "restart"
+        cfg = _resume_config(resume, overrides)
+    assert cfg is not None
+    wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
+    if cfg.torch_threads is not None:
+        torch.set_num_threads(cfg.torch_threads)
+    if cfg.keep_freed_memory:
+        keep_freed_memory()
+    info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
+    # Unwound (newest first) only if building fails: pop_all() hands everything to the trainer.
+    with contextlib.ExitStack() as cleanup:
+        lock: RunLock | None = None
+        state, ckpt = None, None
+        if resume is not None:
+            # Refuse a run that is still being written before reading anything.
+            lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
+            if not restart:
+                state, ckpt = _read_resume_state(cfg, resume, info, trust_env_state)
+        # A warm start's weights are read before anything is built or written: a bad path fails first.
+        init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
+        trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
+        if state is not None:
+            _load_resume_state(trainer, state, ckpt, resume)
+        # Nothing has been written yet; from here on the run exists on disk.
+        if resume is None:
+            trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
+            trainer.run_dir = Path(dist_utils.broadcast_from_main(str(lock.run_dir) if lock else None, info))
+        elif restart and info.is_main:
+            print(
+                f"warning: {resume} has no checkpoint: the run stopped before its first one "
+                f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
+                file=sys.stderr,
+                flush=True,
+            )
+        trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
+        cut_to = state["update"] if state is not None else 0 if restart else None
+        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None
+        with trainer._writing(trainer.run_dir):
+            _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
+            trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
+        cleanup.callback(trainer.logger.close)
+        if state is not None:
+            restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
+        cleanup.pop_all()
+    return trainer
+
+
+def _resume_config(resume: Path, overrides: tuple[str, ...]) -> Config:
+    """The saved config of the run in ``resume`` with ``overrides``."""
+    cfg = load_config(resume / "config.yaml", overrides)
+    return replace(cfg, run_dir=str(resume))
+
+
+def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None:
+    """Have ``cleanup`` release ``lock`` (None on ranks other than 0) if building fails."""
+    if lock is not None:
+        cleanup.callback(lock.release)
+    return lock
+
+
+def _read_resume_state(
+    cfg: Config, resume: Path, info: dist_utils.DistInfo, trust_env_state: bool = False
+) -> tuple[dict[str, Any], Path]:
+    """The checkpoint state to resume from and its path; refuses overrides it cannot honour."""
+    state, ckpt, warning = read_trainer_state(resume, info, trust_env_state=trust_env_state)
+    if warning and info.is_main:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    _check_resume_config(cfg, state["config"], resume)
+    return state, ckpt
+
+
+def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resume: Path) -> None:
+    """Load the checkpoint into the newly built objects (RNG streams come last, in build)."""
+    try:
+        load_trainer(trainer, state)
+    except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SetupError(
+            f"cannot resume {resume}: its checkpoint {ckpt} does not fit the run as configured "
+            f"({type(exc).__name__}: {first}). Resume without overrides that change the agent, "
+            "optimizer or environments, or start a new run."
+        ) from None
+    trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
+
+
+def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo) -> None:
+    """Rank 0 writes ``config.yaml``; a resume first cuts ``metrics.jsonl`` back to update
+    ``cut_to`` (its checkpoint's, or 0 for a restart) and removes stale temporary files."""
+    if info.is_main:
+        if cut_to is not None:
+            remove_stale_temporaries(run_dir)
+            truncate_metrics(run_dir / METRICS_NAME, cut_to)
+        save_config(cfg, run_dir / "config.yaml")
+    dist_utils.barrier(info)
+
+
+def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str, wandb_id: str | None) -> RunLogger:
+    """The run's logger, continuing a resumed run's wandb run (``wandb_id``) and progress."""
+    cfg, info = trainer.cfg, trainer.info
+    return RunLogger(
+        trainer.run_dir,
+        config=config_to_dict(cfg),
+        is_main=info.is_main,
+        wandb_mode=wandb_mode,
+        wandb_project=cfg.log.wandb_project,
+        wandb_entity=cfg.log.wandb_entity,
+        run_name=cfg.log.run_name or trainer.run_dir.name,
+        wandb_id=wandb_id,
+        group=cfg.log.group,
+        tags=cfg.log.tags,
+        extras=_run_extras(cfg, trainer.num_params, info, trainer.device),
+        progress=cfg.log.progress,
+        progress_every=cfg.log.progress_every,
+        total_env_steps=cfg.total_env_steps,
+        start_env_steps=state["env_steps"] if state else 0,
+        start_update=state["update"] if state else 0,
+    )
+
+
+def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
+    """The agent state dict of the checkpoint ``init_from`` names (a run directory or a file)."""
+    path = Path(source)
+    try:
+        if path.is_dir():
+            state, _, warning = load_latest(path)
+            if warning:
+                print(f"warning: init_from={source!r}: {warning}", file=sys.stderr, flush=True)
+        else:
+            state = load_checkpoint(path)
+    except FileNotFoundError:
+        raise SetupError(
+            f"init_from={source!r}: no checkpoint there. Give a run directory that holds "
+            "checkpoint.pt, or the path of a checkpoint file."
+        ) from None
+    except CheckpointError as exc:
+        raise SetupError(f"init_from={source!r}: {exc}") from None
+    return state["agent"]
+
+
+def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Copy a warm start's weights into the freshly built (still unwrapped) agent."""
+    try:
+        agent.load_state_dict(weights)
+    except RuntimeError as exc:
+        detail = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3])
+        raise SetupError(
+            f"init_from={source!r}: its agent does not fit this run's agent ({detail}). A warm start "
+            "needs the same agent.target and agent.kwargs and the same observation and action spaces."
+        ) from None
+
+
+def _build_objects(
+    cfg: Config,
+    info: dist_utils.DistInfo,
+    device: torch.device,
+    lock: RunLock | None,
+    cleanup: contextlib.ExitStack,
+    init_weights: dict[str, torch.Tensor] | None = None,
+) -> Trainer:
+    """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk.
+
+    ``init_weights`` (a warm start, ``cfg.init_from``) are loaded into the agent before FSDP
+    wraps it. The envs are closed by ``cleanup`` if building fails.
+    """
+    seed_everything(cfg.seed + 1000 * info.rank)
+    with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
+        envs = make_vector_env(
+            cfg.env.id,
+            cfg.env.num_envs,
+            vectorization=cfg.env.vectorization,
+            kwargs=cfg.env.kwargs,
+            max_episode_steps=cfg.env.max_episode_steps,
+            imports=cfg.env.imports,
+            wrappers=cfg.env.wrappers,
+            observation_keys=cfg.env.observation_keys,
+        )
+    cleanup.callback(envs.close)
+    agent: Agent = build_agent(
+        cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space
+    ).to(device)
+    if init_weights is not None:
+        _load_init_weights(agent, init_weights, cfg.init_from)
+    num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
+    model: torch.nn.Module = agent
+    if info.distributed:
+        d = cfg.distributed
+        model = dist_utils.wrap_fsdp(
+            agent,
+            device,
+            wrap_modules=d.wrap_modules,
+            min_num_params=d.min_num_params,
+            cpu_offload=d.cpu_offload,
+            mixed_precision=d.mixed_precision,
+        )
+    elif cfg.distributed.cpu_offload:
+        raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
+    if info.distributed and cfg.eval.every:
+        raise SetupError(
+            "eval.every is not supported under torchrun (FSDP's forward is collective and "
+            "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
+            "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR"
+        )
+    if info.distributed and cfg.log.horizon_every:
+        raise SetupError(
+            "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
+            "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
+            "with: python scripts/grad_horizon.py --run RUN_DIR"
+        )
+    optimizer = make_optimizer(model.parameters(), cfg.optim)
+    reduce_sums = None
+    if info.distributed:
+
+        def reduce_sums(values: dict[str, float]) -> dict[str, float]:
+            return dist_utils.reduce_sums(values, device, info)
+
+    collector = Collector(
+        envs,
+        model,
+        num_steps=cfg.collector.num_steps,
+        mode=cfg.collector.mode,
+        bptt_truncate=cfg.collector.bptt_truncate,
+        device=device,
+        seed=cfg.seed + 1000 * info.rank,
+        reduce_sums=reduce_sums,
+    )
+    check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
+    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
+    return Trainer(
+        cfg,
+        run_dir=run_dir,
+        collector=collector,
+        model=model,
+        optimizer=optimizer,
+        logger=None,
+        info=info,
+        device=device,
+        num_params=num_params,
+        lock=lock,
+    )
+
+
+def _claim_new(cfg: Config) -> RunLock:
+    """Create and lock a fresh run directory (refusing one that holds another run)."""
+    if cfg.run_dir:
+        return claim_fresh(cfg.run_dir)
+    _, lock = claim_default("runs", cfg.log.run_name or default_name(cfg.env.id))
+    return lock
+
+
+def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device: torch.device) -> dict:
+    """Facts about the run that the config does not spell out (wandb config ``run``)."""
+    per_rank = batch_size_per_rank(cfg)
+    return {
+        "num_params": num_params,
+        "world_size": info.world_size,
+        "device": str(device),
+        "batch_size_per_rank": per_rank,
+        "batch_size": per_rank * info.world_size,
+        # None in episode mode: the number of updates depends on the episodes' lengths.
+        "num_updates": num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None,
+    }

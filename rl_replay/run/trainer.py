@@ -1,0 +1,239 @@
+"""The training loop: one algorithm update (collect, optimise, guarded steps), log, checkpoint.
+
+:class:`Trainer` is the loop and nothing else; :func:`rl_replay.run.setup.build` makes one from a
+config (or resumes one), validating everything that can be wrong before anything is written.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rl_replay import distributed as dist_utils
+from rl_replay import guards
+from rl_replay.algorithms import make_algorithm
+from rl_replay.config import Config, num_updates
+from rl_replay.errors import RunWriteError, TrainingInterrupted
+from rl_replay.rollout.collector import Collector
+from rl_replay.run.checkpoint import checkpoint_path
+from rl_replay.run.horizon import episode_horizon
+from rl_replay.run.interrupt import StopOnSignal
+from rl_replay.run.logger import METRICS_NAME, RunLogger
+from rl_replay.run.memory_stats import begin_update
+from rl_replay.run.metrics import pool_update_metrics
+from rl_replay.run.run_dir import RunLock
+from rl_replay.run.trainer_checkpoint import load_trainer, restore_trainer_rng, save_trainer
+
+__all__ = ["Trainer"]
+
+
+class Trainer:
+    """Owns one run: the collector, the (possibly FSDP-wrapped) agent and the optimizer.
+
+    Training holds the run directory's lock (rank 0) until :meth:`close`. ``num_params`` is
+    the agent's parameter count, taken before FSDP shards it.
+    """
+
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        run_dir: Path,
+        collector: Collector,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        logger: RunLogger | None,
+        info: dist_utils.DistInfo,
+        device: torch.device,
+        num_params: int,
+        lock: RunLock | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.collector = collector
+        self.model = model
+        self.optimizer = optimizer
+        self.logger = logger
+        self.info = info
+        self.device = device
+        self.lock = lock
+        self.update = 0
+        self.env_steps = 0  # summed over all ranks
+        # Known in advance only in fixed mode; in episode mode an update takes as many steps
+        # as its longest episode, so the run goes on until the step budget is reached.
+        self.num_updates = num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None
+        self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
+        self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
+        self.num_params = num_params
+        # Every optimizer step of the algorithm passes through these non-finite checks.
+        self.guard = guards.StepGuard(
+            model, guards.SkipBudget(cfg.optim.skip_nonfinite_updates), any_rank=self._any_rank
+        )
+        self.algorithm = make_algorithm(cfg, collector, model, optimizer, info, device, guard=self.guard)
+
+    # ----------------------------------------------------------------- the loop
+    def train(self) -> dict[str, float]:
+        """Train until ``total_env_steps`` are reached (see :attr:`finished`); returns the last update's metrics.
+
+        On SIGINT / SIGTERM the current update is finished, a checkpoint written and
+        :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
+        the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written),
+        a failed write into the run directory (disk full, read-only) with
+        :class:`~rl_replay.errors.RunWriteError`.
+        The logger and the run directory's lock are released in every case.
+        """
+        metrics: dict[str, float] = {}
+        try:
+            with StopOnSignal(announce=self.info.is_main) as signals:
+                while not self.finished:
+                    metrics = self.step()
+                    if self.update % self.cfg.log.log_every == 0 or self.finished:
+                        with self._writing(self.run_dir / METRICS_NAME):
+                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
+                    every = self.cfg.checkpoint.every
+                    saved = (every and self.update % every == 0) or self.finished
+                    if saved:
+                        self.save()
+                    signum = signals.requested(self.info, self.device)
+                    if signum and not self.finished:
+                        if not saved:
+                            self.save()
+                        raise TrainingInterrupted(signum, self.update, self.last_checkpoint, str(self.run_dir))
+        finally:
+            self.close()
+        return metrics
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has taken its ``total_env_steps`` (over all ranks).
+
+        In fixed mode that is after ``num_updates`` updates; in episode mode, whose updates
+        are as long as their episodes, after however many updates reach the budget. The
+        last update may overshoot it by less than one update's steps, never fall short.
+        """
+        return self.env_steps >= self.cfg.total_env_steps
+
+    def budget_used(self) -> float:
+        """The fraction of the run done before the next update, in [0, 1): the lr schedule's clock."""
+        if self.num_updates is not None:
+            return self.update / self.num_updates
+        return self.env_steps / self.cfg.total_env_steps
+
+    def step(self) -> dict[str, float]:
+        """One update of ``cfg.loss.algorithm`` (collect, then optimise), with its metrics."""
+        cfg = self.cfg
+        if cfg.optim.anneal_lr:
+            for group in self.optimizer.param_groups:
+                group["lr"] = cfg.optim.lr * (1.0 - self.budget_used())
+        self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
+        begin_update(self.device)  # the memory metrics below are this update's, not the run's
+        result = self.algorithm.update()
+        self.update += 1
+        self.recent_returns.extend(result.rollout.episode_returns)
+        metrics, steps = pool_update_metrics(
+            result,
+            recent_returns=self.recent_returns,
+            lr=self.optimizer.param_groups[0]["lr"],
+            skipped_updates=self.guard.budget.skipped,
+            device=self.device,
+            info=self.info,
+        )
+        self.env_steps += steps
+        every = cfg.log.horizon_every
+        if every and self.update % every == 0:
+            t0 = time.perf_counter()
+            metrics.update(
+                episode_horizon(
+                    self.collector.agent,
+                    self.collector.policy,
+                    result.rollout.data,
+                    self.collector.bptt_truncate,
+                    block_steps=cfg.ppo.block_steps,
+                )
+            )
+            metrics["time/horizon_sec"] = time.perf_counter() - t0
+        every = cfg.eval.every
+        if every and (self.update % every == 0 or self.finished):
+            metrics.update(self.evaluate())
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        """``eval.episodes`` episodes with the current weights on fresh envs: ``eval/*`` metrics.
+
+        The same episodes every time (fixed env seed), so the curve shows the policy, not
+        the draw. The training RNG streams are left as they were (a resumed run continues
+        exactly), and so is the agent's training mode. One process only (refused under
+        torchrun by :func:`build`): FSDP's forward is collective and episode lengths differ.
+        """
+        from rl_replay.rollout.env_state import pool_statistics, vector_statistics
+        from rl_replay.run.evaluate import evaluate
+
+        cfg = self.cfg
+        t0 = time.perf_counter()
+        np_state, py_state = np.random.get_state(), random.getstate()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            result = evaluate(
+                self.collector.policy,
+                cfg.env.id,
+                episodes=cfg.eval.episodes,
+                num_envs=min(cfg.eval.episodes, cfg.env.num_envs),
+                deterministic=cfg.eval.deterministic,
+                env_kwargs=cfg.env.kwargs,
+                max_episode_steps=cfg.env.max_episode_steps,
+                device=self.device,
+                env_imports=cfg.env.imports,
+                env_wrappers=cfg.env.wrappers,
+                env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
+                env_observation_keys=cfg.env.observation_keys,
+            )
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+        metrics = {f"eval/{key}": value for key, value in result.items() if key != "episodes"}
+        metrics.setdefault("eval/success_rate", float("nan"))
+        metrics["time/eval_sec"] = time.perf_counter() - t0
+        return metrics
+
+    def _any_rank(self, flag: bool) -> bool:
+        """True if ``flag`` is set on some rank (an all-reduce under torchrun)."""
+        return bool(dist_utils.reduce_sums({"bad": float(flag)}, self.device, self.info)["bad"])
+
+    # ----------------------------------------------------------------- checkpoints
+    def save(self) -> None:
+        """Write the checkpoint (collective under FSDP); refuses non-finite weights.
+
+        A failed write (:class:`~rl_replay.errors.RunWriteError`) leaves the previous
+        checkpoint in place.
+        """
+        with self._writing(checkpoint_path(self.run_dir)):
+            path = save_trainer(self)
+        self.last_checkpoint = f"{path} (update {self.update})"
+        with self._writing(self.run_dir):
+            self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+
+    @contextlib.contextmanager
+    def _writing(self, path: Path):
+        """Turn the ``OSError`` of a write to ``path`` (ENOSPC, EROFS...) into one line naming it."""
+        try:
+            yield
+        except OSError as exc:
+            raise RunWriteError(exc, path, self.last_checkpoint, str(self.run_dir)) from None
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
+        load_trainer(self, state)
+        restore_trainer_rng(self, state)
+
+    def close(self) -> None:
+        """Close the logger (wandb, metrics file) and release the run directory."""
+        if self.logger is not None:
+            self.logger.close()
+        if self.lock is not None:
+            self.lock.release()
