@@ -33,6 +33,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.errors import SetupError
+from rl_replay.registry import AGENTS
 from rl_replay.rollout.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
 from rl_replay.targets import canonical_target, resolve
 
@@ -230,17 +231,6 @@ class Agent(nn.Module):
         """
         keep = (~is_first).to(state.dtype)
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
-
-
-#: Short names of the reference agents for ``agent.target`` (as SB3 names its policies).
-AGENTS = {
-    "mlp": "rl_replay.agents.mlp:MLPAgent",
-    "gru": "rl_replay.agents.gru:GRUAgent",
-    "lstm": "rl_replay.agents.lstm:LSTMAgent",
-    "lru": "rl_replay.agents.lru:LRUAgent",
-    "mingru": "rl_replay.agents.mingru:MinGRUAgent",
-    "transformer": "rl_replay.agents.transformer:TransformerAgent",
-}
 
 
 def load_agent_class(target: str) -> type[Agent]:

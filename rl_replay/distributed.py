@@ -106,7 +106,7 @@ def wrap_fsdp(
       for an accelerator and fails on CPU-only machines).
     * Agents return TensorDicts, which FSDP1's own output traversal does not see; the
       replay engine registers FSDP's pre-backward hooks on their leaves itself (see
-      ``rl_replay.engine.replay._hook_tensordict_outputs``).
+      ``rl_replay.engine.fsdp._hook_tensordict_outputs``).
     """
     from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -129,8 +129,8 @@ def absorb_path(monkeypatch):
     FSDP1 (whose CPU offload overwrites .grad between blocks) takes."""
     import importlib
 
-    engine = importlib.import_module("rl_replay.engine.replay")  # the package exports a function of that name
-    monkeypatch.setattr(engine, "_fsdp_units", lambda module: [module])
+    engine = importlib.import_module("rl_replay.engine.plan")
+    monkeypatch.setattr(engine, "fsdp_units", lambda module: [module])
 
 
 def test_absorb_path_matches_plain_autograd(absorb_path):

@@ -37,8 +37,9 @@ TINY = [
 
 # ------------------------------------------------------------------ registry and interface
 def test_config_validation_lists_exactly_the_registered_names():
-    # config.py keeps the names itself so that validating a config does not import torch.
-    assert config_module.ALGORITHM_NAMES == tuple(REGISTRY)
+    # Validating a config reads the names from rl_replay.registry without importing torch.
+    assert config_module.ALGORITHM_NAMES == tuple(REGISTRY)  # both read rl_replay.registry.ALGORITHMS
+    assert all(issubclass(cls, Algorithm) for cls in REGISTRY.values())
     assert all(issubclass(cls, Algorithm) and not inspect.isabstract(cls) for cls in REGISTRY.values())
     assert (REGISTRY["a2c"], REGISTRY["reinforce"], REGISTRY["ppo"]) == (A2C, REINFORCE, PPO)
 

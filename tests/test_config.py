@@ -68,7 +68,7 @@ def test_every_field_has_a_docstring():
     import ast
     import inspect
 
-    import rl_replay.config as mod
+    import rl_replay.config.schema as mod
 
     tree = ast.parse(inspect.getsource(mod))
     checked = 0

@@ -688,7 +688,7 @@ def test_cli_refusals_and_intermixed_overrides(tmp_path, monkeypatch, capsys):
 
 
 def test_help_lists_every_config_key_with_its_docstring(tmp_path):
-    from rl_replay.config import _iter_leaves
+    from rl_replay.config.loader import _iter_leaves
     from rl_replay.run.cli import _field_docs
 
     code, out, err = finish(start(TRAIN, "--help", cwd=tmp_path))

@@ -129,8 +129,8 @@ def test_autocast_is_replayed():
 def fsdp_path(monkeypatch):
     """The engine's FSDP path on a plain module (gradients absorbed into the accumulator,
     and each step recomputed just before its own backward)."""
-    engine = importlib.import_module("rl_replay.engine.replay")
-    monkeypatch.setattr(engine, "_fsdp_units", lambda module: [module])
+    engine = importlib.import_module("rl_replay.engine.plan")
+    monkeypatch.setattr(engine, "fsdp_units", lambda module: [module])
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])

@@ -15,13 +15,9 @@ math is pure functions in :mod:`rl_replay.algorithms.losses`.
 
 A fourth algorithm is one new module (a subclass of ``Algorithm``, or of
 :class:`~rl_replay.algorithms.policy_gradient.PolicyGradient` for a one-backward rollout
-loss) plus one registry line in :data:`REGISTRY` below::
+loss) plus one line in :data:`rl_replay.registry.ALGORITHMS`::
 
-    "sac": SAC,
-
-and its name in :data:`rl_replay.config.ALGORITHM_NAMES`, the tuple config validation
-checks ``loss.algorithm`` against without importing torch (tests/test_algorithms.py
-checks that it lists exactly the registered names).
+    "sac": "my_pkg.sac:SAC",
 """
 
 from __future__ import annotations
@@ -36,7 +32,9 @@ from rl_replay.algorithms.ppo import PPO
 from rl_replay.algorithms.reinforce import REINFORCE
 from rl_replay.config import Config
 from rl_replay.guards import StepGuard
+from rl_replay.registry import ALGORITHMS
 from rl_replay.rollout.collector import Collector
+from rl_replay.targets import resolve
 
 __all__ = [
     "A2C",
@@ -50,12 +48,8 @@ __all__ = [
     "optimizer_step",
 ]
 
-#: ``loss.algorithm`` -> the class that runs it.
-REGISTRY: dict[str, type[Algorithm]] = {
-    "a2c": A2C,
-    "reinforce": REINFORCE,
-    "ppo": PPO,
-}
+#: ``loss.algorithm`` -> the class that runs it (resolved from :data:`rl_replay.registry.ALGORITHMS`).
+REGISTRY: dict[str, type[Algorithm]] = {name: resolve(target, "loss.algorithm") for name, target in ALGORITHMS.items()}
 
 
 def make_algorithm(

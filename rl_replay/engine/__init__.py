@@ -15,15 +15,20 @@ logging or the trainer, so it can be used alone::
 :func:`keep_freed_memory`   glibc setting that lets blocks reuse freed gradient buffers
 ==========================  ================================================================
 
-Modules: ``replay`` (the autograd Function and the two entry points), ``steps``
-(multi-step blocks), ``accumulator``,
-``storage`` (the slabs that hold saved inputs), ``allocator``, ``errors``.
+Modules: ``replay`` (the autograd Function, the block driver and :func:`replay`; its NOTE
+[ Replay blocks ] states the rules), ``steps`` (multi-step blocks), ``layouts`` (saved tensors
+back into a model call; the ``Layout`` protocol), ``saving`` (what a block saves of its inputs),
+``plan`` (what the engine knows about a model), ``fsdp`` (FSDP1 checks and hooks),
+``fsdp_forward`` (the seed's ``checkpoint_fsdp_forward``), ``accumulator``, ``storage`` (the
+slabs that hold saved inputs), ``allocator``, ``errors``.
 """
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.allocator import keep_freed_memory
 from rl_replay.engine.errors import ReplayError
-from rl_replay.engine.replay import StateWatch, checkpoint_fsdp_forward, replay
+from rl_replay.engine.fsdp_forward import checkpoint_fsdp_forward
+from rl_replay.engine.plan import StateWatch
+from rl_replay.engine.replay import replay
 from rl_replay.engine.steps import replay_steps
 
 __all__ = [

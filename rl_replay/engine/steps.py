@@ -26,28 +26,29 @@ from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.replay import ContextFn, _apply, _backward_from, _flatten_td, _intern_spec, _ReplayCtx, _TDSpec
+from rl_replay.engine.layouts import Layout, TDSpec, flatten_td, intern_spec
+from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from
 
 __all__ = ["replay_steps"]
 
 
-def _unstacked(spec: _TDSpec) -> _TDSpec:
+def _unstacked(spec: TDSpec) -> TDSpec:
     """``spec`` with the leading (step) dimension removed from every batch size."""
     entries = tuple((key, None if child is None else _unstacked(child)) for key, child in spec.entries)
-    return _intern_spec(entries, spec.batch_size[1:], spec.device)
+    return intern_spec(entries, spec.batch_size[1:], spec.device)
 
 
-def _stacked(spec: _TDSpec, k: int) -> _TDSpec:
+def _stacked(spec: TDSpec, k: int) -> TDSpec:
     """``spec`` with a leading dimension of size ``k`` added to every batch size."""
     entries = tuple((key, None if child is None else _stacked(child, k)) for key, child in spec.entries)
-    return _intern_spec(entries, torch.Size([k, *spec.batch_size]), spec.device)
+    return intern_spec(entries, torch.Size([k, *spec.batch_size]), spec.device)
 
 
-def _count(spec: _TDSpec) -> int:
+def _count(spec: TDSpec) -> int:
     return sum(1 if child is None else _count(child) for _, child in spec.entries)
 
 
-def _split_step(out: Any, model: Callable) -> tuple[list, list, _TDSpec, _TDSpec]:
+def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
     """One step's outputs as (head leaves, state leaves, heads spec, state spec)."""
     if type(out) is not TensorDict or "state" not in out.keys():
         raise TypeError(
@@ -63,7 +64,7 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, _TDSpec, _TDSpec
     state_spec = None
     for key, value in out._tensordict.items():
         if key == "state":
-            state_spec = _flatten_td(value, states)
+            state_spec = flatten_td(value, states)
             if state_spec is None:
                 break
             continue
@@ -71,7 +72,7 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, _TDSpec, _TDSpec
             heads.append(value)
             entries.append((key, None))
         else:
-            child = _flatten_td(value, heads)
+            child = flatten_td(value, heads)
             if child is None:
                 state_spec = None
                 break
@@ -82,16 +83,29 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, _TDSpec, _TDSpec
             "tensors or plain TensorDicts (a TensorDict subclass, named dimensions or non-tensor data); "
             "multi-step blocks take plain TensorDicts only. Use one-step blocks (rl_replay.replay)."
         )
-    return heads, states, _intern_spec(tuple(entries), out.batch_size, out.device), state_spec
+    return (
+        heads,
+        states,
+        intern_spec(tuple(entries), out.batch_size, out.device),
+        state_spec,
+    )
 
 
-class _StepsLayout:
-    """How a multi-step block calls its model: the input structure ``{steps, state}``,
-    the number of steps and the per-step structure (interned, shared by blocks)."""
+class _StepsLayout(Layout):
+    """How a multi-step block calls its model (the :class:`~rl_replay.engine.layouts.Layout`
+    protocol, with its own backward): the input structure ``{steps, state}``, the number of
+    steps and the per-step structure (interned, shared by blocks)."""
 
-    __slots__ = ("spec", "k", "step_spec", "state_spec", "num_step_leaves", "__weakref__")
+    __slots__ = (
+        "spec",
+        "k",
+        "step_spec",
+        "state_spec",
+        "num_step_leaves",
+        "__weakref__",
+    )
 
-    def __init__(self, spec: _TDSpec, k: int) -> None:
+    def __init__(self, spec: TDSpec, k: int) -> None:
         parts = dict(spec.entries)
         self.spec = spec
         self.k = k
@@ -127,7 +141,11 @@ class _StepsLayout:
         return TensorDict._new_unsafe({"heads": stacked, "state": state}, batch_size=torch.Size([]))
 
     def recompute_and_backward(
-        self, block: _ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
+        self,
+        block: ReplayCtx,
+        saved: Sequence[torch.Tensor],
+        requires_grad: Sequence[bool],
+        grads,
     ) -> tuple:
         """Recompute the k steps with grad, then one nested backward per step, newest
         first (see the module docstring for why not one for all)."""
@@ -157,11 +175,15 @@ class _StepsLayout:
         head_grads, state_grads = list(grads[:num_heads]), list(grads[num_heads:])
         for i in range(self.k - 1, -1, -1):
             heads, state_out, state_in = steps.pop()
-            _backward_from(block, heads + state_out, [None if g is None else g[i] for g in head_grads] + state_grads)
+            backward_from(
+                block,
+                heads + state_out,
+                [None if g is None else g[i] for g in head_grads] + state_grads,
+            )
             state_grads = [t.grad if t.requires_grad else None for t in state_in]
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
-    def _stepwise(self, block: _ReplayCtx, inputs, step_leaves, state_in, requires_grad, grads) -> tuple:
+    def _stepwise(self, block: ReplayCtx, inputs, step_leaves, state_in, requires_grad, grads) -> tuple:
         """The FSDP1 path: each step recomputed with grad just before its own backward.
 
         FSDP1 frees a unit's unsharded parameters when a backward through it ends, so a
@@ -172,19 +194,14 @@ class _StepsLayout:
         """
         site = block.site
         model, k = site.model, self.k
-        uses_rng = block.cpu_rng is not None or block.cuda_rng is not None
+        uses_rng = block.uses_rng
         starts, rngs = [list(state_in)], []
         with block.recompute_context:
             with torch.no_grad(), block.recompute_state():
                 state = self.state_spec.build(iter(state_in))
                 for i in range(k):
                     if uses_rng:
-                        rngs.append(
-                            (
-                                torch.get_rng_state(),
-                                None if block.cuda_rng is None else torch.cuda.get_rng_state(block.cuda_device),
-                            )
-                        )
+                        rngs.append(block.rng_now())
                     if i + 1 == k:
                         break
                     out = model(**self._step_kwargs(step_leaves, i, state))
@@ -201,15 +218,14 @@ class _StepsLayout:
                 )
                 with torch.enable_grad(), block.recompute_state():
                     if uses_rng:
-                        cpu, cuda = rngs[i]
-                        torch.set_rng_state(cpu)
-                        if cuda is not None:
-                            torch.cuda.set_rng_state(cuda, block.cuda_device)
+                        block.set_rng(rngs[i])
                     out = model(**self._step_kwargs(step_leaves, i, self.state_spec.build(iter(leaves))))
                 heads, state_out, _, _ = _split_step(out, model)
                 del out
-                _backward_from(
-                    block, heads + state_out, [None if g is None else g[i] for g in head_grads] + state_grads
+                backward_from(
+                    block,
+                    heads + state_out,
+                    [None if g is None else g[i] for g in head_grads] + state_grads,
                 )
                 state_grads = [t.grad if t.requires_grad else None for t in leaves]
         site.plan.check_versions(block.versions, "the recompute", block)
@@ -219,7 +235,7 @@ class _StepsLayout:
 _LAYOUTS: weakref.WeakValueDictionary[tuple, _StepsLayout] = weakref.WeakValueDictionary()
 
 
-def _layout_for(spec: _TDSpec, k: int) -> _StepsLayout:
+def _layout_for(spec: TDSpec, k: int) -> _StepsLayout:
     layout = _LAYOUTS.get((spec, k))
     if layout is None:
         layout = _LAYOUTS[(spec, k)] = _StepsLayout(spec, k)
@@ -272,10 +288,16 @@ def replay_steps(
             state = out["state"]
             for key, value in out.exclude("state").items(include_nested=True, leaves_only=True):
                 columns.setdefault(key, []).append(value)
-        heads = TensorDict({key: torch.stack(v) for key, v in columns.items()}, batch_size=[k, *steps.batch_size[1:]])
+        heads = TensorDict(
+            {key: torch.stack(v) for key, v in columns.items()},
+            batch_size=[k, *steps.batch_size[1:]],
+        )
         return heads, state
     leaves: list[torch.Tensor] = []
-    spec = _flatten_td(TensorDict._new_unsafe({"steps": steps, "state": state}, batch_size=torch.Size([])), leaves)
+    spec = flatten_td(
+        TensorDict._new_unsafe({"steps": steps, "state": state}, batch_size=torch.Size([])),
+        leaves,
+    )
     if spec is None:
         raise TypeError(
             _PREFIX + "replay_steps takes plain TensorDicts (no subclasses, named dimensions or non-tensor "
@@ -298,5 +320,5 @@ def replay_steps(
             ]
         return f"input {paths[i]!r}"
 
-    out = _apply(model, accumulator, leaves, _layout_for(spec, k), context_fn, what)
+    out = apply_block(model, accumulator, leaves, _layout_for(spec, k), context_fn, what)
     return out["heads"], out["state"]

@@ -78,7 +78,7 @@ def config_help() -> str:
                 sections.append((f.name, tp, docs.get(f.name, "")))
                 continue
             key = f"{prefix}{f.name}"
-            rows.append(f"  {key:<34} {config_module._type_name(tp)} = {values[f.name]!r}: {docs.get(f.name, '')}")
+            rows.append(f"  {key:<34} {config_module.type_name(tp)} = {values[f.name]!r}: {docs.get(f.name, '')}")
         return rows, sections
 
     rows, sections = describe(root, "", defaults)

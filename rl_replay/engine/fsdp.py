@@ -1,0 +1,111 @@
+"""FSDP1 checks and hooks of the replay engine.
+
+A replay block serves FSDP1 ``FULL_SHARD`` with ``use_orig_params=True`` only (NOTE [ Replay
+blocks ], Rule 8, in :mod:`rl_replay.engine.replay`): :func:`fsdp_units` finds the units of a model
+and rejects every other setup with a :class:`~rl_replay.engine.ReplayError`; it also gives tensors
+inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from tensordict import TensorDictBase
+
+from rl_replay.engine.errors import _PREFIX, ReplayError
+
+__all__ = ["fsdp_units", "has_fsdp"]
+
+
+def has_fsdp(module: torch.nn.Module) -> bool:
+    if "torch.distributed.fsdp" not in sys.modules:
+        return False  # nobody imported FSDP, so nothing can be wrapped in it
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return any(isinstance(sub, FSDP) for sub in module.modules())
+
+
+def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The FSDP1 units inside ``module``, after rejecting setups replay cannot serve."""
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []  # nobody imported FSDP, so nothing can be wrapped in it
+    from torch.distributed.fsdp import FSDPModule, ShardingStrategy
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    units = []
+    for name, sub in module.named_modules():
+        where = f"module '{name}'" if name else f"the root module ({type(sub).__name__})"
+        if isinstance(sub, FSDPModule):
+            raise ReplayError(
+                _PREFIX + f"{where} is wrapped with FSDP2 fully_shard, which replay does not "
+                "support. Wrap the policy with FSDP1 FullyShardedDataParallel("
+                "sharding_strategy=FULL_SHARD, use_orig_params=True) instead."
+            )
+        if not isinstance(sub, FSDP):
+            continue
+        if not sub._use_orig_params:
+            raise ReplayError(
+                _PREFIX + f"{where} uses FullyShardedDataParallel(use_orig_params=False); replay "
+                "needs use_orig_params=True so recomputed forwards stay visible to autograd "
+                "and to FSDP's post-backward hooks. Pass use_orig_params=True."
+            )
+        strategy = sub.sharding_strategy
+        # FSDP1 itself turns FULL_SHARD into NO_SHARD when the world has one rank.
+        single_rank = getattr(sub, "world_size", None) == 1
+        if strategy != ShardingStrategy.FULL_SHARD and not (single_rank and strategy == ShardingStrategy.NO_SHARD):
+            raise ReplayError(
+                _PREFIX + f"{where} uses sharding strategy {strategy.name}; replay supports "
+                "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
+            )
+        units.append(sub)
+    _hook_tensordict_outputs(units)
+    return units
+
+
+def _tensordict_leaves(value: Any, out: list[torch.Tensor]) -> None:
+    """The tensors inside TensorDicts in ``value``, however nested in dicts, lists and
+    tuples (FSDP1's own traversal finds every other tensor but skips these)."""
+    if isinstance(value, TensorDictBase):
+        out.extend(t for t in value.values(include_nested=True, leaves_only=True) if isinstance(t, torch.Tensor))
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _tensordict_leaves(v, out)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensordict_leaves(v, out)
+
+
+def _hook_tensordict_outputs(units: list[torch.nn.Module]) -> None:
+    """Give tensors inside TensorDict outputs of FSDP1 units FSDP's pre-backward hook.
+
+    FSDP1's post-forward registers that hook only on tensors it finds in plain
+    containers (tensor, dict, list, tuple, dataclass), so for a model returning a
+    TensorDict the recomputed forward's backward would never unshard the unit nor
+    queue the root's post-backward callback ("expected to be in states
+    FORWARD_BACKWARD"). The hook is idempotent per backward, so registering it on
+    every leaf is safe; installed once per unit.
+    """
+    import functools
+
+    from torch.distributed.fsdp import _runtime_utils
+
+    def post_forward(unit: torch.nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or isinstance(output, torch.Tensor):
+            return
+        leaves: list[torch.Tensor] = []
+        _tensordict_leaves(output, leaves)  # plain tensors in containers are FSDP's own
+        handle = unit._handle
+        hook = functools.partial(_runtime_utils._pre_backward_hook, unit, unit, handle)
+        for t in leaves:
+            if t.requires_grad:
+                t.register_hook(torch.utils.hooks.unserializable_hook(hook))
+                if handle:
+                    handle._needs_pre_backward_unshard = True
+
+    for unit in units:
+        if not getattr(unit, "_rl_replay_tensordict_hook", False):
+            unit.register_forward_hook(post_forward)
+            unit._rl_replay_tensordict_hook = True
