@@ -36,7 +36,7 @@ from torch import nn
 
 from rl_replay.agents.mlp import mlp
 from rl_replay.errors import SetupError
-from rl_replay.rollout.spaces import flat_size, flatten, leaf_keys, leaf_scales
+from rl_replay.spaces import flat_size, flatten, leaf_keys, leaf_scales
 
 __all__ = ["ENCODERS", "ConvEncoder", "image_layout", "make_encoder", "takes_raw_observation"]
 

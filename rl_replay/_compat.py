@@ -29,7 +29,6 @@ RENAMED_PACKAGES = {"agents": "rl_replay.agents", "envs": "rl_replay.envs"}
 RENAMED_MODULES = {
     "rl_replay.env_state": "rl_replay.rollout.env_state",
     "rl_replay.environment": "rl_replay.rollout.environment",
-    "rl_replay.spaces": "rl_replay.rollout.spaces",
     "rl_replay.collector": "rl_replay.rollout.collector",
 }
 

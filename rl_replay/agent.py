@@ -5,7 +5,7 @@ A block's inputs are a TensorDict of batch size ``[N]`` (one row per environment
 ==============  ===============================================================
 ``observation``  ``(N, *obs_shape)`` float32 (uint8 for uint8 images; one-hot
                  float32 for Discrete/MultiDiscrete), or a nested TensorDict ``[N]``
-                 for Dict/Tuple spaces (see :mod:`rl_replay.rollout.spaces`)
+                 for Dict/Tuple spaces (see :mod:`rl_replay.spaces`)
 ``state``        TensorDict ``[N]`` with the recurrent state (empty if stateless)
 ``is_first``     ``(N,)`` ``torch.bool`` on the policy's device: the observation
                  starts a new episode. Recurrent agents zero their state here,
@@ -34,7 +34,7 @@ from torch import nn
 
 from rl_replay.errors import SetupError
 from rl_replay.registry import AGENTS
-from rl_replay.rollout.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
+from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
 from rl_replay.targets import canonical_target, resolve
 
 __all__ = [
@@ -160,7 +160,7 @@ class Agent(nn.Module):
                 return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1),
                                   state=state, batch_size=observation.shape[:1])
 
-    Any observation space of :mod:`rl_replay.rollout.spaces` works: ``self.obs_dim`` is the width of
+    Any observation space of :mod:`rl_replay.spaces` works: ``self.obs_dim`` is the width of
     :meth:`flatten_observation`'s output; an agent that wants the keys of a Dict observation
     (e.g. an image encoder plus a vector) reads them from the TensorDict instead.
 

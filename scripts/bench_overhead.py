@@ -61,7 +61,7 @@ def build(config: str, overrides: tuple[str, ...] = (), device: str = "cpu"):
     from rl_replay.agent import build_agent
     from rl_replay.config import load_config
     from rl_replay.rollout.environment import make_vector_env
-    from rl_replay.rollout.spaces import obs_converter
+    from rl_replay.spaces import obs_converter
 
     cfg = load_config(os.path.join(ROOT, config), overrides)
     envs = make_vector_env(

@@ -109,7 +109,7 @@ def test_multidimensional_multidiscrete_rejected():
     ids=["discrete", "dict", "multibinary"],
 )
 def test_non_box_observation_space(obs_space, obs_dim):
-    # Converted by rl_replay.rollout.spaces (one-hot, nested TensorDict, float); obs_dim is the flat width.
+    # Converted by rl_replay.spaces (one-hot, nested TensorDict, float); obs_dim is the flat width.
     assert MLPAgent(obs_space, gym.spaces.Discrete(2)).obs_dim == obs_dim
 
 

@@ -18,7 +18,7 @@ from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import SetupError
 from rl_replay.rollout.sequence import block_inputs, replay_sequence
-from rl_replay.rollout.spaces import obs_converter
+from rl_replay.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)
 T, N = 6, 2

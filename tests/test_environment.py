@@ -22,8 +22,8 @@ from rl_replay.config import LossConfig, load_config
 from rl_replay.errors import SetupError
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import make_vector_env
-from rl_replay.rollout.spaces import flat_size, obs_converter
 from rl_replay.run.setup import build
+from rl_replay.spaces import flat_size, obs_converter
 
 AGENTS = {"mlp": ("mlp", "{hidden_sizes: [16]}"), "gru": ("gru", "{hidden_size: 8, encoder_sizes: [8]}")}
 

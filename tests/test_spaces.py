@@ -1,4 +1,4 @@
-"""rl_replay/rollout/spaces.py: batched gymnasium observations -> the tensors a replay block takes.
+"""rl_replay/spaces.py: batched gymnasium observations -> the tensors a replay block takes.
 
 Covers the conversion of each space kind (one-hot for Discrete and MultiDiscrete, with
 their ``start``; uint8 Boxes kept uint8; other Boxes and MultiBinary as float32; Dict and
@@ -17,7 +17,7 @@ from gymnasium.vector.utils import batch_space, concatenate, create_empty_array
 from tensordict import TensorDict
 
 from rl_replay.errors import SetupError
-from rl_replay.rollout.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales, obs_converter
+from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales, obs_converter
 
 Box, Discrete, MultiDiscrete, MultiBinary = (
     gym.spaces.Box,

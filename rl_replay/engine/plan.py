@@ -10,16 +10,12 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
 from rl_replay.engine.fsdp import fsdp_units, has_fsdp
-
-if TYPE_CHECKING:
-    from rl_replay.engine.replay import ReplayCtx
 
 __all__ = ["StateWatch", "ModelPlan", "plan_for", "module_of"]
 
@@ -96,14 +92,14 @@ class ModelPlan(StateWatch):
         )
         self.site: weakref.ref | None = None  # the last block's site, weakly (see Site)
 
-    def check_versions(self, before: list[int], when: str, block: ReplayCtx) -> list[int]:
+    def check_versions(self, before: list[int], when: str, index: int) -> list[int]:
         """``before`` if nothing watched changed since; raises ReplayError otherwise."""
         changed = self.changed(before)
         if not changed:
             return before  # blocks keep it until backward: one list, not one per block
         raise ReplayError(
             _PREFIX + f"{when} changed {', '.join(changed)} of {type(self.module).__name__} "
-            f"(block {block.index}). A replay block must not modify its module's parameters "
+            f"(block {index}). A replay block must not modify its module's parameters "
             "or buffers: the forward and the recompute would each apply the change. "
             "Put layers such as BatchNorm in eval mode (or use LayerNorm), update running "
             "statistics outside the block, and call optimizer.step() only after "

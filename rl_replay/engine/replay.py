@@ -222,7 +222,7 @@ class ReplayFunction(torch.autograd.Function):
         # through identity saved-tensor hooks (see apply_block), which skip autograd's
         # in-place check: a kept tensor's version is remembered and checked before the
         # recompute instead.
-        saved, ctx.input_devices, versions, ctx.input_slices = save_inputs(tensors, site)
+        saved, ctx.input_devices, versions, ctx.input_slices = save_inputs(tensors, site.accumulator.slabs, site.intern)
         ctx.input_versions = site.intern_last(versions)
         ctx.save_for_backward(*saved)
         ctx.capture_state()
@@ -234,7 +234,7 @@ class ReplayFunction(torch.autograd.Function):
         before = plan.versions()
         with forward_context:
             outputs = site.call(tensors)
-        ctx.versions = plan.check_versions(before, "the forward", ctx)
+        ctx.versions = plan.check_versions(before, "the forward", ctx.index)
         ctx.forget_unused_rng()
         flat, site.out_spec = flatten_outputs(outputs, site.model)
         ctx.num_outputs = len(flat)
@@ -267,9 +267,9 @@ class ReplayFunction(torch.autograd.Function):
             # Rule 9: no output of this block reaches the loss (and nothing is unpacked).
             return (None, None) + (None,) * len(requires_grad)
         saved = ctx.saved_tensors
-        check_inputs_unchanged(saved, ctx)
+        check_inputs_unchanged(saved, ctx.input_versions, ctx.input_slices, ctx.index)
         saved = restore_inputs(unslice(saved, ctx.input_slices), ctx.input_devices)
-        plan.check_versions(ctx.versions, "something between the forward and the backward", ctx)
+        plan.check_versions(ctx.versions, "something between the forward and the backward", ctx.index)
         start = accumulator._begin_block(plan.params, plan.absorb)
         try:
             own = site.layout.recompute_and_backward  # a multi-step layout's (Layout protocol)
@@ -375,7 +375,7 @@ def recompute_and_backward(
     site = block.site
     with torch.enable_grad(), block.recompute_state(), block.recompute_context:
         outputs = site.call(inputs)
-    site.plan.check_versions(block.versions, "the recompute", block)
+    site.plan.check_versions(block.versions, "the recompute", block.index)
     flat, _ = flatten_outputs(outputs, site.model)
     if len(flat) != block.num_outputs:
         raise ReplayError(

@@ -7,15 +7,11 @@ inputs are copied to pinned host memory. :mod:`rl_replay.engine.storage` holds t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import torch
 
 from rl_replay.engine.errors import _PREFIX, ReplayError
-
-if TYPE_CHECKING:
-    from rl_replay.engine.replay import ReplayCtx, Site
 
 __all__ = [
     "save_inputs",
@@ -29,7 +25,7 @@ __all__ = [
 _NONES: dict[int, tuple] = {}
 
 
-def save_inputs(tensors: Sequence[torch.Tensor], site: Site):
+def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple], tuple]):
     """What a block saves of its inputs (Rule 1): ``(saved, devices, versions, slices)``.
 
     ``devices[i]`` is the CUDA device to restore input i to (None: it stays on the
@@ -37,7 +33,6 @@ def save_inputs(tensors: Sequence[torch.Tensor], site: Site):
     ``slices[i]`` is ``(storage_offset, (dtype, shape, stride))`` when input i is a
     slice of a caller's buffer and ``saved[i]`` that buffer (None otherwise).
     """
-    slabs = site.accumulator.slabs
     # devices, versions, slices: tuples, shared when not all None
     saved, devices, versions, slices = [], [], [], []
     for t in tensors:
@@ -66,7 +61,7 @@ def save_inputs(tensors: Sequence[torch.Tensor], site: Site):
                 versions.append(base._version)  # a view shares its base's version counter
                 slice_of = (
                     t.storage_offset(),
-                    site.intern((t.dtype, tuple(t.shape), t.stride())),
+                    intern((t.dtype, tuple(t.shape), t.stride())),
                 )
             else:
                 saved.append(t)
@@ -181,12 +176,12 @@ def restore_inputs(saved: Sequence[torch.Tensor], devices: Sequence[torch.device
     return [t if d is None else t.to(d, non_blocking=True) for t, d in zip(saved, devices)]
 
 
-def check_inputs_unchanged(saved: Sequence[torch.Tensor], block: ReplayCtx) -> None:
-    for i, (t, version, where) in enumerate(zip(saved, block.input_versions, block.input_slices)):
+def check_inputs_unchanged(saved: Sequence[torch.Tensor], versions: Sequence, slices: Sequence, index: int) -> None:
+    for i, (t, version, where) in enumerate(zip(saved, versions, slices)):
         if version is not None and t._version != version:
             shape = tuple(t.shape) if where is None else where[1][1]
             raise ReplayError(
-                _PREFIX + f"input {i} of block {block.index} (a {shape} host tensor) was "
+                _PREFIX + f"input {i} of block {index} (a {shape} host tensor) was "
                 "modified in place after the block ran; the recompute would see the new values. "
                 "Pass a fresh tensor to each block (e.g. .clone() a reused observation buffer)."
             )

@@ -164,7 +164,7 @@ class _StepsLayout(Layout):
                 if i + 1 < self.k:
                     state_in = [t.detach().requires_grad_(t.requires_grad) for t in state_out]
                     state = state_spec.build(iter(state_in))
-        site.plan.check_versions(block.versions, "the recompute", block)
+        site.plan.check_versions(block.versions, "the recompute", block.index)
         num_heads = len(steps[0][0])
         if num_heads + len(steps[-1][1]) != block.num_outputs:
             raise ReplayError(
@@ -228,7 +228,7 @@ class _StepsLayout(Layout):
                     [None if g is None else g[i] for g in head_grads] + state_grads,
                 )
                 state_grads = [t.grad if t.requires_grad else None for t in leaves]
-        site.plan.check_versions(block.versions, "the recompute", block)
+        site.plan.check_versions(block.versions, "the recompute", block.index)
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 

@@ -27,7 +27,7 @@ from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.rollout.environment import env_episode_return
 from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
-from rl_replay.rollout.spaces import obs_converter
+from rl_replay.spaces import obs_converter
 from rl_replay.targets import unpickle
 
 __all__ = ["Collector", "Rollout"]

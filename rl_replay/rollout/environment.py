@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.errors import SetupError
-from rl_replay.rollout.spaces import usable_keys
+from rl_replay.spaces import usable_keys
 from rl_replay.targets import import_module, resolve, split_env_id
 
 __all__ = [

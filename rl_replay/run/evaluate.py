@@ -9,7 +9,7 @@ from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
 from rl_replay.rollout.env_state import apply_statistics
 from rl_replay.rollout.environment import env_episode_return, make_env, make_vector_env
-from rl_replay.rollout.spaces import obs_converter
+from rl_replay.spaces import obs_converter
 
 __all__ = ["evaluate", "log_evaluation"]
 
