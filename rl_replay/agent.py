@@ -93,7 +93,7 @@ class ActionHead(nn.Module):
         elif isinstance(action_space, gym.spaces.MultiDiscrete):
             out = int(np.sum(action_space.nvec))
         else:
-            out = int(math.prod(action_space.shape))
+            out = int(math.prod(action_space.shape))  # type: ignore[arg-type]
             self.log_std = nn.Parameter(torch.zeros(out))
         self.linear = nn.Linear(in_features, out)
         nn.init.orthogonal_(self.linear.weight, gain=init_std)
@@ -221,7 +221,7 @@ class Agent(nn.Module):
 
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
         """The action distribution for the outputs of :meth:`forward`."""
-        return self.head.distribution(outputs["dist"])
+        return self.head.distribution(outputs["dist"])  # type: ignore[operator, union-attr]
 
     @staticmethod
     def reset_state(state: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:

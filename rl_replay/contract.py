@@ -41,7 +41,7 @@ def _shape(t) -> str:
 
 
 def _leaves(td: TensorDictBase) -> dict[str, torch.Tensor]:
-    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in td.items(include_nested=True, leaves_only=True)}
+    return {".".join(k) if isinstance(k, tuple) else k: v for k, v in td.items(include_nested=True, leaves_only=True)}  # type: ignore[misc]
 
 
 def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_space: gym.Space, target: str) -> None:

@@ -93,7 +93,7 @@ def wrap_fsdp(
     model: nn.Module,
     device: torch.device,
     *,
-    wrap_modules: list[str] = (),
+    wrap_modules: list[str] = (),  # type: ignore[assignment]
     min_num_params: int | None = None,
     cpu_offload: bool = False,
     mixed_precision: str | None = None,

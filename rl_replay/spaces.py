@@ -45,7 +45,7 @@ def _children(space: gym.Space) -> list[tuple[str, gym.Space]]:
     """(key, subspace) in the fixed order used everywhere: Dict order, Tuple index."""
     if isinstance(space, gym.spaces.Dict):
         return [(str(k), s) for k, s in space.spaces.items()]
-    return [(str(i), s) for i, s in enumerate(space.spaces)]
+    return [(str(i), s) for i, s in enumerate(space.spaces)]  # type: ignore[attr-defined]
 
 
 def check_observation_space(space: gym.Space, who: str = "rl_replay") -> None:
@@ -95,22 +95,22 @@ def usable_keys(space: gym.Space, selected: list[str] | None = None) -> tuple[li
                 f"env.observation_keys {selected} selects keys of a Dict observation, but the "
                 f"observation space is {space}; remove env.observation_keys."
             )
-        keys = [str(k) for k in space.spaces]
+        keys = [str(k) for k in space.spaces]  # type: ignore[attr-defined]
         missing = [k for k in selected if k not in keys]
         if missing:
             raise SetupError(f"env.observation_keys: {missing} not in the observation space's keys {keys}.")
-        bad = [k for k in selected if not _is_usable(space.spaces[k])]
+        bad = [k for k in selected if not _is_usable(space.spaces[k])]  # type: ignore[attr-defined]
         if bad:
             raise SetupError(
-                f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "
-                f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}."
+                f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "  # type: ignore[attr-defined]
+                f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}."  # type: ignore[attr-defined]
             )
         return list(selected), [k for k in keys if k not in selected]
     if _is_usable(space):
         return None
     if is_dict:
-        kept = [str(k) for k, sub in space.spaces.items() if _is_usable(sub)]
-        dropped = [str(k) for k in space.spaces if str(k) not in kept]
+        kept = [str(k) for k, sub in space.spaces.items() if _is_usable(sub)]  # type: ignore[attr-defined]
+        dropped = [str(k) for k in space.spaces if str(k) not in kept]  # type: ignore[attr-defined]
         if kept:
             return kept, dropped
     raise SetupError(
@@ -148,7 +148,7 @@ def obs_converter(space: gym.Space, device: torch.device | str = "cpu") -> Conve
     if isinstance(space, gym.spaces.MultiDiscrete):
         nvec = space.nvec.reshape(-1)
         offsets = torch.as_tensor(np.concatenate([[0], np.cumsum(nvec)[:-1]]), device=device)
-        start = torch.as_tensor(space.start.reshape(-1), device=device)
+        start = torch.as_tensor(space.start.reshape(-1), device=device)  # type: ignore[assignment]
         total = int(nvec.sum())
 
         def convert_multi(obs):
@@ -175,7 +175,7 @@ def flat_size(space: gym.Space) -> int:
         return int(space.n)
     if isinstance(space, gym.spaces.MultiDiscrete):
         return int(space.nvec.sum())
-    return int(math.prod(space.shape))
+    return int(math.prod(space.shape))  # type: ignore[arg-type]
 
 
 def leaf_keys(space: gym.Space) -> list[tuple[str, ...]]:

@@ -41,7 +41,7 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     """
     max_norm = max_norm or float("inf")
     if hasattr(model, "clip_grad_norm_"):
-        return model.clip_grad_norm_(max_norm)
+        return model.clip_grad_norm_(max_norm)  # type: ignore[operator]
     return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 

@@ -48,7 +48,7 @@ class PolicyGradient(Algorithm):
                 self.model,
                 self.collector.policy,
                 rollout.data,
-                rollout.start_state,
+                rollout.start_state,  # type: ignore[arg-type]
                 rollout.accumulator,
                 self.collector.bptt_truncate,
                 block_steps=block_steps,
@@ -65,10 +65,10 @@ class PolicyGradient(Algorithm):
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
         metrics = {
-            "memory/replay_saved_bytes": float(acc.saved_bytes),
+            "memory/replay_saved_bytes": float(acc.saved_bytes),  # type: ignore[union-attr]
             "time/replay_backward_sec": t2 - t1,
-            "time/replay_recompute_sec": acc.replay_seconds,
+            "time/replay_recompute_sec": acc.replay_seconds,  # type: ignore[union-attr]
         }
         for key, value in terms.items():
-            metrics["train/" + key] = float(value.detach())
+            metrics["train/" + key] = float(value.detach())  # type: ignore[arg-type]
         return UpdateResult(rollout, metrics, float(grad_norm), collect_sec=t1 - t0, optimize_sec=t2 - t1)

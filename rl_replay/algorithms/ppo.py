@@ -79,7 +79,7 @@ class PPO(Algorithm):
             old_log_prob=data["log_prob"],
             old_value=data["value"],
             advantage=advantages,
-            **{"return": returns},
+            **{"return": returns},  # type: ignore[arg-type]
             valid=data["valid"],
             batch_size=[T, N],
         )
@@ -93,7 +93,7 @@ class PPO(Algorithm):
             order = torch.randperm(N)
             for k in range(p.num_minibatches):
                 envs = order[k * per_mb : (k + 1) * per_mb]
-                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(stored[:, envs], rollout.start_state[envs])
+                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(stored[:, envs], rollout.start_state[envs])  # type: ignore[index]
                 grad_norms.append(float(grad_norm))
                 saved_bytes = max(saved_bytes, mb_saved)
                 replay_sec += mb_replay_sec

@@ -61,8 +61,8 @@ def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
                 "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
             )
         units.append(sub)
-    _hook_tensordict_outputs(units)
-    return units
+    _hook_tensordict_outputs(units)  # type: ignore[arg-type]
+    return units  # type: ignore[return-value]
 
 
 def _tensordict_leaves(value: Any, out: list[torch.Tensor]) -> None:
@@ -103,9 +103,9 @@ def _hook_tensordict_outputs(units: list[torch.nn.Module]) -> None:
             if t.requires_grad:
                 t.register_hook(torch.utils.hooks.unserializable_hook(hook))
                 if handle:
-                    handle._needs_pre_backward_unshard = True
+                    handle._needs_pre_backward_unshard = True  # type: ignore[union-attr]
 
     for unit in units:
         if not getattr(unit, "_rl_replay_tensordict_hook", False):
             unit.register_forward_hook(post_forward)
-            unit._rl_replay_tensordict_hook = True
+            unit._rl_replay_tensordict_hook = True  # type: ignore[assignment]

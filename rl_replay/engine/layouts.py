@@ -79,7 +79,7 @@ class KwargsLayout(Layout):
             and all(_same_value(a, b) for a, b in zip(self.values, other.values))
         )
 
-    __hash__ = None  # mutable-free but compared structurally; never a dict key
+    __hash__ = None  # type: ignore[assignment]  # mutable-free but compared structurally; never a dict key
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -143,7 +143,7 @@ def flatten_td(td: Any, leaves: list) -> TDSpec | None:
             child = flatten_td(value, leaves)
             if child is None:
                 return None
-            entries.append((key, child))
+            entries.append((key, child))  # type: ignore[arg-type]
     return intern_spec(tuple(entries), td.batch_size, td.device)
 
 
@@ -185,7 +185,7 @@ class TreeLayout(Layout):
     def __eq__(self, other: object) -> bool:
         return isinstance(other, TreeLayout) and self.spec == other.spec
 
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]
 
 
 def flatten_outputs(outputs: Any, model: Callable) -> tuple[tuple[torch.Tensor, ...], Any]:
@@ -203,7 +203,7 @@ def flatten_outputs(outputs: Any, model: Callable) -> tuple[tuple[torch.Tensor, 
         spec = flatten_td(outputs, leaves)
         if spec is not None:
             return tuple(leaves), spec
-        leaves, spec = pytree.tree_flatten(outputs)
+        leaves, spec = pytree.tree_flatten(outputs)  # type: ignore[assignment]
         if all(isinstance(leaf, torch.Tensor) for leaf in leaves):
             return tuple(leaves), spec
     name = type(model).__name__

@@ -146,7 +146,7 @@ def _with_silent_stat_updates(module: torch.nn.Module | None, changed: list[str]
 
 def plan_for(accumulator: GradientAccumulator, model: Callable) -> ModelPlan:
     plan = accumulator._plans.get(id(model))
-    if plan is None or plan.module is not module_of(model):
+    if plan is None or plan.module is not module_of(model):  # type: ignore[attr-defined]
         plan = accumulator._plans[id(model)] = ModelPlan(model)
     return plan  # type: ignore[return-value]
 

@@ -283,7 +283,7 @@ class ReplayFunction(torch.autograd.Function):
         return (None, None) + input_grads
 
 
-class ReplayCtx(ReplayFunction._backward_cls):  # type: ignore[misc, name-defined]
+class ReplayCtx(ReplayFunction._backward_cls):  # type: ignore[misc, name-defined, unused-ignore]
     """The ``ctx`` (and graph node) of one block: its state until backward, in slots.
 
     Slots instead of attributes: a ``ctx`` attribute creates a per-node ``__dict__``
@@ -331,8 +331,8 @@ class ReplayCtx(ReplayFunction._backward_cls):  # type: ignore[misc, name-define
         random numbers recomputes without them, so nothing needs restoring.
         """
         if torch.equal(torch.get_rng_state(), self.cpu_rng):
-            self.cpu_rng = None
-        if self.cuda_rng is not None and torch.equal(torch.cuda.get_rng_state(self.cuda_device), self.cuda_rng):
+            self.cpu_rng = None  # type: ignore[assignment]
+        if self.cuda_rng is not None and torch.equal(torch.cuda.get_rng_state(self.cuda_device), self.cuda_rng):  # type: ignore[arg-type]
             self.cuda_rng = None
 
     def recompute_state(self):
@@ -348,7 +348,7 @@ class ReplayCtx(ReplayFunction._backward_cls):  # type: ignore[misc, name-define
         """The RNG state of the streams this block replays, now (inside :meth:`recompute_state`)."""
         return (
             torch.get_rng_state(),
-            None if self.cuda_rng is None else torch.cuda.get_rng_state(self.cuda_device),
+            None if self.cuda_rng is None else torch.cuda.get_rng_state(self.cuda_device),  # type: ignore[arg-type]
         )
 
     def set_rng(self, state: tuple) -> None:
@@ -356,7 +356,7 @@ class ReplayCtx(ReplayFunction._backward_cls):  # type: ignore[misc, name-define
         cpu, cuda = state
         torch.set_rng_state(cpu)
         if cuda is not None:
-            torch.cuda.set_rng_state(cuda, self.cuda_device)
+            torch.cuda.set_rng_state(cuda, self.cuda_device)  # type: ignore[arg-type]
 
 
 # Autograd creates a Function's ctx from ``_backward_cls`` on every apply.

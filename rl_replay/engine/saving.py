@@ -34,7 +34,7 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
     slice of a caller's buffer and ``saved[i]`` that buffer (None otherwise).
     """
     # devices, versions, slices: tuples, shared when not all None
-    saved, devices, versions, slices = [], [], [], []
+    saved, devices, versions, slices = [], [], [], []  # type: ignore[var-annotated]
     for t in tensors:
         slice_of = None
         if t.is_cuda:
@@ -42,12 +42,12 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
             src = t if dense(t) else t.contiguous()
             saved.append(slabs.copy(src, pinned=True))
             devices.append(t.device)
-            versions.append(None)
+            versions.append(None)  # type: ignore[arg-type]
         else:
             how = _how_to_save(t, slabs)
             if how is _COPY:
                 saved.append(slabs.copy(t, pinned=False))
-                versions.append(None)
+                versions.append(None)  # type: ignore[arg-type]
             elif how is _ALIAS:
                 # Sharing its storage and version counter, without its autograd metadata
                 # (grad_fn, output number): ~0.5 KiB less per block until backward.
@@ -58,7 +58,7 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
                 # a view per block would keep a tensor (~0.7 KiB) per block until backward.
                 base = t._base
                 saved.append(base)
-                versions.append(base._version)  # a view shares its base's version counter
+                versions.append(base._version)  # type: ignore[union-attr]  # a view shares its base's version counter
                 slice_of = (
                     t.storage_offset(),
                     intern((t.dtype, tuple(t.shape), t.stride())),
@@ -66,7 +66,7 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
             else:
                 saved.append(t)
                 versions.append(t._version)
-            devices.append(None)
+            devices.append(None)  # type: ignore[arg-type]
         slices.append(slice_of)
     return saved, _compact(devices), _compact(versions), _compact(slices)
 

@@ -76,7 +76,7 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
             if child is None:
                 state_spec = None
                 break
-            entries.append((key, child))
+            entries.append((key, child))  # type: ignore[arg-type]
     if state_spec is None:
         raise TypeError(
             _PREFIX + f"replay_steps: {type(model).__name__} returned a TensorDict with entries that are not "
@@ -137,7 +137,7 @@ class _StepsLayout(Layout):
             else:
                 for column, h in zip(columns, heads):
                     column.append(h)
-        stacked = _stacked(heads_spec, self.k).build(iter([torch.stack(c) for c in columns]))
+        stacked = _stacked(heads_spec, self.k).build(iter([torch.stack(c) for c in columns]))  # type: ignore[arg-type, union-attr]
         return TensorDict._new_unsafe({"heads": stacked, "state": state}, batch_size=torch.Size([]))
 
     def recompute_and_backward(

@@ -107,7 +107,7 @@ class _Chunk:
         out = torch.empty(0, dtype=like.dtype).set_(storage, start // like.element_size(), like.shape, like.stride())
         self.used = start + nbytes
         self.last = weakref.ref(out)
-        self._first = None
+        self._first = None  # type: ignore[assignment]
         return out
 
 
@@ -148,9 +148,9 @@ class SlabStore:
             self.reserved_bytes += size
             out = chunk.take(t)
         # Blocking, as save_on_cpu's: the copy is done before the caller can touch t.
-        out.copy_(t)
+        out.copy_(t)  # type: ignore[union-attr]
         self.copied_bytes += t.numel() * t.element_size()
-        return out
+        return out  # type: ignore[return-value]
 
     def place(self, t: torch.Tensor, position: int) -> torch.Tensor:
         """A copy of dense host ``t`` in a pageable chunk, for a block's output number

@@ -91,7 +91,7 @@ class Collector:
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
         self.envs = envs
         self.agent = agent
-        self.policy: Agent = getattr(agent, "module", agent)  # the Agent under an FSDP wrapper
+        self.policy: Agent = getattr(agent, "module", agent)  # type: ignore[arg-type]  # the Agent under an FSDP wrapper
         self.num_envs = envs.num_envs
         self.num_steps = num_steps
         self.mode = mode
@@ -125,7 +125,7 @@ class Collector:
         a = action.cpu().numpy()
         if self._box:
             space = self.envs.single_action_space
-            a = np.clip(a.reshape((-1, *space.shape)), space.low, space.high)
+            a = np.clip(a.reshape((-1, *space.shape)), space.low, space.high)  # type: ignore[attr-defined, misc]
         return a
 
     def probe_inputs(self) -> TensorDict:
@@ -134,7 +134,7 @@ class Collector:
         The collector forgets them: the first :meth:`collect` resets with the same seed.
         """
         self._reset(self.seed)
-        inputs = block_inputs(self._obs, self._state, self._is_first, self.num_envs)
+        inputs = block_inputs(self._obs, self._state, self._is_first, self.num_envs)  # type: ignore[arg-type]
         self._obs = self._state = self._is_first = None
         return inputs
 
@@ -156,7 +156,7 @@ class Collector:
             self._reset(None if self._obs is not None else self.seed)
         elif self._obs is None:
             self._reset(self.seed)
-        start_state = None if acc is not None else self._state.clone()
+        start_state = None if acc is not None else self._state.clone()  # type: ignore[union-attr]
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
         cols: dict[str, list] = {k: [] for k in ("observation", "is_first", "action")}
@@ -166,7 +166,7 @@ class Collector:
         returns, lengths, successes = [], [], []
         env_steps = 0
         for t in range(self.num_steps):
-            inputs = block_inputs(self._obs, self._state, self._is_first, N)
+            inputs = block_inputs(self._obs, self._state, self._is_first, N)  # type: ignore[arg-type]
             out = replay(self.agent, acc, inputs) if acc is not None else self.agent(**inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
@@ -181,7 +181,7 @@ class Collector:
             self._ep_return += np.where(valid_np, reward, 0.0)
             self._ep_length += valid_np
             for i in np.flatnonzero(done):
-                returns.append(env_episode_return(info, i, self._ep_return[i]))
+                returns.append(env_episode_return(info, i, self._ep_return[i]))  # type: ignore[arg-type]
                 lengths.append(int(self._ep_length[i]))
                 # Vector envs mark which sub-envs reported a key with "_<key>".
                 if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
@@ -222,8 +222,8 @@ class Collector:
                 break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
-            bootstrap = self.agent(**block_inputs(self._obs, self._state, self._is_first, N))["value"]
-        self._state = self._state.detach()
+            bootstrap = self.agent(**block_inputs(self._obs, self._state, self._is_first, N))["value"]  # type: ignore[arg-type]
+        self._state = self._state.detach()  # type: ignore[union-attr]
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]
         # One distribution over the stacked (T, N) outputs: the loss's graph gets a few
@@ -274,7 +274,7 @@ class Collector:
         when not)."""
         if state.get("envs") is not None:
             # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
-            self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])
+            self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])  # type: ignore[attr-defined]
         elif state.get("obs") is not None:
             # The envs could not be saved (async workers, an unpicklable wrapper): fresh
             # episodes instead of mixing, scaled by the saved wrapper statistics.

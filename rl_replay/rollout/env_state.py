@@ -122,9 +122,9 @@ def vector_statistics(envs: gym.vector.VectorEnv) -> list[Stats]:
     out: list[Stats] = [[] for _ in range(envs.num_envs)]
     for attr in _ASYNC_ATTRS:
         # Asked first: a worker asked for a missing attribute dies of the AttributeError.
-        if not all(envs.call("has_wrapper_attr", attr)):
+        if not all(envs.call("has_wrapper_attr", attr)):  # type: ignore[attr-defined]
             continue
-        for stats, rms in zip(out, envs.get_attr(attr)):
+        for stats, rms in zip(out, envs.get_attr(attr)):  # type: ignore[attr-defined]
             if isinstance(rms, RunningMeanStd):
                 stats.append(
                     {
@@ -149,7 +149,7 @@ def set_vector_statistics(envs: gym.vector.VectorEnv, saved: list[Stats]) -> Non
     for attr in _ASYNC_ATTRS:
         values = [next((_rms(e) for e in stats if e["attr"] == attr), None) for stats in saved]
         if all(v is not None for v in values) and len(values) == envs.num_envs:
-            envs.set_attr(attr, values)
+            envs.set_attr(attr, values)  # type: ignore[attr-defined]
 
 
 def pool_statistics(per_env: Sequence[Stats]) -> Stats:

@@ -85,7 +85,7 @@ def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env]
         if not (isinstance(wrapper, type) and issubclass(wrapper, gym.Wrapper)):
             raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a gymnasium.Wrapper subclass.")
         wrappers.append(functools.partial(wrapper, **dict(spec.get("kwargs") or {})))
-    return wrappers
+    return wrappers  # type: ignore[return-value]
 
 
 class SelectKeys(gym.ObservationWrapper):
@@ -95,7 +95,7 @@ class SelectKeys(gym.ObservationWrapper):
     def __init__(self, env: gym.Env, keys: Sequence[str]):
         super().__init__(env)
         self.keys = list(keys)
-        self.observation_space = gym.spaces.Dict({k: env.observation_space[k] for k in self.keys})
+        self.observation_space = gym.spaces.Dict({k: env.observation_space[k] for k in self.keys})  # type: ignore[index]
 
     def observation(self, observation):
         return {k: observation[k] for k in self.keys}
@@ -114,7 +114,7 @@ def observation_filter(space: gym.Space, observation_keys: Sequence[str] = ()) -
         return None
     kept, dropped = selection
     if dropped and not observation_keys:
-        kinds = ", ".join(f"{k}: {type(space[k]).__name__}" for k in dropped)
+        kinds = ", ".join(f"{k}: {type(space[k]).__name__}" for k in dropped)  # type: ignore[index]
         line = (
             f"warning: dropping the observation keys {dropped} ({kinds}), which hold no tensors; "
             f"keeping {kept}. Set env.observation_keys to choose the keys."
@@ -213,7 +213,7 @@ def make_vector_env(
             env_id,
             num_envs=num_envs,
             vectorization_mode=vectorization,
-            wrappers=loaded,
+            wrappers=loaded,  # type: ignore[arg-type]
             **_make_kwargs(kwargs, max_episode_steps),
         )
     except TypeError as exc:

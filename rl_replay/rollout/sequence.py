@@ -164,9 +164,12 @@ def _replay_stateless(
 def _sequence_outputs(policy, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
     """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked heads, in order:
     one distribution over all T rows. Empties ``blocks``, so only ``heads`` holds them."""
-    heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+    heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # type: ignore[arg-type]
     blocks.clear()
     dist = policy.distribution(heads)
     return TensorDict(
-        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=data.batch_size
+        log_prob=dist.log_prob(data["action"]),
+        entropy=dist.entropy(),
+        value=heads["value"],  # type: ignore[index]
+        batch_size=data.batch_size,
     )

@@ -45,7 +45,7 @@ with 130 / 143; a second one exits at once.
 def _field_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` from the string literal under each field of a dataclass."""
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
     for node, after in zip(body, body[1:]):
         if (
@@ -331,7 +331,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         return 2
     collectors = state.get("collector")
     valid = isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors)
-    env_statistics = training_statistics(collectors) if valid else None  # NormalizeObservation's scale, as in training
+    env_statistics = training_statistics(collectors) if valid else None  # type: ignore[arg-type]  # NormalizeObservation's scale, as in training
     if args.video:
         try:
             import moviepy  # noqa: F401

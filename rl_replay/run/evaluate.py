@@ -63,7 +63,7 @@ def evaluate(
         num_envs = 1
         vector_env = gym.vector.SyncVectorEnv([lambda: recorded])
     else:
-        vector_env = make_vector_env(
+        vector_env = make_vector_env(  # type: ignore[assignment]
             env_id,
             num_envs,
             kwargs=kwargs,
@@ -96,7 +96,7 @@ def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed,
     is_first = torch.ones(num_envs, dtype=torch.bool, device=device)
     autoreset = np.zeros(num_envs, dtype=bool)
     ep_return, ep_length = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
-    returns, lengths, successes = [], [], []
+    returns, lengths, successes = [], [], []  # type: ignore[var-annotated]
     while len(returns) < episodes:
         out = agent(observation=to_tensor(obs), state=state, is_first=is_first)
         dist = agent.distribution(out)
@@ -109,7 +109,7 @@ def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed,
         done = (terminated | truncated) & valid
         for i in np.flatnonzero(done):
             if len(returns) < episodes:
-                returns.append(env_episode_return(info, i, ep_return[i]))
+                returns.append(env_episode_return(info, i, ep_return[i]))  # type: ignore[arg-type]
                 lengths.append(ep_length[i])
                 # Vector envs mark which sub-envs reported a key with "_<key>".
                 if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
@@ -163,7 +163,7 @@ def log_evaluation(
         project=cfg.log.wandb_project,
         entity=cfg.log.wandb_entity,
         dir=str(run_dir),
-        mode=mode,
+        mode=mode,  # type: ignore[arg-type]
         name=f"{name}-eval",
         group=cfg.log.group or name,
         tags=list(cfg.log.tags) or None,

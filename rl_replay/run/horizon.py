@@ -48,7 +48,7 @@ def _episode_span(is_first: torch.Tensor, valid: torch.Tensor) -> tuple[int, int
 
 def _float_leaves(observation) -> list[torch.Tensor]:
     if isinstance(observation, TensorDict):
-        return [v for v in observation.values(include_nested=True, leaves_only=True) if torch.is_floating_point(v)]
+        return [v for v in observation.values(include_nested=True, leaves_only=True) if torch.is_floating_point(v)]  # type: ignore[arg-type, misc]
     return [observation] if torch.is_floating_point(observation) else []
 
 

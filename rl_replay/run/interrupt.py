@@ -50,7 +50,7 @@ class StopOnSignal:
 
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, handler)  # type: ignore[arg-type]
         self._previous.clear()
 
     def requested(self, info=None, device: torch.device | None = None) -> int:

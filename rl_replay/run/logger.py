@@ -326,7 +326,7 @@ class RunLogger:
                 entity=wandb_entity,
                 name=run_name,
                 dir=str(self.run_dir),
-                mode=mode,
+                mode=mode,  # type: ignore[arg-type]
                 config={**config, "run": dict(extras or {})},
                 id=wandb_id,
                 resume="allow" if wandb_id else None,
@@ -365,9 +365,9 @@ class RunLogger:
             # NaN is "no point" on a wandb chart, as null is in metrics.jsonl; dropping it
             # keeps wandb's last-value summary of, e.g., the return meaningful.
             sent = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
-            self._wandb.log(sent, step=int(row["update"]))
+            self._wandb.log(sent, step=int(row["update"]))  # type: ignore[union-attr]
         if rows:
-            self._wandb.summary.update(self._summary.value())
+            self._wandb.summary.update(self._summary.value())  # type: ignore[union-attr]
             self._write_mark(int(rows[-1]["update"]))
 
     def _write_mark(self, update: int) -> None:
@@ -403,7 +403,7 @@ class RunLogger:
         values = {k: float(v) for k, v in metrics.items()}
         row = {"update": update, "env_steps": env_steps, **values}
         record = {"update": update, "env_steps": env_steps, **{k: _jsonable(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        self._file.write(json.dumps(record, allow_nan=False) + "\n")  # type: ignore[union-attr]
         if self._wandb is not None:
             self._pending.append(row)
         if self._bar is not None:

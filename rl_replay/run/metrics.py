@@ -56,7 +56,7 @@ def pool_update_metrics(
     nan = float("nan")
     episodes, judged = pooled["episodes"], pooled["judged"]
     local = {
-        "rollout/return_recent": float(np.mean(recent_returns)) if recent_returns else nan,
+        "rollout/return_recent": float(np.mean(recent_returns)) if recent_returns else nan,  # type: ignore[call-overload]
         **result.metrics,
         "time/collect_sec": result.collect_sec,
         "time/optimize_sec": result.optimize_sec,

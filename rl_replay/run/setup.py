@@ -69,7 +69,7 @@ RESUME_FIXED_KEYS = (
 
 def _dotted(data: dict[str, Any], key: str) -> Any:
     for part in key.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
+        data = data.get(part) if isinstance(data, dict) else None  # type: ignore[assignment]
     return data
 
 
@@ -154,7 +154,7 @@ def build(
         init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
         trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
         if state is not None:
-            _load_resume_state(trainer, state, ckpt, resume)
+            _load_resume_state(trainer, state, ckpt, resume)  # type: ignore[arg-type]
         # Nothing has been written yet; from here on the run exists on disk.
         if resume is None:
             trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
@@ -168,7 +168,7 @@ def build(
             )
         trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
         cut_to = state["update"] if state is not None else 0 if restart else None
-        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None
+        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None  # type: ignore[arg-type]
         with trainer._writing(trainer.run_dir):
             _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
             trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
@@ -313,7 +313,7 @@ def _build_objects(
         cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space
     ).to(device)
     if init_weights is not None:
-        _load_init_weights(agent, init_weights, cfg.init_from)
+        _load_init_weights(agent, init_weights, cfg.init_from)  # type: ignore[arg-type]
     num_params = sum(p.numel() for p in agent.parameters())  # before FSDP shards them
     model: torch.nn.Module = agent
     if info.distributed:
@@ -361,7 +361,7 @@ def _build_objects(
     run_dir = Path(cfg.run_dir) if cfg.run_dir else None
     return Trainer(
         cfg,
-        run_dir=run_dir,
+        run_dir=run_dir,  # type: ignore[arg-type]
         collector=collector,
         model=model,
         optimizer=optimizer,

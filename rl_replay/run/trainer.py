@@ -96,7 +96,7 @@ class Trainer:
                     metrics = self.step()
                     if self.update % self.cfg.log.log_every == 0 or self.finished:
                         with self._writing(self.run_dir / METRICS_NAME):
-                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
+                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)  # type: ignore[union-attr]
                     every = self.cfg.checkpoint.every
                     saved = (every and self.update % every == 0) or self.finished
                     if saved:
@@ -216,7 +216,7 @@ class Trainer:
             path = save_trainer(self)
         self.last_checkpoint = f"{path} (update {self.update})"
         with self._writing(self.run_dir):
-            self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
+            self.logger.checkpointed(self.update)  # type: ignore[union-attr]  # wandb gets only rows a resume would not redo
 
     @contextlib.contextmanager
     def _writing(self, path: Path):

@@ -230,7 +230,7 @@ def read_trainer_state(
         dist.all_gather_object(flags, usable)
         usable = all(flags)
     for rank, collector in enumerate(state["collector"]):
-        collector["envs"] = found.pickles[rank] if usable else None
+        collector["envs"] = found.pickles[rank] if usable else None  # type: ignore[index, union-attr]
         if digest and not usable:
             why = found.note if found and found.note else "another rank could not use its env state"
             collector["fresh_envs"] = (
@@ -238,8 +238,8 @@ def read_trainer_state(
                 "resume with --trust-env-state to unpickle it if you trust where it came "
                 "from (unpickling can run any code)",
             )
-    if usable and found.note:
-        warning = f"{warning} {found.note}" if warning else found.note
+    if usable and found.note:  # type: ignore[union-attr]
+        warning = f"{warning} {found.note}" if warning else found.note  # type: ignore[union-attr]
     return state, path, warning
 
 

@@ -42,13 +42,13 @@ def _records(path: Path):
         if kind == 0:
             break
         if kind == _FULL:
-            yield pb.Record.FromString(chunk)
+            yield pb.Record.FromString(chunk)  # type: ignore[attr-defined]
         elif kind == _FIRST:
             pending = chunk
         elif kind == _MIDDLE:
             pending += chunk
         elif kind == _LAST:
-            yield pb.Record.FromString(pending + chunk)
+            yield pb.Record.FromString(pending + chunk)  # type: ignore[attr-defined]
             pending = b""
 
 
