@@ -51,10 +51,19 @@ class Algorithm(ABC):
         self.cfg = cfg
         self.collector = collector
         self.model = model
+        # What re-running a stored rollout needs, held from setup rather than read off the collector.
+        self.policy = getattr(model, "module", model)  # the Agent under an FSDP wrapper
+        self.bptt_truncate = cfg.collector.bptt_truncate
         self.optimizer = optimizer
         self.info = info or dist_utils.DistInfo()
         self.device = torch.device(device)
         self.guard = guard
+
+    @property
+    def replay_block_steps(self) -> int:
+        """Steps per replay block when this algorithm re-runs a stored sequence (the horizon
+        diagnostic replays with the same size)."""
+        return self.cfg.collector.block_steps
 
     @abstractmethod
     def update(self) -> UpdateResult:

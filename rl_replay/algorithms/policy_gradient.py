@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import abstractmethod
 
@@ -40,21 +41,20 @@ class PolicyGradient(Algorithm):
         block_steps = self.cfg.collector.block_steps
         if block_steps == 1:
             return self.collector.collect()
-        rollout = self.collector.collect(graph=False)
-        rollout.accumulator = GradientAccumulator()
-        # next_value stays the collection's (detached; the same numbers).
-        rollout.data.update(
-            replay_sequence(
-                self.model,
-                self.collector.policy,
-                rollout.data,
-                rollout.start_state,  # type: ignore[arg-type]
-                rollout.accumulator,
-                self.collector.bptt_truncate,
-                block_steps=block_steps,
-            )
+        stored = self.collector.collect(graph=False)
+        accumulator = GradientAccumulator()
+        outputs = replay_sequence(
+            self.model,
+            self.policy,
+            stored.data,
+            stored.start_state,  # type: ignore[arg-type]
+            accumulator,
+            self.bptt_truncate,
+            block_steps=block_steps,
         )
-        return rollout
+        # A new rollout: the collected one stays as the collector made it. next_value stays
+        # the collection's (detached; the same numbers).
+        return dataclasses.replace(stored, data=stored.data.copy().update(outputs), accumulator=accumulator)
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()

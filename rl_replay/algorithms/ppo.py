@@ -56,6 +56,10 @@ class PPO(Algorithm):
             normalize_advantages=cls.normalize_advantages(cfg.loss),
         )
 
+    @property
+    def replay_block_steps(self) -> int:
+        return self.cfg.ppo.block_steps
+
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
         rollout = self.collector.collect(graph=False)
@@ -123,11 +127,11 @@ class PPO(Algorithm):
         acc = GradientAccumulator()
         new = replay_sequence(
             self.model,
-            self.collector.policy,
+            self.policy,
             mb,
             start_state,
             acc,
-            self.collector.bptt_truncate,
+            self.bptt_truncate,
             block_steps=self.cfg.ppo.block_steps,
         )
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)

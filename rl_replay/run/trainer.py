@@ -151,11 +151,11 @@ class Trainer:
             t0 = time.perf_counter()
             metrics.update(
                 episode_horizon(
-                    self.collector.agent,
-                    self.collector.policy,
+                    self.model,
+                    self.algorithm.policy,
                     result.rollout.data,
-                    self.collector.bptt_truncate,
-                    block_steps=cfg.ppo.block_steps,
+                    self.algorithm.bptt_truncate,
+                    block_steps=self.algorithm.replay_block_steps,
                 )
             )
             metrics["time/horizon_sec"] = time.perf_counter() - t0
