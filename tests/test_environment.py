@@ -91,7 +91,7 @@ def small_cfg(run_dir, *overrides, agent="mlp"):
     )
 
 
-def train_two_updates(cfg):
+def train_two_updates_in_process(cfg):
     trainer = build(cfg)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     metrics = trainer.train()
@@ -108,7 +108,7 @@ def test_env_id_in_module_form_imports_the_module(user_module, tmp_path):
     envs = make_vector_env(f"{module}:{env_id}", 2)
     assert envs.single_observation_space == gym.spaces.Discrete(3)
     envs.close()
-    train_two_updates(small_cfg(tmp_path / "run", f"env.id={module}:{env_id}"))
+    train_two_updates_in_process(small_cfg(tmp_path / "run", f"env.id={module}:{env_id}"))
 
 
 def test_env_imports_register_a_bare_id(user_module, tmp_path):
@@ -116,7 +116,7 @@ def test_env_imports_register_a_bare_id(user_module, tmp_path):
     with pytest.raises(SetupError, match=rf"unknown environment id '{env_id}'.*env.imports"):
         build(small_cfg(tmp_path / "no", f"env.id={env_id}"))
     assert not (tmp_path / "no").exists()
-    train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", f"env.imports=[{module}]"))
+    train_two_updates_in_process(small_cfg(tmp_path / "run", f"env.id={env_id}", f"env.imports=[{module}]"))
 
 
 def test_unknown_id_keeps_similar_ids_and_says_how_to_register():
@@ -146,7 +146,9 @@ def test_wrappers_from_config_apply_in_order(user_module, tmp_path):
         f"{{target: '{module}.Tag', kwargs: {{name: b}}}}, "
         "{target: 'gymnasium.wrappers:TimeLimit', kwargs: {max_episode_steps: 1}}]"
     )
-    trainer = train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", f"env.imports=[{module}]", wrappers))
+    trainer = train_two_updates_in_process(
+        small_cfg(tmp_path / "run", f"env.id={env_id}", f"env.imports=[{module}]", wrappers)
+    )
     env = trainer.collector.envs.envs[0]
     assert isinstance(env, gym.wrappers.TimeLimit) and env._max_episode_steps == 1  # applied last: outermost
     assert env.env.order == ["a", "b"]
@@ -224,7 +226,9 @@ def test_unsupported_observation_space_is_one_line():
 @pytest.mark.parametrize("agent", ["mlp", "gru"])
 @pytest.mark.parametrize("env_id", ["test/DictObs-v0", "FrozenLake-v1", "test/TupleObs-v0"])
 def test_dict_and_discrete_observations_train_two_updates(tmp_path, env_id, agent):
-    trainer = train_two_updates(small_cfg(tmp_path / "run", f"env.id={env_id}", "env.imports=[obs_envs]", agent=agent))
+    trainer = train_two_updates_in_process(
+        small_cfg(tmp_path / "run", f"env.id={env_id}", "env.imports=[obs_envs]", agent=agent)
+    )
     obs = trainer.collector._obs
     if env_id == "FrozenLake-v1":
         assert obs.shape == (2, 16) and obs.sum(-1).eq(1).all()  # one-hot of the cell
@@ -272,7 +276,9 @@ def test_uint8_images_are_saved_as_uint8():
 
 
 def test_uint8_images_train(tmp_path):
-    train_two_updates(small_cfg(tmp_path / "run", "env.id=test/ImageObs-v0", "env.imports=[obs_envs]", agent="gru"))
+    train_two_updates_in_process(
+        small_cfg(tmp_path / "run", "env.id=test/ImageObs-v0", "env.imports=[obs_envs]", agent="gru")
+    )
 
 
 def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
@@ -293,7 +299,7 @@ def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
             "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
         ],
     )
-    trainer = train_two_updates(cfg)
+    trainer = train_two_updates_in_process(cfg)
     assert trainer.collector.envs.single_observation_space == gym.spaces.Discrete(4)
 
 
@@ -407,7 +413,7 @@ def test_minigrid_like_dict_trains_with_the_text_dropped(tmp_path, fresh_warning
         if encoder == "grid_cnn"
         else "{hidden_size: 8, encoder_sizes: [8]}"
     )
-    trainer = train_two_updates(
+    trainer = train_two_updates_in_process(
         small_cfg(
             tmp_path / "run",
             "env.id=test/MissionObs-v0",

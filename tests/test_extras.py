@@ -24,7 +24,7 @@ TINY = [
 ]
 
 
-def train_two_updates(tmp_path, config: str, *overrides: str) -> subprocess.CompletedProcess:
+def train_two_updates_cli(tmp_path, config: str, *overrides: str) -> subprocess.CompletedProcess:
     run_dir = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     out = subprocess.run(
@@ -43,7 +43,7 @@ def train_two_updates(tmp_path, config: str, *overrides: str) -> subprocess.Comp
 
 def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path):
     pytest.importorskip("minigrid")
-    out = train_two_updates(tmp_path, "configs/minigrid_memory_s7.yaml")
+    out = train_two_updates_cli(tmp_path, "configs/minigrid_memory_s7.yaml")
     assert "dropping the observation keys" not in out.stderr  # env.observation_keys chose them
     env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
     ev = subprocess.run(
@@ -61,7 +61,7 @@ def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path):
 
 def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path):
     pytest.importorskip("minigrid")
-    out = train_two_updates(tmp_path, "configs/minigrid_memory_s7.yaml", "env.observation_keys=[]")
+    out = train_two_updates_cli(tmp_path, "configs/minigrid_memory_s7.yaml", "env.observation_keys=[]")
     warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: dropping")]
     assert warnings == [
         "warning: dropping the observation keys ['mission'] (mission: MissionSpace), which hold no "
@@ -71,13 +71,13 @@ def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path):
 
 def test_minigrid_memory_s13_random_trains_two_updates(tmp_path):
     pytest.importorskip("minigrid")
-    train_two_updates(tmp_path, "configs/minigrid_memory_s13_random.yaml")
+    train_two_updates_cli(tmp_path, "configs/minigrid_memory_s13_random.yaml")
 
 
 def test_atari_pong_lstm_trains_two_updates(tmp_path):
     pytest.importorskip("ale_py")
     pytest.importorskip("cv2")  # gymnasium's AtariPreprocessing resizes with OpenCV
-    train_two_updates(tmp_path, "configs/atari_pong_lstm.yaml")
+    train_two_updates_cli(tmp_path, "configs/atari_pong_lstm.yaml")
 
 
 @pytest.mark.parametrize(
@@ -85,7 +85,7 @@ def test_atari_pong_lstm_trains_two_updates(tmp_path):
 )
 def test_memory_gym_trains_two_updates(tmp_path, config):
     pytest.importorskip("memory_gym")
-    train_two_updates(tmp_path, config)
+    train_two_updates_cli(tmp_path, config)
 
 
 def _extras() -> dict[str, list[str]]:
