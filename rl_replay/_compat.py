@@ -11,14 +11,16 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   the flat modules of ``rl_replay`` moved into ``rl_replay.rollout`` / ``rl_replay.run`` in
   0.2.0. :func:`current_module_name` maps the old names. Removed in 0.3.0.
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
-  (``rl_replay.config``); removed in 0.3.0.
+  (:func:`translate_norm_adv`, called by ``rl_replay.config``); removed in 0.3.0.
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["RENAMED_PACKAGES", "RENAMED_MODULES", "current_module_name", "REMOVED_IN"]
+__all__ = ["RENAMED_PACKAGES", "RENAMED_MODULES", "current_module_name", "translate_norm_adv", "REMOVED_IN"]
 
 REMOVED_IN = "0.3.0"
 
@@ -50,3 +52,39 @@ def current_module_name(module: str) -> str:
     except ImportError:  # a parent of ``renamed`` does not exist
         found = False
     return renamed if found else module
+
+
+def translate_norm_adv(loaded: Mapping[str, Any], algorithm: str, path: str) -> Mapping[str, Any]:
+    """``loaded`` with the retired ``ppo.norm_adv`` turned into ``loss.normalize_advantages``.
+
+    Saved run configs (``RUN_DIR/config.yaml``) and older YAML files hold both keys with their
+    old meanings: ``ppo.norm_adv`` was read by PPO only, and ``loss.normalize_advantages`` by
+    a2c / reinforce only (config validation refused it true under PPO, so every old PPO file
+    holds false there, which was no choice at all). So under ``loss.algorithm: ppo`` (this
+    source's own, else ``algorithm``, the one loaded so far) ``norm_adv`` becomes the new key, refused if the
+    source also sets ``loss.normalize_advantages: true`` against ``norm_adv: false``; under
+    a2c / reinforce it is dropped, as it was ignored.
+    """
+    ppo = loaded.get("ppo")
+    if not isinstance(ppo, Mapping) or "norm_adv" not in ppo:
+        return loaded
+    norm_adv = ppo["norm_adv"]
+    if not isinstance(norm_adv, bool):
+        raise ValueError(
+            f"Invalid type for config key 'ppo.norm_adv': expected bool, got {type(norm_adv).__name__} {norm_adv!r}"
+        )
+    loaded = {**loaded, "ppo": {k: v for k, v in ppo.items() if k != "norm_adv"}}
+    loss = loaded.get("loss")
+    if loss is not None and not isinstance(loss, Mapping):
+        return loaded  # the loader names the malformed section
+    loss = dict(loss or {})
+    if loss.get("algorithm", algorithm) != "ppo":
+        return loaded
+    if loss.get("normalize_advantages") is True and norm_adv is False:
+        raise ValueError(
+            f"Config {path!r} sets 'ppo.norm_adv: false' and 'loss.normalize_advantages: true'. "
+            "ppo.norm_adv is now loss.normalize_advantages (one key for every algorithm): "
+            "remove ppo.norm_adv and keep the value you mean in loss.normalize_advantages"
+        )
+    loss["normalize_advantages"] = norm_adv
+    return {**loaded, "loss": loss}

@@ -38,19 +38,15 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
-
-import gymnasium  # noqa: E402
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import yaml  # noqa: E402
-from tensordict import TensorDict  # noqa: E402
+import gymnasium
+import numpy as np
+import torch
+import yaml
+from tensordict import TensorDict
 
 import rl_replay.envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
-from rl_replay import GradientAccumulator, replay  # noqa: E402
-from rl_replay.agent import build_agent, load_agent_class  # noqa: E402
+from rl_replay import GradientAccumulator, replay
+from rl_replay.agent import build_agent, load_agent_class
 
 #: The agents the diagnostic reports by default: the existing ones (as measured before)
 #: and the long-memory candidates.

@@ -166,3 +166,15 @@ def policy():
 def x():
     """A (2, 4) observation for ``policy``."""
     return torch.randn(2, 4)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A finished 3-update run (checkpoint every update): the run other tests must not harm."""
+    from _runs import tiny
+
+    from rl_replay.run.setup import build
+
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    build(tiny(run_dir, 3, "checkpoint.every=1")).train()
+    return run_dir

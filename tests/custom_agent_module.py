@@ -1,6 +1,6 @@
 """A user-defined agent living outside the package, loaded through ``agent.target``.
 
-Used by tests/test_trainer.py as ``custom_agent_module:TinyAgent`` (tests/ on sys.path).
+Used by tests/run/test_trainer.py as ``custom_agent_module:TinyAgent`` (tests/ on sys.path).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Covers ``check_update`` (the skip budget, then a one-line stop naming the update
 offending loss term or gradient and the last checkpoint; the decision of another rank;
 parameters are only looked at on the error path), ``check_parameters``, ``StepGuard``
 (the same checks on a model for the update in progress) and ``non_finite_env_step``.
-Through the trainer (skipped updates in the metrics, PPO's steps): tests/test_safety.py.
+Through the trainer (skipped updates in the metrics, PPO's steps): tests/run/test_nonfinite_guards.py.
 """
 
 from __future__ import annotations

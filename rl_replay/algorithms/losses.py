@@ -31,6 +31,8 @@ values or gradients: the gradient reaching an invalid row is exactly 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from tensordict import TensorDict
 
@@ -185,6 +187,13 @@ def _policy_terms(
     )
 
 
+def _gae(t: Mapping[str, torch.Tensor], gamma: float, gae_lambda: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """GAE advantages and returns of a validated, sanitized rollout."""
+    return compute_gae(
+        t["reward"], t["value"], t["next_value"], t["terminated"], t["truncated"], gamma=gamma, gae_lambda=gae_lambda
+    )
+
+
 def a2c_loss(
     rollout: TensorDict,
     *,
@@ -221,15 +230,7 @@ def a2c_loss(
     """
     t = _sanitize(_validate_rollout(rollout))
     n_valid = t["valid"].sum()  # () int
-    advantages, returns = compute_gae(
-        t["reward"],
-        t["value"],
-        t["next_value"],
-        t["terminated"],
-        t["truncated"],
-        gamma=gamma,
-        gae_lambda=gae_lambda,
-    )  # (T, N) each
+    advantages, returns = _gae(t, gamma, gae_lambda)  # (T, N) each
     return _policy_terms(
         t,
         advantages,
@@ -315,15 +316,7 @@ def gae_targets(
         KeyError, ValueError, TypeError: as :func:`a2c_loss`.
     """
     t = _sanitize(_validate_rollout(rollout))
-    advantages, returns = compute_gae(
-        t["reward"],
-        t["value"],
-        t["next_value"],
-        t["terminated"],
-        t["truncated"],
-        gamma=gamma,
-        gae_lambda=gae_lambda,
-    )  # (T, N) each
+    advantages, returns = _gae(t, gamma, gae_lambda)  # (T, N) each
     valid = t["valid"]
     advantages = torch.where(valid, advantages, 0.0)
     returns = torch.where(valid, returns, 0.0)

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from rl_replay._compat import translate_norm_adv
 from rl_replay.config.schema import ALGORITHM_NAMES, Config
 from rl_replay.targets import canonical_target, is_short_name, parse_target
 
@@ -308,44 +309,12 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
-def _translate_norm_adv(loaded: Mapping[str, Any], data: dict[str, Any], path: str) -> Mapping[str, Any]:
-    """``loaded`` with the retired ``ppo.norm_adv`` turned into ``loss.normalize_advantages``.
-
-    Saved run configs (``RUN_DIR/config.yaml``) and older YAML files hold both keys with their
-    old meanings: ``ppo.norm_adv`` was read by PPO only, and ``loss.normalize_advantages`` by
-    a2c / reinforce only (config validation refused it true under PPO, so every old PPO file
-    holds false there, which was no choice at all). So under ``loss.algorithm: ppo`` (this
-    source's own, else the one loaded so far) ``norm_adv`` becomes the new key, refused if the
-    source also sets ``loss.normalize_advantages: true`` against ``norm_adv: false``; under
-    a2c / reinforce it is dropped, as it was ignored.
-    """
-    ppo = loaded.get("ppo")
-    if not isinstance(ppo, Mapping) or "norm_adv" not in ppo:
-        return loaded
-    norm_adv = _check_value("ppo.norm_adv", ppo["norm_adv"], bool)
-    loaded = {**loaded, "ppo": {k: v for k, v in ppo.items() if k != "norm_adv"}}
-    loss = loaded.get("loss")
-    if loss is not None and not isinstance(loss, Mapping):
-        return loaded  # _merge_file names the malformed section
-    loss = dict(loss or {})
-    if loss.get("algorithm", data["loss"]["algorithm"]) != "ppo":
-        return loaded
-    if loss.get("normalize_advantages") is True and norm_adv is False:
-        raise ValueError(
-            f"Config {path!r} sets 'ppo.norm_adv: false' and 'loss.normalize_advantages: true'. "
-            "ppo.norm_adv is now loss.normalize_advantages (one key for every algorithm): "
-            "remove ppo.norm_adv and keep the value you mean in loss.normalize_advantages"
-        )
-    loss["normalize_advantages"] = norm_adv
-    return {**loaded, "loss": loss}
-
-
 def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
     if loaded is None:  # empty file
         return
     if not isinstance(loaded, Mapping):
         raise ValueError(f"Config file {path!r} must contain a mapping at top level, got {type(loaded).__name__}")
-    loaded = _translate_norm_adv(loaded, data, path)
+    loaded = translate_norm_adv(loaded, data["loss"]["algorithm"], path)
     hints = _hints(Config)
     for k, v in loaded.items():
         if k not in hints:
@@ -382,7 +351,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     except yaml.YAMLError as e:
         raise ValueError(f"Cannot parse value of override {override!r} as YAML: {e}") from None
 
-    if key == "ppo.norm_adv":  # retired: read as in a file (see _translate_norm_adv)
+    if key == "ppo.norm_adv":  # retired: read as in a file (see rl_replay._compat.translate_norm_adv)
         _merge_file(data, {"ppo": {"norm_adv": value}}, f"override {override!r}")
         return
     root = _hints(Config)

@@ -21,6 +21,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
+from rl_replay.config import EnvConfig
 from rl_replay.errors import SetupError
 from rl_replay.spaces import usable_keys
 from rl_replay.targets import import_module, resolve, split_env_id
@@ -218,6 +219,23 @@ def make_vector_env(
         )
     except TypeError as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+
+
+def envs_from_config(
+    env: EnvConfig, num_envs: int | None = None, *, vectorization: str = "sync"
+) -> gym.vector.VectorEnv:
+    """:func:`make_vector_env` with every setting of a config's ``env`` section
+    (``num_envs`` copies, default ``env.num_envs``)."""
+    return make_vector_env(
+        env.id,
+        env.num_envs if num_envs is None else num_envs,
+        vectorization=vectorization,
+        kwargs=env.kwargs,
+        max_episode_steps=env.max_episode_steps,
+        imports=env.imports,
+        wrappers=env.wrappers,
+        observation_keys=env.observation_keys,
+    )
 
 
 def env_episode_return(info: Mapping[str, Any], i: int, summed: float) -> float:

@@ -93,7 +93,7 @@ def replay_sequence(
         accumulator: a fresh GradientAccumulator: every step is a replay block, and only
             the blocks' inputs are kept until the backward. None runs ``model(**inputs)``
             with plain autograd, every step's graph kept: the recipe benchmarks compare
-            against (``scripts/bench_ppo.py``).
+            against (``scripts/bench/bench_ppo.py``).
         bptt_truncate: detach the state every K steps, as the collector does (counted
             from row 0).
         block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`); the

@@ -287,7 +287,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
     from rl_replay.rollout.env_state import training_statistics
-    from rl_replay.rollout.environment import make_vector_env
+    from rl_replay.rollout.environment import envs_from_config
     from rl_replay.run.checkpoint import load_agent_weights, load_checkpoint, non_finite_tensors, require
     from rl_replay.run.evaluate import evaluate
 
@@ -308,15 +308,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
                 f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
                 "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
             )
-        probe = make_vector_env(
-            cfg.env.id,
-            1,
-            kwargs=cfg.env.kwargs,
-            max_episode_steps=cfg.env.max_episode_steps,
-            imports=cfg.env.imports,
-            wrappers=cfg.env.wrappers,
-            observation_keys=cfg.env.observation_keys,
-        )
+        probe = envs_from_config(cfg.env, 1)
         agent = build_agent(
             cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space
         )

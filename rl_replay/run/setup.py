@@ -25,7 +25,7 @@ from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
 from rl_replay.errors import CheckpointError, SetupError
 from rl_replay.rollout.collector import Collector
-from rl_replay.rollout.environment import make_vector_env
+from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run.checkpoint import load_checkpoint, load_latest, remove_stale_temporaries
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
@@ -298,16 +298,7 @@ def _build_objects(
     """
     seed_everything(cfg.seed + 1000 * info.rank)
     with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
-        envs = make_vector_env(
-            cfg.env.id,
-            cfg.env.num_envs,
-            vectorization=cfg.env.vectorization,
-            kwargs=cfg.env.kwargs,
-            max_episode_steps=cfg.env.max_episode_steps,
-            imports=cfg.env.imports,
-            wrappers=cfg.env.wrappers,
-            observation_keys=cfg.env.observation_keys,
-        )
+        envs = envs_from_config(cfg.env, vectorization=cfg.env.vectorization)
     cleanup.callback(envs.close)
     agent: Agent = build_agent(
         cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space

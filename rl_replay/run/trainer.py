@@ -29,7 +29,7 @@ from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
 from rl_replay.run.run_dir import RunLock
-from rl_replay.run.trainer_checkpoint import load_trainer, restore_trainer_rng, save_trainer
+from rl_replay.run.trainer_checkpoint import load_trainer, restore_trainer_rng, save_trainer, trainer_state
 
 __all__ = ["Trainer"]
 
@@ -226,8 +226,16 @@ class Trainer:
         except OSError as exc:
             raise RunWriteError(exc, path, self.last_checkpoint, str(self.run_dir)) from None
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """The whole training state (agent, optimizer, collectors, RNG streams, counters, config).
+
+        Call it on every rank: under FSDP it gathers, returns the state on the main process and
+        ``None`` elsewhere. :meth:`save` writes it; :meth:`load_state_dict` takes it back.
+        """
+        return trainer_state(self)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checkpoint's state (from ``read_trainer_state``), RNG streams included."""
+        """Restore a state from :meth:`state_dict` or a checkpoint (``read_trainer_state``), RNG streams included."""
         load_trainer(self, state)
         restore_trainer_rng(self, state)
 

@@ -55,7 +55,14 @@ from rl_replay.run.checkpoint import (
     save_env_state,
 )
 
-__all__ = ["save_trainer", "read_trainer_state", "load_trainer", "restore_trainer_rng", "check_world_size"]
+__all__ = [
+    "trainer_state",
+    "save_trainer",
+    "read_trainer_state",
+    "load_trainer",
+    "restore_trainer_rng",
+    "check_world_size",
+]
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
@@ -118,14 +125,14 @@ def _gather_to_main(obj: Any, info) -> list[Any] | None:
     return gathered
 
 
-def save_trainer(trainer) -> Path:
-    """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
+def trainer_state(trainer) -> dict[str, Any] | None:
+    """``trainer``'s whole state as a tree of tensors and plain values; call it on every rank.
 
-    Returns the path written. Raises on every rank if rank 0 could not write it (e.g. a
-    :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
+    A collective under FSDP (the full agent and optimizer state are gathered on rank 0), so it
+    returns the state on the main process and ``None`` on the others. Each collector state still
+    holds its env pickle under ``"envs"``; :func:`save_trainer` moves those to their own file.
     """
     info, model = trainer.info, trainer.model
-    path = checkpoint_path(trainer.run_dir)
     if _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -135,36 +142,48 @@ def save_trainer(trainer) -> Path:
     else:
         agent_state, optim_state = model.state_dict(), trainer.optimizer.state_dict()
     gathered = _gather_to_main(_rank_state(trainer), info)
+    if not info.is_main:
+        return None
+    assert gathered is not None
+    config = config_to_dict(trainer.cfg)
+    return {
+        "update": trainer.update,
+        "env_steps": trainer.env_steps,
+        "agent": agent_state,
+        "optimizer": optim_state,
+        "collector": [g["collector"] for g in gathered],
+        "rng": [g["rng"] for g in gathered],
+        "recent_returns": [g["recent_returns"] for g in gathered],
+        "wandb_id": trainer.logger.wandb_id if trainer.logger is not None else None,
+        "config": config,
+        "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
+        "world_size": info.world_size,
+    }
+
+
+def save_trainer(trainer) -> Path:
+    """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
+
+    Returns the path written. Raises on every rank if rank 0 could not write it (e.g. a
+    :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
+    """
+    path = checkpoint_path(trainer.run_dir)
+    state = trainer_state(trainer)
     error: BaseException | None = None
-    if info.is_main:
-        assert gathered is not None
-        collectors = [g["collector"] for g in gathered]
+    if state is not None:
         # What must stay a pickle goes to its own file, signed with this user's key.
+        collectors = [dict(c) for c in state["collector"]]
         pickles = [c.pop("envs", None) for c in collectors]
-        config = config_to_dict(trainer.cfg)
-        payload = {
-            "update": trainer.update,
-            "env_steps": trainer.env_steps,
-            "agent": agent_state,
-            "optimizer": optim_state,
-            "collector": collectors,
-            "rng": [g["rng"] for g in gathered],
-            "recent_returns": [g["recent_returns"] for g in gathered],
-            "wandb_id": trainer.logger.wandb_id if trainer.logger is not None else None,
-            "config": config,
-            "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
-            "world_size": info.world_size,
-            "env_state": None,
-        }
+        payload = {**state, "collector": collectors, "env_state": None}
         try:
             # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
-            if any(p is not None for p in pickles) and not non_finite_tensors(agent_state):
+            if any(p is not None for p in pickles) and not non_finite_tensors(state["agent"]):
                 payload["env_state"] = save_env_state(pickles, trainer.run_dir, trust.user_secret())
             save_checkpoint(payload, path)
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
     # Barrier: no rank continues before rank 0 has written (or failed to write) the file.
-    message = dist_utils.broadcast_from_main(None if error is None else str(error), info)
+    message = dist_utils.broadcast_from_main(None if error is None else str(error), trainer.info)
     if error is not None:
         raise error
     if message is not None:

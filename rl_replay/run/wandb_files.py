@@ -3,7 +3,7 @@
 :func:`read_offline_run` reads one ``RUN_DIR/wandb/offline-run-*`` directory;
 :func:`training_rows` the rows of a training run over all its fragments (a resumed offline
 run writes one fragment per start), what ``wandb sync`` would upload.
-``scripts/plot_metrics.py RUN_DIR --source wandb`` shows them; the tests check the logger with them.
+``scripts/tools/plot_metrics.py RUN_DIR --source wandb`` shows them; the tests check the logger with them.
 
 wandb 0.31 has no Python reader; the file is a LevelDB-style log (a 7-byte header, then
 32 KiB blocks of records, each ``crc32c(4) length(2) type(1) data``) of protobuf

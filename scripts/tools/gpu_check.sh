@@ -1,0 +1,176 @@
+#!/usr/bin/env bash
+# One-command validation on a single-GPU machine whose Python has torch (and maybe
+# nothing else this project needs) and no network.
+#
+#   scripts/tools/gpu_check.sh --prepare-wheels DIR     # here, with a package index: fill DIR
+#   scripts/tools/gpu_check.sh --wheels DIR [--out OUT] # there: install from DIR, run everything
+#   scripts/tools/gpu_check.sh --dry-run [--wheels DIR] [--out OUT]   # any CPU machine (CI)
+#
+# Steps (each one's output goes to OUT/gpu_check.log; a summary to OUT/gpu_results.md,
+# ready to paste into docs/benchmarks.md):
+#   1. install the wheels in DIR that this Python lacks into a temporary site directory
+#      (pip --no-index --no-deps --target; PYTHONPATH), then check the imports;
+#   2. tests/engine/test_replay_cuda.py and tests/run/test_distributed_cuda.py (FSDP1 CPUOffload at
+#      world size 1, gradients against plain autograd);
+#   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
+#   4. scripts/bench/bench_pixels.py --device cuda --epochs 1: the decisive pixel benchmark
+#      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
+#   5. scripts/bench/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
+#   6. scripts/bench/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
+# --dry-run does all of it without CUDA: the tests are only collected, training runs on
+# CPU (gloo, no offload) with a tiny budget, the benchmarks on CPU with tiny sizes.
+# The step limits add up to about 9 minutes, so that one device call holds the whole run;
+# the steps come in order of what they prove, so a run cut short keeps the most.
+# OUT defaults to $OUT if set, else ./gpu_check_out. PYTHON defaults to python3.
+# Exit status: 0 when every step passed, 1 otherwise (every step runs regardless).
+set -uo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PY="${PYTHON:-python3}"
+DRY=0
+WHEELS=""
+OUTDIR="${OUT:-$PWD/gpu_check_out}"
+
+usage() { sed -n '2,22p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --prepare-wheels)
+            [ $# -ge 2 ] || { echo "error: --prepare-wheels needs a directory" >&2; exit 2; }
+            exec "$PY" "$ROOT/scripts/tools/gpu_wheels.py" prepare "$2" ;;
+        --wheels) [ $# -ge 2 ] || { echo "error: --wheels needs a directory" >&2; exit 2; }
+                  WHEELS="$2"; shift 2 ;;
+        --out) [ $# -ge 2 ] || { echo "error: --out needs a directory" >&2; exit 2; }
+               OUTDIR="$2"; shift 2 ;;
+        --dry-run) DRY=1; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+    esac
+done
+if [ -n "$WHEELS" ] && [ ! -d "$WHEELS" ]; then
+    echo "error: wheel directory '$WHEELS' does not exist; create it with --prepare-wheels" >&2
+    exit 2
+fi
+mkdir -p "$OUTDIR"
+OUTDIR="$(cd "$OUTDIR" && pwd)"
+LOG="$OUTDIR/gpu_check.log"
+RESULTS="$OUTDIR/gpu_results.md"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+trap 'rm -rf "$WORK"' EXIT
+: > "$LOG"
+export WANDB_MODE=offline WANDB_SILENT=true PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+cd "$ROOT"
+
+FAILED=()
+SUMMARY=()
+step() {  # step NAME TIMEOUT_S CMD...: run, log, remember the outcome
+    local name="$1" limit="$2"; shift 2
+    local t0=$SECONDS
+    echo "=== $name: $*" | tee -a "$LOG"
+    timeout "$limit" "$@" > >(tee -a "$LOG") 2>&1
+    local rc=$?
+    local line="$name: $([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc$([ $rc -eq 124 ] && echo ", timed out after ${limit} s"))") in $((SECONDS - t0)) s"
+    echo "=== $line" | tee -a "$LOG"
+    SUMMARY+=("$line")
+    [ $rc -eq 0 ] || FAILED+=("$name")
+    return $rc
+}
+
+# 1. dependencies --------------------------------------------------------------------
+if [ -n "$WHEELS" ]; then
+    step "install wheels" 300 "$PY" scripts/tools/gpu_wheels.py install "$WHEELS" "$WORK/site"
+    export PYTHONPATH="$WORK/site:$PYTHONPATH"
+else
+    echo "=== install wheels: skipped (no --wheels DIR given)" | tee -a "$LOG"
+    SUMMARY+=("install wheels: skipped (no --wheels DIR)")
+fi
+NEED_CUDA=$([ $DRY -eq 1 ] && echo 0 || echo 1)
+step "imports" 120 "$PY" - "$NEED_CUDA" <<'EOF'
+import importlib, sys
+for name in ("torch", "tensordict", "gymnasium", "wandb", "yaml", "tqdm", "psutil", "numpy",
+             "pytest", "hypothesis", "rl_replay"):
+    module = importlib.import_module(name)
+    print(f"{name} {getattr(module, '__version__', '?')} from {getattr(module, '__file__', '?')}")
+import torch
+print("cuda available:", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+if sys.argv[1] == "1" and not torch.cuda.is_available():
+    sys.exit("error: no CUDA device; use --dry-run on a CPU machine")
+EOF
+
+# 2. CUDA tests --------------------------------------------------------------------------
+TESTS=(tests/engine/test_replay_cuda.py tests/run/test_distributed_cuda.py)
+if [ $DRY -eq 1 ]; then
+    step "cuda tests (collected only)" 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only "${TESTS[@]}"
+else
+    step "cuda tests" 150 "$PY" -m pytest -q -p no:cacheprovider -rs "${TESTS[@]}"
+fi
+TEST_LINE="$(grep -E '^[0-9]+ (passed|failed|skipped|error)|[0-9]+ tests? collected| passed| failed' "$LOG" | tail -1)"
+
+# 3. FSDP1 (+ CPUOffload on CUDA) training through scripts/train.py under torchrun --------
+TRAIN=(-m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py
+       --config configs/fsdp_mlp_cpu.yaml "run_dir=$WORK/train_run" log.wandb_mode=offline
+       log.progress=false checkpoint.every=0)
+if [ $DRY -eq 1 ]; then
+    step "train (CPU, gloo)" 180 "$PY" "${TRAIN[@]}" device=cpu distributed.backend=gloo total_env_steps=256
+else
+    step "train (CUDA, FSDP1 + CPUOffload)" 100 "$PY" "${TRAIN[@]}" device=cuda \
+        distributed.backend=nccl distributed.cpu_offload=true total_env_steps=2048
+fi
+TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
+
+# the results file: its head now, each benchmark appends its section -------------------------
+{
+    echo "# gpu_check results ($(date -u +%Y-%m-%dT%H:%MZ)$([ $DRY -eq 1 ] && echo ", DRY RUN on CPU"))"
+    echo
+    echo "commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')$(git -C "$ROOT" status --porcelain -- rl_replay 2>/dev/null | grep -q . && echo ' + uncommitted engine changes')"
+    echo
+    echo "- CUDA tests: ${TEST_LINE:-no summary line}"
+    echo "- training run: ${TRAIN_LINE:-no summary line}"
+    echo
+} > "$RESULTS"
+# 4. the pixel benchmark (one epoch: an update's peak memory is one minibatch's) -----------
+export PIXELS_MD="$OUTDIR/bench_pixels.txt"
+PIXELS=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_pixels.py "$@" | tee "$PIXELS_MD"' "$PY")
+if [ $DRY -eq 1 ]; then
+    step "bench_pixels (CPU, smoke)" 180 "${PIXELS[@]}" --smoke
+else
+    step "bench_pixels (CUDA)" 150 "${PIXELS[@]}" --device cuda --T 512 2048 8192 --epochs 1 --timeout 60
+fi
+if [ -s "$PIXELS_MD" ]; then
+    { echo; echo "Pixel PPO update (scripts/bench/bench_pixels.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
+      echo; echo '```'; cat "$PIXELS_MD"; echo '```'; } >> "$RESULTS"
+fi
+# 5. per-block overhead of replay against plain autograd ------------------------------------
+export OVERHEAD_MD="$OUTDIR/bench_overhead.md"
+# bash -c so that timeout runs it; the table also goes to OVERHEAD_MD for the results file.
+OVERHEAD=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_overhead.py "$@" | tee "$OVERHEAD_MD"' "$PY")
+if [ $DRY -eq 1 ]; then
+    step "bench_overhead (CPU, tiny)" 120 "${OVERHEAD[@]}" --device cpu --T 8 --repeats 1 --block-steps 1 4
+else
+    step "bench_overhead (CUDA)" 90 "${OVERHEAD[@]}" --device cuda --all --block-steps 1 16 --repeats 3
+fi
+if [ -s "$OVERHEAD_MD" ]; then
+    { echo; echo "Per-block overhead (scripts/bench/bench_overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
+      echo; cat "$OVERHEAD_MD"; } >> "$RESULTS"
+fi
+# 6. memory benchmark (older table: GRU and deep MLP) -------------------------------------
+BENCH=(scripts/bench/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
+if [ $DRY -eq 1 ]; then
+    step "bench_memory (CPU, tiny)" 180 "$PY" "${BENCH[@]}" --device cpu --policy tiny_gru \
+        --T 8 --methods plain rl_replay --reps 0
+else
+    step "bench_memory (CUDA)" 90 "$PY" "${BENCH[@]}" --device cuda --policy gru mlp --T 256 1024 \
+        --reps 1 --max-config-seconds 30 --budget-seconds 75
+fi
+{
+    echo
+    echo "Steps:"
+    for line in "${SUMMARY[@]}"; do echo "- $line"; done
+} >> "$RESULTS"
+echo "results: $RESULTS; log: $LOG"
+if [ ${#FAILED[@]} -gt 0 ]; then
+    echo "FAILED: ${FAILED[*]}"
+    exit 1
+fi
+echo "all steps passed"

@@ -1,0 +1,154 @@
+"""Summarise learning curves from ``metrics.jsonl`` files (the trainer's or compare_peers.py's).
+
+For each run directory (or metrics file) prints: env steps at which the mean of
+``--key`` over the last ``--window`` records first reached ``--threshold``, that
+windowed mean at the end, the median env steps/s and the peak RSS.
+
+    python scripts/tools/summarize_curve.py runs/probe_lru128 runs/peer_memory128
+    python scripts/tools/summarize_curve.py RUN1 RUN2 RUN3 --key rollout/return_recent --threshold 475 --window 1
+
+``rollout/return_recent`` is already the trainer's mean of the last 100 episodes, hence
+``--window 1`` for returns. With several runs it also prints the median of the env steps to
+the threshold (a run that never reaches it counts as infinity). ``--plot OUT.png`` draws the
+windowed curves of all runs on one axis, with the threshold (needs ``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+
+def load(path: str | Path) -> list[dict]:
+    """The records of a run directory's ``metrics.jsonl`` (or of that file itself)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    if not path.exists():
+        raise SystemExit(f"summarize_curve: {path} does not exist; pass a run directory or a metrics.jsonl.")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def summarize(
+    records: list[dict], key: str = "rollout/success_rate", threshold: float = 0.95, window: int = 10
+) -> dict:
+    """``steps_to_threshold`` (None if never), ``final`` windowed mean, ``env_steps``,
+    ``steps_per_sec`` (median) and ``peak_rss_mib``."""
+    values, reached, final = [], None, None
+    for r in records:
+        if r.get(key) is None:  # absent, or null (no episode ended in that update)
+            continue
+        values.append(r[key])
+        if len(values) >= window:
+            final = sum(values[-window:]) / window
+            if reached is None and final >= threshold:
+                reached = r["env_steps"]
+    sps = [r["time/steps_per_sec"] for r in records if "time/steps_per_sec" in r]
+    rss = [r["memory/peak_rss_bytes"] for r in records if "memory/peak_rss_bytes" in r]
+    return {
+        "steps_to_threshold": reached,
+        "final": final,
+        "env_steps": records[-1]["env_steps"] if records else 0,
+        "steps_per_sec": statistics.median(sps) if sps else None,
+        "peak_rss_mib": max(rss) / 2**20 if rss else None,
+    }
+
+
+def windowed_curve(records: list[dict], key: str, window: int) -> tuple[list[int], list[float]]:
+    """(env_steps, mean of ``key`` over the last ``window`` non-null records) per record."""
+    xs, ys, values = [], [], []
+    for r in records:
+        if r.get(key) is None:
+            continue
+        values.append(r[key])
+        if len(values) >= window:
+            xs.append(r["env_steps"])
+            ys.append(sum(values[-window:]) / window)
+    return xs, ys
+
+
+def plot(
+    runs: list[str], out: str, key: str, threshold: float | None, window: int, title: str | None, log_y: bool = False
+) -> None:
+    """One PNG: each run's windowed ``key`` against env steps, and the threshold line (none if
+    ``threshold`` is None)."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SystemExit('summarize_curve: --plot needs matplotlib: pip install -e ".[bench]"') from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run in runs:
+        xs, ys = windowed_curve(load(run), key, window)
+        ax.plot(xs, ys, label=Path(run).name, linewidth=1.2)
+    if threshold is not None:
+        ax.axhline(threshold, color="grey", linestyle="--", linewidth=0.8, label=f"threshold {threshold:g}")
+    if log_y:
+        ax.set_yscale("log")  # e.g. horizon/grad_first_obs, which spans orders of magnitude
+    ax.set_xlabel("env steps")
+    ax.set_ylabel(key if window == 1 else f"{key} (mean of {window})")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", help="run directories or metrics.jsonl files")
+    parser.add_argument("--key", default="rollout/success_rate")
+    parser.add_argument("--threshold", type=float, default=0.95)
+    parser.add_argument("--window", type=int, default=10, help="records averaged (default 10)")
+    parser.add_argument("--plot", metavar="OUT.png", help="also draw the curves into this PNG")
+    parser.add_argument("--title", help="title of the --plot figure")
+    parser.add_argument("--log-y", action="store_true", help="logarithmic y axis in the --plot figure")
+    parser.add_argument(
+        "--no-threshold-line",
+        action="store_true",
+        help="leave the threshold out of the --plot figure (a metric with no target, e.g. horizon/grad_first_obs)",
+    )
+    args = parser.parse_args(argv)
+    if args.window < 1:
+        parser.error("--window must be >= 1")
+    print(
+        f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
+        "env steps run | env steps/s | peak RSS MiB |"
+    )
+    print("|---|---|---|---|---|---|")
+    reached = []
+    for run in args.runs:
+        s = summarize(load(run), args.key, args.threshold, args.window)
+        reached.append(s["steps_to_threshold"] or math.inf)
+        fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
+        print(
+            f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
+            f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
+            f"{fmt(s['peak_rss_mib'], '.0f')} |"
+        )
+    if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
+        print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
+    if args.plot:
+        plot(
+            args.runs,
+            args.plot,
+            args.key,
+            None if args.no_threshold_line else args.threshold,
+            args.window,
+            args.title,
+            args.log_y,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

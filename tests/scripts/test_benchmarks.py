@@ -1,0 +1,220 @@
+"""The benchmark scripts' ``--smoke`` modes run, agree on gradients and print their numbers.
+
+No timing assertions: these only check that the scripts work end to end (each
+configuration in its own process, gradient check against plain autograd below 1e-4).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = ROOT / "scripts" / "bench"
+GRAD_LINE = re.compile(r"gradient check: worst abs diff (\S+), worst rel diff (\S+)")
+
+
+def run_script(name: str, *args: str, timeout: float = 600) -> str:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / name), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{name} {' '.join(args)} exited {proc.returncode}:\n{out[-6000:]}"
+    return out
+
+
+def assert_grad_line(out: str) -> None:
+    m = GRAD_LINE.search(out)
+    assert m, f"no gradient-check line in:\n{out[-4000:]}"
+    worst_abs, worst_rel = float(m.group(1).rstrip(",")), float(m.group(2))
+    assert worst_abs < 1e-4 and worst_rel < 1e-4, m.group(0)
+
+
+@pytest.mark.slow
+def test_bench_memory_smoke():
+    out = run_script("bench_memory.py", "--smoke")
+    assert_grad_line(out)
+    # every method ran for both tiny policies, none skipped or failed
+    for policy in ("tiny_gru", "tiny_mlp"):
+        for method in ("plain", "checkpoint", "checkpoint_cpu", "rl_replay"):
+            assert re.search(rf"{policy}\s+T=8\s+{method}\s+live", out), (policy, method, out[-4000:])
+    assert "ERROR" not in out
+    assert "summary tiny_gru:" in out and "summary tiny_mlp:" in out
+    assert "glibc" in out
+
+
+@pytest.mark.slow
+def test_bench_memory_worker_mode_prints_json():
+    from_cfg = {"kind": "mlp", "obs": 4, "width": 8, "layers": 2, "actions": 3, "batch": 2}
+    spec = dict(
+        policy="tiny_mlp", cfg=from_cfg, T=4, method="rl_replay", reps=1, threads=1, device="cpu", seed=0, budget_s=60
+    )
+    out = run_script("bench_memory.py", "--worker", json.dumps(spec))
+    line = next(x for x in out.splitlines() if x.startswith("BENCH_RESULT "))
+    result = json.loads(line[len("BENCH_RESULT ") :])
+    assert result["mode"] == "full"
+    assert result["live_bytes"] > 0 and result["block_input_bytes"] == 4 * 2 * 4 * 4
+
+
+@pytest.mark.slow
+def test_bench_accumulate_smoke():
+    out = run_script("bench_accumulate.py", "--smoke")
+    assert_grad_line(out)
+    assert "summary accumulate: backward time rl_replay/helper" in out
+
+
+@pytest.mark.slow
+def test_bench_learning_smoke():
+    out = run_script("bench_learning.py", "--smoke")
+    assert_grad_line(out)
+    rep = re.search(r"^rl_replay\s+([\d.]+) env steps/s", out, re.M)
+    bat = re.search(r"^batched\s+([\d.]+) env steps/s", out, re.M)
+    assert rep and bat, out[-4000:]
+    assert float(rep.group(1)) > 0 and float(bat.group(1)) > 0
+    assert "ratio rl_replay/batched" in out
+
+
+@pytest.mark.slow
+def test_bench_ppo_smoke():
+    out = run_script("bench_ppo.py", "--smoke")
+    assert_grad_line(out)
+    for T in (8, 16):
+        for method in ("plain", "rl_replay"):
+            assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
+    assert "ERROR" not in out
+    assert "summary T=16: time rl_replay/plain" in out and "summary memory slope rl_replay" in out
+
+
+@pytest.mark.slow
+def test_bench_ppo_with_a_shipped_config():
+    # The delay-1024 config's LRU agent, 32 envs, 2 minibatches; T short for speed.
+    out = run_script("bench_ppo.py", "--config", "configs/memory_1024_fast.yaml", "--T", "8", "16", "--epochs", "1")
+    assert_grad_line(out)
+    for T in (8, 16):
+        for method in ("plain", "rl_replay"):
+            assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", out), (T, method, out[-4000:])
+    assert "ERROR" not in out and "summary T=16: time rl_replay/plain" in out
+
+
+def docs_bytes() -> dict[str, bytes]:
+    """The committed docs/ files a benchmark could write (the markdown and its plots)."""
+    return {p.name: p.read_bytes() for p in sorted((ROOT / "docs").iterdir()) if p.is_file()}
+
+
+@pytest.mark.slow
+def test_plain_runs_leave_the_committed_docs_alone(tmp_path):
+    """Without --write-docs a (non-smoke) run prints its tables and writes nothing into docs/."""
+    before = docs_bytes()
+    out = run_script(
+        "bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay", "--reps", "0"
+    )
+    assert "| 8 | rl_replay |" in out and "updated section" not in out
+    out = run_script("bench_learning.py", "--num-envs", "2", "--num-steps", "8", "--updates", "2")
+    assert "summary learning:" in out and "updated section" not in out
+    assert docs_bytes() == before
+
+
+@pytest.mark.slow
+def test_write_docs_updates_only_its_marked_section(tmp_path):
+    docs = tmp_path / "bench.md"
+    docs.write_text("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\nold\n<!-- END bench_memory tiny_gru -->\n\nafter\n")
+    before = docs_bytes()
+    out = run_script(
+        "bench_memory.py",
+        "--policy",
+        "tiny_gru",
+        "--T",
+        "8",
+        "--methods",
+        "plain",
+        "rl_replay",
+        "--reps",
+        "0",
+        "--write-docs",
+        str(docs),
+    )
+    assert f"updated section 'bench_memory tiny_gru' of {docs}" in out
+    text = docs.read_text()
+    assert text.startswith("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\n**tiny_gru**") and "old" not in text
+    assert text.endswith("<!-- END bench_memory tiny_gru -->\n\nafter\n")
+    assert "| 8 | rl_replay |" in text and "summary tiny_gru:" in text
+    assert docs_bytes() == before
+
+
+def test_smoke_results_are_never_written_to_the_docs():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "drop --write-docs" in proc.stderr
+
+
+def test_bench_soak_records_rss_and_slopes(tmp_path):
+    out = run_script(
+        "bench_soak.py",
+        "--updates",
+        "40",
+        "--every",
+        "10",
+        "--json",
+        str(tmp_path / "s.json"),
+        "log.wandb_mode=disabled",
+        timeout=300,
+    )
+    assert re.search(r"second half: RSS [+-]\d+\.\d+ KiB/update", out), out[-2000:]
+    result = json.loads((tmp_path / "s.json").read_text())
+    assert [s["update"] for s in result["samples"]] == [1, 10, 20, 30, 40]
+    assert all(s["rss_kib"] > 0 for s in result["samples"])
+
+
+@pytest.mark.parametrize("config", ["configs/memory_gru.yaml", "configs/default.yaml"])  # GRU; stateless MLP
+def test_bench_overhead_bare_function_row(config):
+    # The bare Function (no checks, no slabs) computes the same gradients on a deterministic
+    # agent, so its row measures the same work; replay's own check is in identical_grads.
+    out = run_script(
+        "bench_overhead.py",
+        "--config",
+        config,
+        "--T",
+        "6",
+        "--batch",
+        "2",
+        "--repeats",
+        "1",
+        "--bare",
+        "--block-steps",
+        "1",
+        "3",
+        "--json",
+    )
+    rows = json.loads(out[out.index("[") :])
+    assert [r["block_steps"] for r in rows] == [1, 3]
+    assert all(r["identical_grads"] for r in rows)
+    assert rows[0]["bare_identical_grads"] and rows[0]["bare_ms_per_step"] > 0 and rows[0]["bare_over_plain"] > 0
+    assert "bare_ms_per_step" not in rows[1]  # the bare Function is a one-step block
+
+
+def test_bench_checkpoint_reports_the_files_and_their_timings():
+    out = run_script(
+        "bench_checkpoint.py", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8", "total_env_steps=16"
+    )
+    result = json.loads(out.strip().splitlines()[-1])
+    assert set(result["files"]) == {"checkpoint.pt", "env_state.pkl"}
+    assert result["total_bytes"] == sum(result["files"].values()) > 0
+    assert 0 < result["save"]["min_s"] <= result["save"]["median_s"] <= result["save"]["max_s"]
+    assert 0 < result["load"]["min_s"] <= result["load"]["median_s"] <= result["load"]["max_s"]
