@@ -1,40 +1,19 @@
-"""A recurrent actor-critic: encoder -> GRUCell -> actor and critic heads."""
+"""A recurrent actor-critic: encoder -> GRU core -> actor and critic heads."""
 
 from __future__ import annotations
 
 import functools
 
-import torch
-from torch import nn
-
-from rl_replay.agents.chrono import check_t_max, chrono_bias
+from rl_replay.agents.cores import GRUCore
 from rl_replay.agents.recurrent import RecurrentAgent
 from rl_replay.errors import SetupError
-
-
-def gru_cell(in_features: int, hidden_size: int, update_gate_bias: float, chrono_t_max: float | None) -> nn.GRUCell:
-    """A ``GRUCell`` whose update (keep) gate starts at ``update_gate_bias`` or chrono-initialised."""
-    H = hidden_size
-    cell = nn.GRUCell(in_features, H)
-    if chrono_t_max is not None:
-        t_max = check_t_max(chrono_t_max, "GRUAgent")
-        with torch.no_grad():  # z = sigmoid(b_iz + b_hz + ...) is the keep gate in torch
-            cell.bias_ih[H : 2 * H].copy_(chrono_bias(H, t_max))
-            cell.bias_hh[H : 2 * H].zero_()
-    elif update_gate_bias:
-        # GRUCell gates are ordered (reset, update, new); a positive update-gate bias makes
-        # the cell keep its state by default, so gradient survives long delays (the GRU
-        # analogue of an LSTM forget-gate bias of 1).
-        with torch.no_grad():
-            cell.bias_hh[H : 2 * H].fill_(update_gate_bias)
-    return cell
 
 
 class GRUAgent(RecurrentAgent):
     """GRU policy whose hidden state ``state["h"]`` flows from block to block.
 
-    The state is zeroed inside forward where ``is_first`` is set, so a rollout that
-    crosses an episode boundary carries no gradient from one episode into the next.
+    The state is zeroed where ``is_first`` is set, so a rollout that crosses an episode
+    boundary carries no gradient from one episode into the next.
 
     Args:
         update_gate_bias: one constant bias for the update (keep) gate; 0 leaves torch's init.
@@ -45,8 +24,6 @@ class GRUAgent(RecurrentAgent):
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own GRU keeps
             its state in ``state["h_critic"]``.
     """
-
-    state_keys = ("h",)
 
     def __init__(
         self,
@@ -68,16 +45,14 @@ class GRUAgent(RecurrentAgent):
         super().__init__(
             observation_space,
             action_space,
-            hidden_size=hidden_size,
+            make_core=functools.partial(
+                GRUCore, hidden_size=hidden_size, update_gate_bias=update_gate_bias, chrono_t_max=chrono_t_max
+            ),
+            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            separate_critic=separate_critic,
-            head_sizes=head_sizes,
+            encoder_kwargs=encoder_kwargs,
             activation=activation,
             skip=skip,
-            encoder=encoder,
-            encoder_kwargs=encoder_kwargs,
-            make_cell=functools.partial(gru_cell, update_gate_bias=update_gate_bias, chrono_t_max=chrono_t_max),
+            head_sizes=head_sizes,
+            separate_critic=separate_critic,
         )
-
-    def cell_step(self, cell, inputs, state):
-        return (cell(inputs, state[0]),)

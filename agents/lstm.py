@@ -1,37 +1,18 @@
-"""A recurrent actor-critic with an LSTM cell: state ``{"h", "c"}`` flows block to block."""
+"""A recurrent actor-critic with an LSTM core: state ``{"h", "c"}`` flows block to block."""
 
 from __future__ import annotations
 
 import functools
 
-import torch
-from torch import nn
-
-from rl_replay.agents.chrono import check_t_max, chrono_bias
+from rl_replay.agents.cores import LSTMCore
 from rl_replay.agents.recurrent import RecurrentAgent
 
 
-def lstm_cell(in_features: int, hidden_size: int, forget_bias: float, chrono_t_max: float | None) -> nn.LSTMCell:
-    """An ``LSTMCell`` whose forget gate starts at ``forget_bias``, or chrono-initialised."""
-    H = hidden_size
-    cell = nn.LSTMCell(in_features, H)
-    with torch.no_grad():  # gates are ordered (input, forget, cell, output)
-        cell.bias_ih[H : 2 * H].fill_(forget_bias)
-        cell.bias_hh[H : 2 * H].zero_()
-        if chrono_t_max is not None:
-            forget = chrono_bias(H, check_t_max(chrono_t_max, "LSTMAgent"))
-            cell.bias_ih[H : 2 * H].copy_(forget)
-            cell.bias_ih[:H].copy_(-forget)
-            cell.bias_hh[:H].zero_()
-    return cell
-
-
 class LSTMAgent(RecurrentAgent):
-    """Encoder -> LSTMCell -> actor and critic heads (CleanRL's ``ppo_atari_lstm`` layout).
+    """Encoder -> LSTM core -> actor and critic heads (CleanRL's ``ppo_atari_lstm`` layout).
 
-    Both ``h`` and ``c`` are zeroed inside forward where ``is_first`` is set. The forget
-    gate's bias starts at ``forget_bias`` (1.0, the usual choice) so the cell keeps its
-    memory by default.
+    Both ``h`` and ``c`` are zeroed where ``is_first`` is set. The forget gate's bias starts
+    at ``forget_bias`` (1.0, the usual choice) so the cell keeps its memory by default.
 
     Args:
         forget_bias: one constant forget-gate bias.
@@ -43,8 +24,6 @@ class LSTMAgent(RecurrentAgent):
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own LSTM keeps
             its state in ``state["h_critic"]``, ``state["c_critic"]``.
     """
-
-    state_keys = ("h", "c")
 
     def __init__(
         self,
@@ -64,16 +43,14 @@ class LSTMAgent(RecurrentAgent):
         super().__init__(
             observation_space,
             action_space,
-            hidden_size=hidden_size,
+            make_core=functools.partial(
+                LSTMCore, hidden_size=hidden_size, forget_bias=forget_bias, chrono_t_max=chrono_t_max
+            ),
+            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            separate_critic=separate_critic,
-            head_sizes=head_sizes,
+            encoder_kwargs=encoder_kwargs,
             activation=activation,
             skip=skip,
-            encoder=encoder,
-            encoder_kwargs=encoder_kwargs,
-            make_cell=functools.partial(lstm_cell, forget_bias=forget_bias, chrono_t_max=chrono_t_max),
+            head_sizes=head_sizes,
+            separate_critic=separate_critic,
         )
-
-    def cell_step(self, cell, inputs, state):
-        return cell(inputs, state)

@@ -10,18 +10,14 @@ memory times spread over ``[2, chrono_t_max]`` steps.
 
 from __future__ import annotations
 
-import torch
-from tensordict import TensorDict
-from torch import nn
+import functools
 
-from rl_replay.agent import ActionHead, Agent, value_head
-from rl_replay.agents.chrono import check_t_max, chrono_bias
-from rl_replay.agents.mlp import mlp
-from rl_replay.errors import SetupError
+from rl_replay.agents.cores import MinGRUCore
+from rl_replay.agents.recurrent import RecurrentAgent
 
 
-class MinGRUAgent(Agent):
-    """Encoder MLP -> minGRU (state ``h``) -> MLP readout of ``[h, u]`` -> heads.
+class MinGRUAgent(RecurrentAgent):
+    """Encoder -> minGRU core (state ``h``) -> MLP readout of ``[h, u]`` -> heads.
 
     Args:
         hidden_size: recurrent units.
@@ -29,6 +25,7 @@ class MinGRUAgent(Agent):
         readout_sizes: MLP widths after the cell; its input is ``h`` next to ``u``, so the
             current observation reaches the heads without going through the slow memory.
         chrono_t_max: the longest memory time (steps) the gate bias is initialised for.
+        encoder, encoder_kwargs: see :class:`~rl_replay.agents.recurrent.RecurrentAgent`.
     """
 
     def __init__(
@@ -39,36 +36,16 @@ class MinGRUAgent(Agent):
         encoder_sizes=(64,),
         readout_sizes=(128,),
         chrono_t_max: float = 1024,
+        encoder: str = "mlp",
+        encoder_kwargs: dict | None = None,
     ):
-        super().__init__(observation_space, action_space)
-        if not (isinstance(hidden_size, int) and hidden_size > 0):
-            raise SetupError(f"MinGRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
-        encoder_sizes, readout_sizes = list(encoder_sizes), list(readout_sizes)
-        self.hidden_size = hidden_size
-        self.encoder = mlp(self.obs_dim, encoder_sizes)
-        width = encoder_sizes[-1] if encoder_sizes else self.obs_dim
-        self.gate = nn.Linear(width, hidden_size)
-        self.candidate = nn.Linear(width, hidden_size)
-        with torch.no_grad():
-            # z = sigmoid(b) is the write gate; 1 - z = sigmoid(-b) keeps, so -b gets the chrono bias.
-            self.gate.bias.copy_(-chrono_bias(hidden_size, check_t_max(chrono_t_max, "MinGRUAgent")))
-        self.readout = mlp(hidden_size + width, readout_sizes)
-        features = readout_sizes[-1] if readout_sizes else hidden_size + width
-        self.head = ActionHead(action_space, features)
-        self.value = value_head(features)
-
-    def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
-        return TensorDict(h=torch.zeros(batch_size, self.hidden_size, device=device), batch_size=[batch_size])
-
-    def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        u = self.encoder(observation.flatten(1))  # (N, width)
-        h = self.reset_state(state["h"], is_first)  # (N, H)
-        z = torch.sigmoid(self.gate(u))
-        h = torch.lerp(h, self.candidate(u), z)  # (1 - z) * h + z * h~
-        features = self.readout(torch.cat([h, u], dim=-1))
-        return TensorDict(
-            dist=self.head(features),
-            value=self.value(features).squeeze(-1),
-            state=TensorDict(h=h, batch_size=h.shape[:1]),
-            batch_size=h.shape[:1],
+        super().__init__(
+            observation_space,
+            action_space,
+            make_core=functools.partial(MinGRUCore, hidden_size=hidden_size, chrono_t_max=chrono_t_max),
+            encoder=encoder,
+            encoder_sizes=encoder_sizes,
+            encoder_kwargs=encoder_kwargs,
+            skip=True,
+            readout_sizes=readout_sizes,
         )

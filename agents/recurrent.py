@@ -1,5 +1,15 @@
-"""What the GRU and LSTM agents share: encoder (MLP or CNN) -> cell -> actor and critic heads,
-with an optional critic of its own (second encoder and cell) and an optional skip path."""
+"""The one skeleton of the recurrent agents: encoder -> core -> readout -> actor and critic heads.
+
+Every shipped recurrent agent (GRU, LSTM, LRU, minGRU) is this class with its own core
+(:mod:`rl_replay.agents.cores`); the encoders (an MLP over :meth:`~rl_replay.Agent.flatten_observation`,
+or a CNN of :mod:`rl_replay.agents.encoders`) and so every observation space (Box, Dict,
+Discrete, uint8 images) work with every core.
+
+It runs a block of k steps as one call (:meth:`RecurrentAgent.forward_steps`): the encoder,
+the readout and the heads see the block's ``k * N`` rows at once, and only the core's
+recurrence goes step by step. :meth:`forward` (one step, what the collector calls) is the
+same code with k = 1.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +20,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.agent import ActionHead, Agent, value_head
+from rl_replay.agents.cores import Core
 from rl_replay.agents.encoders import make_encoder, takes_raw_observation
 from rl_replay.agents.mlp import mlp
 from rl_replay.errors import SetupError
@@ -25,108 +36,117 @@ def activation_class(name: str, agent_name: str) -> type[nn.Module]:
 
 
 class RecurrentAgent(Agent):
-    """Encoder (MLP or CNN) -> recurrent cell -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
+    """Encoder -> core (``self.cell``) -> readout -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
 
-    A subclass names its cell's state tensors in :attr:`state_keys` (the first is the
-    cell's output, read by the heads), passes a ``make_cell(in_features, hidden_size)``
-    factory to ``__init__`` and implements :meth:`cell_step`. Every state tensor is zeroed
-    inside forward where ``is_first`` is set, so no gradient crosses an episode boundary.
+    A subclass passes ``make_core(in_features) -> Core``. Every state tensor is zeroed where
+    ``is_first`` is set, before the step reads it, so no gradient crosses an episode boundary.
 
     Args:
-        separate_critic: the value comes from a second encoder and cell (sb3-contrib's
-            ``enable_critic_lstm``) whose state (``state_keys`` with a ``_critic`` suffix)
-            flows alongside.
-        head_sizes: hidden layers between the cell and each of the actor and critic outputs
-            (sb3's ``net_arch`` after the LSTM); empty: the outputs read the cell's output directly.
-        activation: ``"tanh"`` or ``"relu"``, for the encoder and the head layers.
-        skip: the actor and critic read the encoded observation next to the cell's output.
-            A gated cell's state is a leaky average of past inputs, so without the skip a
-            reactive task sees the present only through that lag; with it the state only
-            has to carry what the present observation lacks.
         encoder: ``mlp`` (the flattened observation through ``encoder_sizes``) or a
             convolutional encoder, ``nature_cnn``, ``impala_cnn`` or ``grid_cnn``
             (:mod:`rl_replay.agents.encoders`): the image through the convolutions, then the
             linear layers ``encoder_sizes``; uint8 frames are converted inside forward.
+        encoder_sizes: widths of the encoder's linear layers; the last is the core's input.
         encoder_kwargs: options of a convolutional encoder (``channels``, ``image_key``,
             ``image_scale``; see :class:`~rl_replay.agents.encoders.ConvEncoder`).
+        activation: ``"tanh"`` or ``"relu"``, for the encoder, readout and head layers.
+        skip: the readout reads the encoded observation next to the core's output. A gated
+            cell's state is a leaky average of past inputs, so without the skip a reactive
+            task sees the present only through that lag; with it the state only has to carry
+            what the present observation lacks.
+        readout_sizes: a shared MLP after the core (and skip), read by both heads.
+        head_sizes: hidden layers of each of the actor and critic after the readout (sb3's
+            ``net_arch`` after the LSTM); empty: the outputs read the readout directly.
+        separate_critic: the value comes from a second encoder and core (sb3-contrib's
+            ``enable_critic_lstm``) whose state (the core's state keys with a ``_critic``
+            suffix) flows alongside.
     """
-
-    #: the cell's state tensors in ``state``; the first is its output
-    state_keys: tuple[str, ...] = ()
 
     def __init__(
         self,
         observation_space,
         action_space,
         *,
-        hidden_size: int,
-        encoder_sizes,
-        separate_critic: bool,
-        head_sizes,
-        activation: str,
-        skip: bool,
-        make_cell: Callable[[int, int], nn.Module],
+        make_core: Callable[[int], Core],
         encoder: str = "mlp",
+        encoder_sizes=(),
         encoder_kwargs: dict | None = None,
+        activation: str = "tanh",
+        skip: bool = False,
+        readout_sizes=(),
+        head_sizes=(),
+        separate_critic: bool = False,
     ):
         super().__init__(observation_space, action_space)
         self.activation = activation_class(activation, type(self).__name__)
-        self.hidden_size = hidden_size
-        self.separate_critic = separate_critic
         self.skip = skip
+        self.separate_critic = separate_critic
         encoder_sizes = list(encoder_sizes)
-        self.encoder, self.cell, width = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
-        features = width if skip else 0
+        self.encoder, width = make_encoder(self, encoder, encoder_sizes, self.activation, encoder_kwargs)
+        self.cell = make_core(width)
+        self.hidden_size = self.cell.hidden_size
+        self.state_keys = tuple(self.cell.state_keys)
         if separate_critic:
-            # The critic's own encoder and cell: the value loss, large while returns are
+            # The critic's own encoder and core: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
-            self.critic_encoder, self.critic_cell, _ = self._trunk(encoder, encoder_sizes, encoder_kwargs, make_cell)
-        head_sizes = list(head_sizes)
-        in_features = hidden_size + features
-        last = head_sizes[-1] if head_sizes else in_features
-        self.actor_mlp = mlp(in_features, head_sizes, self.activation)
-        self.critic_mlp = mlp(in_features, head_sizes, self.activation)
+            self.critic_encoder, _ = make_encoder(self, encoder, encoder_sizes, self.activation, encoder_kwargs)
+            self.critic_cell = make_core(width)
+        features = self.cell.out_features + (width if skip else 0)
+        readout_sizes, head_sizes = list(readout_sizes), list(head_sizes)
+        self.readout = mlp(features, readout_sizes, self.activation)
+        features = readout_sizes[-1] if readout_sizes else features
+        last = head_sizes[-1] if head_sizes else features
+        self.actor_mlp = mlp(features, head_sizes, self.activation)
+        self.critic_mlp = mlp(features, head_sizes, self.activation)
         self.head = ActionHead(action_space, last)
         self.value = value_head(last)
-
-    def _trunk(self, name: str, encoder_sizes, options: dict | None, make_cell) -> tuple[nn.Module, nn.Module, int]:
-        """``(encoder, cell, encoder output width)``."""
-        encoder, width = make_encoder(self, name, encoder_sizes, self.activation, options)
-        return encoder, make_cell(width, self.hidden_size), width
-
-    def cell_step(
-        self, cell: nn.Module, inputs: torch.Tensor, state: tuple[torch.Tensor, ...]
-    ) -> tuple[torch.Tensor, ...]:
-        """One step of ``cell``: the new state tensors, in :attr:`state_keys` order."""
-        raise NotImplementedError(f"{type(self).__name__} must implement cell_step()")
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
         keys = [*self.state_keys, *(k + "_critic" for k in self.state_keys if self.separate_critic)]
         zeros = torch.zeros(batch_size, self.hidden_size, device=device)
         return TensorDict({k: zeros.clone() for k in keys}, batch_size=[batch_size])
 
-    def _run(self, encoder, cell, x, state: TensorDict, is_first, suffix: str, next_state: dict) -> torch.Tensor:
-        """Encode ``x``, step ``cell`` from the (reset) state, store the new state in
-        ``next_state``; returns what the heads read."""
-        old = tuple(self.reset_state(state[k + suffix], is_first) for k in self.state_keys)  # (N, H) each
-        e = encoder(x)
-        new = self.cell_step(cell, e, old)
-        next_state.update((k + suffix, v) for k, v in zip(self.state_keys, new))
-        return torch.cat([new[0], e], dim=-1) if self.skip else new[0]
+    def _trunk(self, encoder, cell, x, k: int, n: int, state: TensorDict, keep, suffix: str, next_state: dict):
+        """Encode the ``k * n`` rows ``x``, run ``cell`` over the k steps from ``state``, put
+        its last state in ``next_state``; returns what the readout reads, ``(k, n, features)``."""
+        e = encoder(x).unflatten(0, (k, n))
+        y, last = cell(e, tuple(state[key + suffix] for key in self.state_keys), keep)
+        next_state.update((key + suffix, v) for key, v in zip(self.state_keys, last))
+        return torch.cat([y, e], dim=-1) if self.skip else y
 
-    def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        # A CNN reads the block's observation itself (uint8 images stay uint8 until its forward).
-        x = observation if takes_raw_observation(self.encoder) else self.flatten_observation(observation)
+    def _features(self, observation, state: TensorDict, is_first: torch.Tensor):
+        """What the actor and the critic MLPs read, ``(k, n, features)`` each, and the last
+        state, for ``(k, n, ...)`` inputs."""
+        k, n = is_first.shape
+        rows = observation.flatten(0, 1)
+        # A CNN reads the observation itself (uint8 images stay uint8 until its forward).
+        x = rows if takes_raw_observation(self.encoder) else self.flatten_observation(rows)
+        keep = (~is_first).to(torch.float32).unsqueeze(-1)  # (k, n, 1)
         next_state: dict[str, torch.Tensor] = {}
-        actor_in = self._run(self.encoder, self.cell, x, state, is_first, "", next_state)
+        actor_in = self.readout(self._trunk(self.encoder, self.cell, x, k, n, state, keep, "", next_state))
+        critic_in = actor_in
         if self.separate_critic:
-            critic_in = self._run(self.critic_encoder, self.critic_cell, x, state, is_first, "_critic", next_state)
-        else:
-            critic_in = actor_in
-        n = actor_in.shape[:1]
+            critic_in = self.readout(
+                self._trunk(self.critic_encoder, self.critic_cell, x, k, n, state, keep, "_critic", next_state)
+            )
+        return actor_in, critic_in, TensorDict(next_state, batch_size=[n])
+
+    def _heads(self, actor_in: torch.Tensor, critic_in: torch.Tensor) -> tuple[TensorDict, torch.Tensor]:
+        return self.head(self.actor_mlp(actor_in)), self.value(self.critic_mlp(critic_in)).squeeze(-1)
+
+    def forward(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        """One step (``is_first`` of shape ``(N,)``), or a block of steps as
+        :meth:`forward_steps` when ``is_first`` is ``(k, N)``: the replay engine calls the
+        module itself (under FSDP, its wrapper), so a block goes through ``forward`` too."""
+        if is_first.dim() == 2:
+            return self.forward_steps(observation, state, is_first)
+        actor_in, critic_in, next_state = self._features(observation.unsqueeze(0), state, is_first.unsqueeze(0))
+        dist, value = self._heads(actor_in[0], critic_in[0])
+        return TensorDict(dist=dist, value=value, state=next_state, batch_size=is_first.shape)
+
+    def forward_steps(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        actor_in, critic_in, next_state = self._features(observation, state, is_first)
+        dist, value = self._heads(actor_in, critic_in)
         return TensorDict(
-            dist=self.head(self.actor_mlp(actor_in)),
-            value=self.value(self.critic_mlp(critic_in)).squeeze(-1),
-            state=TensorDict(next_state, batch_size=n),
-            batch_size=n,
+            heads=TensorDict(dist=dist, value=value, batch_size=is_first.shape), state=next_state, batch_size=[]
         )

@@ -10,6 +10,10 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   reference agents and envs were the top-level packages ``agents`` / ``envs`` before 0.1.0, and
   the flat modules of ``rl_replay`` moved into ``rl_replay.rollout`` / ``rl_replay.run`` in
   0.2.0. :func:`current_module_name` maps the old names. Removed in 0.3.0.
+* **Parameter names of the LRU and minGRU agents**: their recurrence moved into ``cell`` (the
+  core of the agent skeleton) in 0.2.0, so ``nu_log`` is now ``cell.nu_log`` and ``gate.weight``
+  ``cell.gate.weight``. :func:`current_agent_keys` maps an older checkpoint's names where
+  weights are loaded (evaluate, ``init_from``, a single-process resume). Removed in 0.3.0.
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
   (:func:`translate_norm_adv`, called by ``rl_replay.config``); removed in 0.3.0.
 """
@@ -20,7 +24,14 @@ import importlib.util
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["RENAMED_PACKAGES", "RENAMED_MODULES", "current_module_name", "translate_norm_adv", "REMOVED_IN"]
+__all__ = [
+    "RENAMED_PACKAGES",
+    "RENAMED_MODULES",
+    "current_module_name",
+    "current_agent_keys",
+    "translate_norm_adv",
+    "REMOVED_IN",
+]
 
 REMOVED_IN = "0.3.0"
 
@@ -88,3 +99,13 @@ def translate_norm_adv(loaded: Mapping[str, Any], algorithm: str, path: str) -> 
         )
     loss["normalize_advantages"] = norm_adv
     return {**loaded, "loss": loss}
+
+
+def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:
+    """``weights`` with each name the agent does not have, but has under ``cell.``, renamed so.
+
+    ``own`` is the agent's own names (its ``state_dict()`` keys); a checkpoint that already
+    fits is returned as it is.
+    """
+    own = set(own)
+    return {(f"cell.{k}" if k not in own and f"cell.{k}" in own else k): v for k, v in weights.items()}

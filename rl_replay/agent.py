@@ -46,6 +46,7 @@ __all__ = [
     "load_agent_class",
     "canonical_agent_target",
     "build_agent",
+    "has_sequence_forward",
 ]
 
 
@@ -219,6 +220,40 @@ class Agent(nn.Module):
         """
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
+    def forward_steps(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        """k consecutive steps of ``N`` envs in one call (optional; a replay block of k steps).
+
+        Args:
+            observation: ``(k, N, *obs_shape)``, or a TensorDict ``[k, N]``.
+            state: TensorDict ``[N]``, the state before the first step.
+            is_first: ``(k, N)`` ``torch.bool``; the state is reset before step ``t`` where
+                ``is_first[t]`` is set.
+
+        Returns:
+            TensorDict ``[]`` with ``heads``: a TensorDict ``[k, N]`` of every output of
+            :meth:`forward` but ``state`` (``dist``, ``value``), step ``t`` in row ``t``; and
+            ``state``: the state after the last step (TensorDict ``[N]``).
+
+        This default is the loop of :meth:`forward`, and the engine calls an agent that does
+        not override it one step at a time. Override it to run what does not depend on the
+        recurrence once over the ``k * N`` rows (the skeleton of the shipped recurrent
+        agents, :class:`rl_replay.agents.recurrent.RecurrentAgent`, does); it must agree
+        with the loop of :meth:`forward` to float rounding, resets inside the block
+        included. The engine calls the module itself (under FSDP, its wrapper), so
+        :meth:`forward` must route a call whose ``is_first`` is ``(k, N)`` here::
+
+            def forward(self, observation, state, is_first):
+                if is_first.dim() == 2:
+                    return self.forward_steps(observation, state, is_first)
+                ...
+        """
+        steps = []
+        for t in range(is_first.shape[0]):
+            out = self(observation=observation[t], state=state, is_first=is_first[t])
+            steps.append(out.exclude("state"))
+            state = out["state"]
+        return TensorDict(heads=torch.stack(steps), state=state, batch_size=[])
+
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
         """The action distribution for the outputs of :meth:`forward`."""
         return self.head.distribution(outputs["dist"])  # type: ignore[operator, union-attr]
@@ -231,6 +266,13 @@ class Agent(nn.Module):
         """
         keep = (~is_first).to(state.dtype)
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
+
+
+def has_sequence_forward(policy: Any) -> bool:
+    """Whether ``policy`` runs a block of steps as one call: an :class:`Agent` whose class
+    overrides :meth:`Agent.forward_steps` (the default, a loop of ``forward``, does not count)."""
+    impl = getattr(type(policy), "forward_steps", None)
+    return impl is not None and impl is not Agent.forward_steps
 
 
 def load_agent_class(target: str) -> type[Agent]:

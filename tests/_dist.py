@@ -271,6 +271,79 @@ def _fsdp_gru_steps(rank: int, world: int) -> dict:
     }
 
 
+class _CountGathers:
+    """Counts FSDP1's parameter all-gathers (and the bytes they gather) while it is entered."""
+
+    def __enter__(self):
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+        self.calls, self.bytes, self._real = 0, 0, FlatParamHandle._all_gather_flat_param
+        counter = self
+
+        def counting(handle, padded_unsharded_flat_param):
+            counter.calls += 1
+            counter.bytes += padded_unsharded_flat_param.numel() * padded_unsharded_flat_param.element_size()
+            return counter._real(handle, padded_unsharded_flat_param)
+
+        FlatParamHandle._all_gather_flat_param = counting
+        return self
+
+    def __exit__(self, *exc):
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+        FlatParamHandle._all_gather_flat_param = self._real
+
+
+def _fsdp_agent_sequence(rank: int, world: int) -> dict:
+    """The shipped GRU agent (skeleton) under FSDP1, its core and every Linear units of their
+    own: 3-step blocks as one sequence call each (replay_steps(sequence=True)) against plain
+    autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
+    and those of the same blocks called step by step (sequence=False)."""
+    import gymnasium as gym
+
+    from rl_replay.agents.cores import GRUCore
+    from rl_replay.agents.gru import GRUAgent
+
+    T, B, k = 8, 3, 3
+    torch.manual_seed(5)
+    ref = GRUAgent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
+    obs = [rank_data(r + 90, T, B, 5) for r in range(world)]
+    first = torch.zeros(T, B, dtype=torch.bool)
+    first[4, 1] = True  # a reset inside the second block
+
+    def loss_of(heads, state):
+        return heads["dist", "logits"].square().sum() + heads["value"].sum() + state["h"].square().sum() * 0.0
+
+    out = {}
+    for sequence in (True, False):
+        model = _fsdp(copy.deepcopy(ref), {nn.Linear, GRUCore})
+        acc = GradientAccumulator()
+        with _CountGathers() as gathers:
+            state, loss = ref.initial_state(B), 0.0
+            for t0 in range(0, T, k):
+                t1 = min(T, t0 + k)
+                steps = TensorDict(observation=obs[rank][t0:t1], is_first=first[t0:t1], batch_size=[t1 - t0, B])
+                heads, state = replay_steps(model, acc, steps, state, sequence=sequence)
+                loss = loss + loss_of(heads, state)
+            (loss + state["h"].square().sum()).backward()
+        out["sequence" if sequence else "stepwise"] = {
+            "grads": _full_grads(model),
+            "gathers": gathers.calls,
+            "gathered_bytes": gathers.bytes,
+            "blocks": acc.blocks_replayed,
+        }
+    for r in range(world):
+        state, ref_loss = ref.initial_state(B), 0.0
+        for t0 in range(0, T, k):
+            t1 = min(T, t0 + k)
+            o = ref(observation=obs[r][t0:t1], state=state, is_first=first[t0:t1])
+            state = o["state"]
+            ref_loss = ref_loss + loss_of(o["heads"], state)
+        ((ref_loss + state["h"].square().sum()) / world).backward()
+    out["expected"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    return out
+
+
 def fsdp_parity(rank: int, world: int) -> dict:
     return run_scenarios(
         {
@@ -279,6 +352,7 @@ def fsdp_parity(rank: int, world: int) -> dict:
             "gru": _fsdp_gru,
             "gru_tensordict": _fsdp_gru_tensordict,
             "gru_steps": _fsdp_gru_steps,
+            "agent_sequence": _fsdp_agent_sequence,
         },
         rank,
         world,

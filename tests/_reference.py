@@ -65,3 +65,32 @@ def plain_batched(agent, data: TensorDict, block_steps: int) -> TensorDict:
     return TensorDict(
         log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=[T, n]
     )
+
+
+def plain_blocks(
+    agent, data: TensorDict, start_state: TensorDict, block_steps: int, bptt_truncate: int | None = None
+) -> TensorDict:
+    """``agent``'s sequence forward over ``data`` with plain autograd, one call per block.
+
+    Blocks hold ``block_steps`` rows and end at every multiple of ``bptt_truncate``, where the
+    state is detached; each is one call ``agent(observation=rows, state=..., is_first=rows)``
+    with ``(k, n)`` inputs (:meth:`~rl_replay.Agent.forward_steps`). The distribution is built
+    once on the stacked (T, n) outputs.
+    """
+    T, n = data.batch_size
+    state, heads, t = start_state, [], 0
+    while t < T:
+        stop = min(T, t + block_steps)
+        if bptt_truncate is not None:
+            stop = min(stop, t - t % bptt_truncate + bptt_truncate)
+        out = agent(observation=data["observation"][t:stop], state=state, is_first=data["is_first"][t:stop])
+        heads.append(out["heads"])
+        state = out["state"]
+        if bptt_truncate is not None and stop % bptt_truncate == 0:
+            state = state.detach()
+        t = stop
+    stacked = torch.cat(heads)
+    dist = agent.distribution(stacked)
+    return TensorDict(
+        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"], batch_size=[T, n]
+    )

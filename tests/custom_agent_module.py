@@ -9,6 +9,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from rl_replay.agent import ActionHead, Agent
+from rl_replay.agents.gru import GRUAgent
 
 
 class TinyAgent(Agent):
@@ -37,3 +38,9 @@ MARKER = "/nonexistent/rl_replay_plant_marker"
 def plant_marker(*args, **kwargs):
     """What a hostile config would name as a target: calling it leaves a file at MARKER."""
     open(MARKER, "w").close()
+
+
+class StepwiseGRUAgent(GRUAgent):
+    """The shipped GRU agent without its sequence forward: replay blocks call it step by step."""
+
+    forward_steps = Agent.forward_steps

@@ -26,7 +26,7 @@ from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.layouts import Layout, TDSpec, flatten_td, intern_spec
+from rl_replay.engine.layouts import Layout, TDSpec, flatten_inputs, flatten_outputs, flatten_td, intern_spec
 from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from
 
 __all__ = ["replay_steps"]
@@ -249,6 +249,7 @@ def replay_steps(
     state: TensorDictBase,
     *,
     context_fn: ContextFn | None = None,
+    sequence: bool = False,
 ) -> tuple[TensorDict, TensorDict]:
     r"""Run k consecutive steps of a recurrent model as one replay block.
 
@@ -268,6 +269,14 @@ def replay_steps(
 
     Keyword args:
         context_fn: as for :func:`~rl_replay.engine.replay`.
+        sequence: the model runs the k steps in one call: ``model(**steps, state=state)``
+            with the ``(k, *batch)`` inputs returns a TensorDict with ``heads`` (batch
+            ``(k, *batch)``) and the last ``state`` (an agent's
+            :meth:`~rl_replay.Agent.forward_steps`, routed through its ``forward``). The
+            block saves the same tensors (the k steps' inputs and the starting state) and its
+            backward recomputes that one call, so its gradients are bit-identical to plain
+            autograd running the same call; under FSDP each unit then gathers its parameters
+            once per block instead of once per step.
 
     Returns:
         ``(heads, state)``: every output but ``state``, stacked over the k steps (batch
@@ -281,6 +290,8 @@ def replay_steps(
             + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
         )
     k = steps.batch_size[0]
+    if sequence:
+        return _replay_sequence_call(model, accumulator, steps, state, context_fn)
     if not torch.is_grad_enabled():
         columns: dict = {}
         for i in range(k):
@@ -322,3 +333,98 @@ def replay_steps(
 
     out = apply_block(model, accumulator, leaves, _layout_for(spec, k), context_fn, what)
     return out["heads"], out["state"]
+
+
+class _SequenceLayout(Layout):
+    """A block whose one model call runs k steps (``replay_steps(..., sequence=True)``): the
+    keyword layout of its inputs, and a recompute whose nested backward continues each
+    parameter's running gradient sum instead of adding the block's own sum to it.
+
+    A parameter used at every step (a recurrent weight) gets k contributions from one block.
+    Plain autograd over the whole sequence adds them one at a time to the sum of the later
+    blocks'; a nested backward would first sum the block's k and then add that, which
+    rounds differently. So the running sum is fed into the same accumulation as the first
+    contribution (through a view of the parameter made after the recompute, whose node the
+    autograd engine runs first), and the sum ends bit-identical to plain autograd's.
+    """
+
+    __slots__ = ("spec", "__weakref__")
+
+    def __init__(self, spec: Layout) -> None:
+        self.spec = spec
+
+    def call(self, model: Callable, tensors: Sequence[torch.Tensor]) -> Any:
+        return self.spec.call(model, tensors)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _SequenceLayout) and self.spec == other.spec
+
+    def __hash__(self) -> int:
+        return hash(self.spec)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
+        return self.spec.rebuild(tensors)
+
+    def recompute_and_backward(
+        self, block: ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
+    ) -> tuple:
+        inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
+        site = block.site
+        with torch.enable_grad(), block.recompute_state(), block.recompute_context:
+            outputs = site.call(inputs)
+        site.plan.check_versions(block.versions, "the recompute", block.index)
+        flat, _ = flatten_outputs(outputs, site.model)
+        if len(flat) != block.num_outputs:
+            raise ReplayError(
+                _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
+                f"{block.num_outputs} in the forward; the model must be deterministic given its "
+                "inputs, RNG and autocast state." + DEBUG_TIP
+            )
+        roots, root_grads = list(flat), list(grads)
+        if not site.plan.absorb:  # under FSDP the accumulator keeps the sums (accumulator.py)
+            with torch.enable_grad():
+                for p in site.plan.params:
+                    if p.grad is not None and p.requires_grad:
+                        roots.append(p.view_as(p))
+                        root_grads.append(p.grad)
+                        p.grad = None
+        backward_from(block, roots, root_grads)
+        return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
+
+
+_SEQUENCE_LAYOUTS: weakref.WeakValueDictionary[Any, _SequenceLayout] = weakref.WeakValueDictionary()
+
+
+def _replay_sequence_call(model, accumulator, steps: TensorDictBase, state: TensorDictBase, context_fn):
+    """:func:`replay_steps` with ``sequence=True``: one block whose model call takes the k steps."""
+    inputs = TensorDict({**dict(steps.items()), "state": state}, batch_size=[])
+    if not torch.is_grad_enabled():
+        out = model(**inputs)
+    else:
+        leaves, spec = flatten_inputs(inputs)
+        try:  # shared by the blocks of one structure (a pytree layout is not hashable)
+            layout = _SEQUENCE_LAYOUTS.get(spec)
+            if layout is None:
+                layout = _SEQUENCE_LAYOUTS[spec] = _SequenceLayout(spec)
+        except TypeError:
+            layout = _SequenceLayout(spec)
+
+        def what(i: int) -> str:
+            paths = [k for k, _ in inputs.items(include_nested=True, leaves_only=True)]
+            return f"input {paths[i]!r}"
+
+        out = apply_block(model, accumulator, leaves, layout, context_fn, what)
+    if not isinstance(out, TensorDictBase) or "heads" not in out.keys() or "state" not in out.keys():
+        got = f"a TensorDict with keys {sorted(out.keys())}" if isinstance(out, TensorDictBase) else type(out).__name__
+        raise TypeError(
+            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned {got}; a call over k "
+            "steps must return TensorDict(heads=<(k, ...) outputs>, state=<the last state>, batch_size=[]) "
+            "(Agent.forward_steps)."
+        )
+    heads = out["heads"]
+    if heads.batch_size[:1] != steps.batch_size[:1]:
+        raise ValueError(
+            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned heads of batch size "
+            f"{list(heads.batch_size)} for {steps.batch_size[0]} steps; row t of the heads is step t."
+        )
+    return heads, out["state"]

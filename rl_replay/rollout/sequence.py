@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
+from rl_replay.agent import has_sequence_forward
 from rl_replay.engine import GradientAccumulator, replay, replay_steps
 
 __all__ = ["append_heads", "block_inputs", "block_spans", "replay_sequence", "stack_heads", "truncate"]
@@ -96,9 +97,12 @@ def replay_sequence(
             against (``scripts/bench/bench_ppo.py``).
         bptt_truncate: detach the state every K steps, as the collector does (counted
             from row 0).
-        block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`); the
-            gradients are the same for every value, the per-block machinery is paid once per
-            block, and one block's k steps of activations are alive at the backward's peak.
+        block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`): the
+            per-block machinery is paid once per block, and one block's k steps of activations
+            are alive at the backward's peak. An agent with its own
+            :meth:`~rl_replay.Agent.forward_steps` runs each block as one call of it (so do
+            the plain-autograd runs, ``accumulator=None``, which then make the same calls);
+            others are called step by step, with the same gradients for every value.
             A stateless agent (``start_state`` holds no tensor) has no recurrence linking its
             steps, so a block runs its k steps as one call over ``k * n`` rows (one
             :func:`~rl_replay.engine.replay` block): gradients then equal plain autograd's on
@@ -113,7 +117,8 @@ def replay_sequence(
     state = start_state
     if accumulator is not None and block_steps > 1 and start_state.is_empty():
         return _replay_stateless(model, policy, data, accumulator, block_steps)
-    if accumulator is not None and block_steps > 1:
+    sequence = block_steps > 1 and has_sequence_forward(policy)
+    if sequence or (accumulator is not None and block_steps > 1):
         blocks = []
         for start, stop in block_spans(T, block_steps, bptt_truncate):
             steps = TensorDict(
@@ -122,7 +127,11 @@ def replay_sequence(
                 batch_size=[stop - start, n],
                 device=None,
             )
-            heads, state = replay_steps(model, accumulator, steps, state)
+            if accumulator is not None:
+                heads, state = replay_steps(model, accumulator, steps, state, sequence=sequence)
+            else:  # plain autograd over the same calls
+                out = model(**steps, state=state)
+                heads, state = out["heads"], out["state"]
             state = truncate(state, stop - 1, bptt_truncate)
             blocks.append(heads)
         return _sequence_outputs(policy, blocks, data)

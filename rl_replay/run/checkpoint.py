@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rl_replay._compat import current_agent_keys
 from rl_replay.errors import CheckpointError
 from rl_replay.run import safe_tree, trust
 
@@ -298,6 +299,7 @@ def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor],
     """``agent.load_state_dict(weights)``; a mismatch is one CheckpointError line naming ``path``
     and the keys that are missing, unexpected or of another shape."""
     own = agent.state_dict()
+    weights = current_agent_keys(weights, own)
     missing = [k for k in own if k not in weights]
     unexpected = [k for k in weights if k not in own]
     shapes = [

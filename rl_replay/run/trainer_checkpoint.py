@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from rl_replay import distributed as dist_utils
+from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
 from rl_replay.errors import CheckpointError, SetupError
 from rl_replay.run import trust
@@ -277,7 +278,7 @@ def load_trainer(trainer, state: dict[str, Any]) -> None:
             model.load_state_dict(state["agent"])
             optim_state = FSDP.optim_state_dict_to_load(model, trainer.optimizer, state["optimizer"])
     else:
-        model.load_state_dict(state["agent"])
+        model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
         optim_state = state["optimizer"]
     trainer.optimizer.load_state_dict(optim_state)
     trainer.collector.load_state_dict(_map_tensors(state["collector"][info.rank], trainer.device))

@@ -16,7 +16,8 @@
 #   4. scripts/bench/bench_pixels.py --device cuda --epochs 1: the decisive pixel benchmark
 #      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
 #   5. scripts/bench/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
-#   6. scripts/bench/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
+#   6. one update of configs/memory_4096.yaml on CUDA and on the CPU: env steps/s, optimisation time;
+#   7. scripts/bench/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
 # --dry-run does all of it without CUDA: the tests are only collected, training runs on
 # CPU (gloo, no offload) with a tiny budget, the benchmarks on CPU with tiny sizes.
 # The step limits add up to about 9 minutes, so that one device call holds the whole run;
@@ -154,6 +155,27 @@ if [ -s "$OVERHEAD_MD" ]; then
     { echo; echo "Per-block overhead (scripts/bench/bench_overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
       echo; cat "$OVERHEAD_MD"; } >> "$RESULTS"
 fi
+# 5b. a shipped long-memory config's update on CUDA against the CPU (sequence blocks) -------
+# One update of memory_4096 (32 episodes of 4098 steps, PPO with 16-step sequence blocks) on each
+# device; its metrics give env steps/s and the optimisation time.
+SPS_MD="$OUTDIR/memory_update.md"
+if [ $DRY -eq 1 ]; then
+    SPS_CONFIG=(--config configs/memory_256.yaml total_env_steps=2064); SPS_DEVICES=(cpu)
+else
+    SPS_CONFIG=(--config configs/memory_4096.yaml total_env_steps=131136); SPS_DEVICES=(cuda cpu)
+fi
+echo "| config | device | env steps/s | collect s | optimize s |" > "$SPS_MD"
+echo "|---|---|---|---|---|" >> "$SPS_MD"
+for dev in "${SPS_DEVICES[@]}"; do
+    step "one update of ${SPS_CONFIG[1]} ($dev)" 240 "$PY" scripts/train.py "${SPS_CONFIG[@]}" device=$dev \
+        "run_dir=$WORK/update_$dev" log.wandb_mode=disabled log.progress=false checkpoint.every=0
+    "$PY" - "$WORK/update_$dev/metrics.jsonl" "${SPS_CONFIG[1]}" "$dev" >> "$SPS_MD" <<'PYEOF' || true
+import json, sys
+row = json.loads(open(sys.argv[1]).read().splitlines()[-1])
+print(f"| {sys.argv[2]} | {sys.argv[3]} | {row['time/steps_per_sec']:.0f} | {row['time/collect_sec']:.1f} | {row['time/optimize_sec']:.1f} |")
+PYEOF
+done
+{ echo; echo "One PPO update of a shipped config (scripts/train.py; sequence blocks):"; echo; cat "$SPS_MD"; } >> "$RESULTS"
 # 6. memory benchmark (older table: GRU and deep MLP) -------------------------------------
 BENCH=(scripts/bench/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
 if [ $DRY -eq 1 ]; then

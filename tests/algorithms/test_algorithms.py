@@ -213,20 +213,28 @@ def _one_update(name: str, block_steps: int, extra: list[str]):
         ["collector.mode=episode", "collector.num_steps=40"],  # rows past an episode's end
     ],
 )
-def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extra):
-    # A GRU whose forward draws no random numbers: the stored rows replayed in 5-step blocks
-    # give bit-identical outputs and gradients to one replay block per collected step.
-    extra = ["collector.num_steps=24", "env.num_envs=3", *extra]
+@pytest.mark.parametrize("agent", ["custom_agent_module:StepwiseGRUAgent", "gru"])
+def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extra, agent):
+    # A GRU whose forward draws no random numbers, replayed from the stored rows in 5-step
+    # blocks. Called step by step, the blocks give bit-identical outputs and gradients to one
+    # replay block per collected step; the shipped agent runs each block as one sequence call
+    # (its input projection, readout and heads over the 5 * 3 rows at once): float rounding.
+    extra = ["collector.num_steps=24", "env.num_envs=3", f"agent.target={agent}", *extra]
     one, g1 = _one_update(name, 1, extra)
     five, g5 = _one_update(name, 5, extra)
+    same = torch.equal if agent != "gru" else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     assert torch.equal(one.rollout.data["action"], five.rollout.data["action"])
     for key in ("log_prob", "entropy", "value", "next_value"):
-        assert torch.equal(one.rollout.data[key].detach(), five.rollout.data[key].detach()), key
+        assert same(one.rollout.data[key].detach(), five.rollout.data[key].detach()), key
     assert set(g1) == set(g5) and all(g.abs().sum() > 0 for g in g1.values())
     for n in g1:
-        assert torch.equal(g1[n], g5[n]), n
+        assert same(g1[n], g5[n]), n
     losses = [{k: v for k, v in r.metrics.items() if k.startswith("train/")} for r in (one, five)]
-    assert losses[0] == losses[1] and losses[0]
+    assert losses[0] and losses[0].keys() == losses[1].keys()
+    if agent != "gru":
+        assert losses[0] == losses[1]
+    else:
+        assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
     # Fewer blocks, so fewer saved bytes per step: the k steps' inputs and one start state.
     assert 0 < five.metrics["memory/replay_saved_bytes"] < one.metrics["memory/replay_saved_bytes"]
     assert one.rollout.accumulator.num_blocks == one.rollout.data.batch_size[0]

@@ -74,6 +74,19 @@ def test_fsdp_multi_step_blocks(results):
         assert_grads_match(res["grads"], res["expected"], "fsdp")
 
 
+def test_fsdp_sequence_blocks_of_the_shipped_agent(results):
+    """The skeleton's sequence forward under FSDP1 (core and Linears their own units): one
+    call per 3-step block, the gradients of plain autograd over the same calls averaged over
+    ranks; called step by step the same blocks agree to float rounding and gather each
+    unit's parameters once per step, not once per block."""
+    for res in _scenario(results, "agent_sequence"):
+        seq, step = res["sequence"], res["stepwise"]
+        assert seq["blocks"] == step["blocks"] == 3
+        assert_grads_match(seq["grads"], res["expected"], "fsdp")
+        assert_grads_match(step["grads"], res["expected"], "fsdp-stepwise", rtol=1e-4, atol=1e-6)
+        assert 0 < seq["gathers"] < step["gathers"] and seq["gathered_bytes"] < step["gathered_bytes"]
+
+
 def test_fsdp_gru_clip_and_sgd_step(results):
     for res in _scenario(results, "gru"):
         assert_grads_match({"norm": res["norm"]}, {"norm": res["ref_norm"]}, "fsdp")

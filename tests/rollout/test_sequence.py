@@ -8,11 +8,11 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from _reference import plain_batched, plain_sequence
+from _reference import plain_batched, plain_blocks, plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from rl_replay.agent import ActionHead
+from rl_replay.agent import ActionHead, has_sequence_forward
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
@@ -85,6 +85,16 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
         for key in ("log_prob", "entropy", "value"):
             torch.testing.assert_close(replayed[key], per_step[key], rtol=1e-5, atol=1e-6)
         reference = lambda d, s: plain_batched(agent, d, block_steps)  # noqa: E731
+    elif has_sequence_forward(agent) and block_steps > 1:
+        # A skeleton agent's block is one call of its sequence forward: the reference is plain
+        # autograd on the same calls, and the per-step loop agrees to float rounding.
+        per_step, per_step_grads = gradients(
+            agent, data, start_state, lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0]
+        )
+        assert_grads_match(got, per_step_grads, f"sequence-{name}-blocks-vs-per-step", rtol=1e-4, atol=1e-6)
+        for key in ("log_prob", "entropy", "value"):
+            torch.testing.assert_close(replayed[key], per_step[key], rtol=1e-5, atol=1e-6)
+        reference = lambda d, s: plain_blocks(agent, d, s, block_steps, bptt_truncate)  # noqa: E731
     else:
         reference = lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0]  # noqa: E731
     plain, want = gradients(agent, data, start_state, reference)

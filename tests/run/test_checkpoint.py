@@ -261,3 +261,24 @@ def test_one_rng_helper_restores_every_stream(device):
     _draws(device)  # move every stream on
     restore_rng(rng, device)
     assert _draws(device) == expected
+
+
+@pytest.mark.parametrize("target", ["lru", "mingru"])
+def test_weights_saved_before_the_recurrence_moved_into_cell_still_load(target):
+    """LRU and minGRU weights named as before 0.2.0 (``nu_log``, ``gate.weight``) load under
+    the skeleton's names (``cell.nu_log``, ``cell.gate.weight``), values unchanged."""
+    import gymnasium as gym
+
+    from rl_replay.agent import build_agent
+    from rl_replay.run.checkpoint import load_agent_weights
+
+    space, actions = gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2)
+    torch.manual_seed(0)
+    source = build_agent(target, {}, space, actions)
+    old = {k.removeprefix("cell."): v for k, v in source.state_dict().items()}
+    assert any(k in old for k in ("nu_log", "gate.weight"))
+    torch.manual_seed(1)
+    agent = build_agent(target, {}, space, actions)
+    load_agent_weights(agent, old, "old.pt")
+    for k, v in source.state_dict().items():
+        assert torch.equal(agent.state_dict()[k], v), k
