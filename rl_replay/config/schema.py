@@ -80,10 +80,11 @@ class CollectorConfig:
     stepped (the graph is built during collection); k > 1 = the rollout is collected under
     no_grad and its stored rows are replayed in blocks of k steps before the loss (one extra
     forward per step, the per-block machinery once per k steps; a stateless agent runs a
-    block's k steps as one batched call). The same gradients for a recurrent agent whose
-    forward draws no random numbers; with dropout the loss sees other masks than the ones
-    that sampled the actions (use 1 for exactly on-policy dropout). Speed: docs/benchmarks.md.
-    Under FSDP a recurrent agent's steps are recomputed once more: use 1"""
+    block's k steps as one batched call, an agent with its own forward_steps as one sequence
+    call). The same gradients, up to float rounding where a block is one call, for an agent
+    whose forward draws no random numbers; with dropout the loss sees other masks than the
+    ones that sampled the actions (use 1 for exactly on-policy dropout). Speed:
+    docs/benchmarks.md. Under FSDP an agent called step by step is recomputed once more: use 1"""
 
 
 #: The values of ``loss.algorithm`` (:data:`rl_replay.registry.ALGORITHMS`).
@@ -125,10 +126,12 @@ class PPOConfig:
     target_kl: float | None = None
     """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
     block_steps: int = 16
-    """steps of a minibatch sequence per replay block (rl_replay.engine.replay_steps): the same
-    gradients for every value; the per-block machinery is paid once per block, and one
-    block's steps of activations are alive at the backward's peak (speed: docs/benchmarks.md).
-    Under FSDP each step is recomputed once more (a no-grad pass first): use 1 there"""
+    """steps of a minibatch sequence per replay block (rl_replay.engine.replay_steps): the
+    per-block machinery is paid once per block, and one block's steps of activations are alive
+    at the backward's peak. An agent with its own forward_steps (the shipped recurrent agents)
+    runs a block as one call, its encoder and heads over all the block's rows at once (speed:
+    docs/benchmarks.md); other agents are called step by step, with the same gradients for
+    every value (under FSDP then recomputed once more per step: use 1 there)"""
 
 
 @dataclass

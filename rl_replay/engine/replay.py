@@ -368,9 +368,17 @@ def recompute_and_backward(
     saved: Sequence[torch.Tensor],
     requires_grad: Sequence[bool],
     grads,
+    *,
+    continue_sums: bool = False,
 ) -> tuple:
     """Recompute one block with grad enabled and back-propagate ``grads`` through it;
-    returns the gradients of its inputs (None where an input does not require grad)."""
+    returns the gradients of its inputs (None where an input does not require grad).
+
+    ``continue_sums``: each parameter's gradient so far (``.grad``) is fed into the nested
+    backward as its first contribution instead of having the block's own sum added to it, so a
+    parameter used several times in the block sums in plain autograd's order (a block that runs
+    k steps in one call; engine/steps.py). Not under FSDP, whose gradients the accumulator keeps.
+    """
     inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
     site = block.site
     with torch.enable_grad(), block.recompute_state(), block.recompute_context:
@@ -383,7 +391,17 @@ def recompute_and_backward(
             f"{block.num_outputs} in the forward; the model must be deterministic given its "
             "inputs, RNG and autocast state." + DEBUG_TIP
         )
-    backward_from(block, flat, grads)
+    roots, root_grads = list(flat), list(grads)
+    if continue_sums and not site.plan.absorb:
+        with torch.enable_grad():
+            for p in site.plan.params:
+                if p.grad is not None and p.requires_grad:
+                    # A view made after the recompute: the engine runs its node first, so the
+                    # running sum reaches the parameter's accumulation before any of the block's.
+                    roots.append(p.view_as(p))
+                    root_grads.append(p.grad)
+                    p.grad = None
+    backward_from(block, roots, root_grads)
     return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 

@@ -26,8 +26,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.layouts import Layout, TDSpec, flatten_inputs, flatten_outputs, flatten_td, intern_spec
-from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from
+from rl_replay.engine.layouts import Layout, TDSpec, flatten_inputs, flatten_td, intern_spec
+from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from, recompute_and_backward
 
 __all__ = ["replay_steps"]
 
@@ -343,9 +343,9 @@ class _SequenceLayout(Layout):
     A parameter used at every step (a recurrent weight) gets k contributions from one block.
     Plain autograd over the whole sequence adds them one at a time to the sum of the later
     blocks'; a nested backward would first sum the block's k and then add that, which
-    rounds differently. So the running sum is fed into the same accumulation as the first
-    contribution (through a view of the parameter made after the recompute, whose node the
-    autograd engine runs first), and the sum ends bit-identical to plain autograd's.
+    rounds differently. So the recompute continues the running sums
+    (:func:`~rl_replay.engine.replay.recompute_and_backward` with ``continue_sums``), and the
+    sums end bit-identical to plain autograd's.
     """
 
     __slots__ = ("spec", "__weakref__")
@@ -368,28 +368,7 @@ class _SequenceLayout(Layout):
     def recompute_and_backward(
         self, block: ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
     ) -> tuple:
-        inputs = [t.detach().requires_grad_(rg) for t, rg in zip(saved, requires_grad)]
-        site = block.site
-        with torch.enable_grad(), block.recompute_state(), block.recompute_context:
-            outputs = site.call(inputs)
-        site.plan.check_versions(block.versions, "the recompute", block.index)
-        flat, _ = flatten_outputs(outputs, site.model)
-        if len(flat) != block.num_outputs:
-            raise ReplayError(
-                _PREFIX + f"block {block.index} returned {len(flat)} tensors when recomputed but "
-                f"{block.num_outputs} in the forward; the model must be deterministic given its "
-                "inputs, RNG and autocast state." + DEBUG_TIP
-            )
-        roots, root_grads = list(flat), list(grads)
-        if not site.plan.absorb:  # under FSDP the accumulator keeps the sums (accumulator.py)
-            with torch.enable_grad():
-                for p in site.plan.params:
-                    if p.grad is not None and p.requires_grad:
-                        roots.append(p.view_as(p))
-                        root_grads.append(p.grad)
-                        p.grad = None
-        backward_from(block, roots, root_grads)
-        return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
+        return recompute_and_backward(block, saved, requires_grad, grads, continue_sums=True)
 
 
 _SEQUENCE_LAYOUTS: weakref.WeakValueDictionary[Any, _SequenceLayout] = weakref.WeakValueDictionary()

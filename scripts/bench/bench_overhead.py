@@ -11,6 +11,11 @@ and log-probabilities at the end):
 * ``nograd``:  the forward alone under ``torch.no_grad`` (the cost of the extra forward a
   replay does in its backward).
 
+With ``--block-steps k`` an agent that has its own ``forward_steps`` (the shipped recurrent
+agents) runs each block as one call: ``plain`` and ``nograd`` then make the same calls (plain
+autograd over the sequence forward: the floor of the agent's own arithmetic), and the last
+column times the per-step plain loop beside them.
+
 The floor for replay is ``plain + nograd`` (one extra forward per step); ``overhead`` is
 what replay spends beyond that floor per block: the engine's own machinery. Gradients of
 plain and replay are compared (bit-identical expected). Times are medians over
@@ -117,10 +122,50 @@ def run_replay(agent, obs, B):
     total.backward()
 
 
-def run_replay_steps(agent, obs, B, k):
-    """The same loop in multi-step blocks of k steps (rl_replay.replay_steps)."""
+def _blocks(agent, obs, B, k, call):
+    """The loop in blocks of k stored steps, ``call(steps, state) -> (heads, state)`` per block."""
+    dev = _device(obs)
+    state = agent.initial_state(B, dev)
+    stacked = torch.stack(obs)
+    is_first = torch.zeros(len(obs), B, dtype=torch.bool, device=dev)
+    total = 0.0
+    for t0 in range(0, len(obs), k):
+        t1 = min(len(obs), t0 + k)
+        heads, state = call(
+            TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]), state
+        )
+        for i in range(t1 - t0):  # the same per-step loss terms as the other loops
+            total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long, device=dev))
+    return total
+
+
+def run_plain_blocks(agent, obs, B, k):
+    """Plain autograd over the agent's sequence forward, one call per block of k steps: the
+    floor of the agent's own arithmetic when it runs blocks as sequences."""
+
+    def call(steps, state):
+        out = agent(**steps, state=state)
+        return out["heads"], out["state"]
+
+    _blocks(agent, obs, B, k, call).backward()
+
+
+@torch.no_grad()
+def run_nograd_blocks(agent, obs, B, k):
+    _blocks(agent, obs, B, k, lambda steps, state: (lambda o: (o["heads"], o["state"]))(agent(**steps, state=state)))
+
+
+def run_replay_steps(agent, obs, B, k, sequence=False):
+    """The same loop in multi-step blocks of k steps (rl_replay.replay_steps); ``sequence``:
+    each block one call of the agent's sequence forward."""
     import rl_replay
 
+    if sequence:
+        acc = rl_replay.GradientAccumulator()
+        _blocks(
+            agent, obs, B, k, lambda steps, state: rl_replay.replay_steps(agent, acc, steps, state, sequence=True)
+        ).backward()
+        return
     dev = _device(obs)
     acc = rl_replay.GradientAccumulator()
     state = agent.initial_state(B, dev)
@@ -222,9 +267,17 @@ def measure(
     agent = torch.compile(module, dynamic=False) if compile else module
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     obs = make_inputs(convert, space, T, B)
-    replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps))
+    # Agents with their own forward_steps run a block as one call: plain autograd and the
+    # no-grad forward then make the same calls (the floor of the agent's own arithmetic), and
+    # the per-step plain loop is timed beside them.
+    from rl_replay.agent import has_sequence_forward
+
+    sequence = block_steps > 1 and has_sequence_forward(module)
+    replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps, sequence))
+    plain = (lambda a, o, b: run_plain_blocks(a, o, b, block_steps)) if sequence else run_plain
+    nograd = (lambda a, o, b: run_nograd_blocks(a, o, b, block_steps)) if sequence else run_nograd
     # Parity first (and warm-up).
-    run_plain(agent, obs, B)
+    plain(agent, obs, B)
     g_plain = grads(module)
     agent.zero_grad(set_to_none=True)
     replayed(agent, obs, B)
@@ -234,7 +287,11 @@ def measure(
         (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
         for a, b in zip(g_plain, g_replay)
     )
-    loops = [("plain", run_plain), ("replay", replayed), ("nograd", run_nograd)]
+    loops = [("plain", plain), ("replay", replayed), ("nograd", nograd)]
+    if sequence:
+        run_plain(agent, obs, B)  # warm-up
+        agent.zero_grad(set_to_none=True)
+        loops.append(("plain_steps", run_plain))
     if bare:
         run_bare(agent, obs, B)  # warm-up
         g_bare = grads(module)
@@ -256,9 +313,11 @@ def measure(
     ms = {k: 1e3 * statistics.median(v) / T for k, v in times.items()}
     ratios = [r / p for r, p in zip(times["replay"], times["plain"])]
     overheads = [1e3 * (r - p - n) / T for r, p, n in zip(times["replay"], times["plain"], times["nograd"])]
-    extra = {}
+    extra = {"sequence": sequence}
+    if sequence:
+        extra["plain_steps_ms_per_step"] = ms["plain_steps"]
     if bare:
-        extra = {
+        extra |= {
             "bare_ms_per_step": ms["bare"],
             "bare_identical_grads": bare_identical,
             "bare_over_plain": statistics.median(b / p for b, p in zip(times["bare"], times["plain"])),
@@ -303,15 +362,16 @@ def bare_table(rows: list[dict], labels: list[str]) -> str:
 def table(rows: list[dict], labels: list[str]) -> str:
     lines = [
         "| agent | T | batch | steps per block | plain ms/step | replay ms/step | no-grad fwd ms/step | replay / plain "
-        "(median, min-max) | floor / plain | overhead ms/block | grads identical |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "(median, min-max) | floor / plain | overhead ms/block | grads identical | plain step loop ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, r in zip(labels, rows):
         lines.append(
             f"| {label}{' (compiled)' if r.get('compiled') else ''} | {r['T']} | {r['batch']} | {r['block_steps']} | {r['plain_ms_per_step']:.3f} | {r['replay_ms_per_step']:.3f} | "
             f"{r['nograd_ms_per_step']:.3f} | {r['replay_over_plain']:.2f}x ({r['replay_over_plain_min']:.2f}-"
             f"{r['replay_over_plain_max']:.2f}) | {r['floor_over_plain']:.2f}x | {r['overhead_ms_per_block']:.3f} | "
-            f"{'yes' if r['identical_grads'] else 'NO'} |"
+            f"{'yes' if r['identical_grads'] else 'NO'} | "
+            f"{format(r['plain_steps_ms_per_step'], '.3f') if r.get('sequence') else '-'} |"
         )
     return "\n".join(lines)
 

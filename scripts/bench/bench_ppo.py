@@ -172,7 +172,8 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
 
     The same minibatches, sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence` without an
     accumulator: plain autograd) and loss (``PPO.loss``) as the replay path, so only the replay
-    blocks differ.
+    blocks differ. An agent with its own ``forward_steps`` makes the same calls as the replay path
+    (one per ``ppo.block_steps`` steps), so the gradients compare bit for bit.
     """
     from rl_replay.algorithms.common import optimizer_step
     from rl_replay.algorithms.losses import gae_targets
@@ -189,7 +190,7 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
         for k in range(p.num_minibatches):
             envs = order[k * per_mb : (k + 1) * per_mb]
             mb = data[:, envs]
-            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None).update(
+            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None, None, p.block_steps).update(
                 TensorDict(
                     old_log_prob=mb["log_prob"],
                     old_value=mb["value"],

@@ -218,3 +218,13 @@ def test_bench_checkpoint_reports_the_files_and_their_timings():
     assert result["total_bytes"] == sum(result["files"].values()) > 0
     assert 0 < result["save"]["min_s"] <= result["save"]["median_s"] <= result["save"]["max_s"]
     assert 0 < result["load"]["min_s"] <= result["load"]["median_s"] <= result["load"]["max_s"]
+
+
+def test_bench_configs_prints_a_row_per_config(tmp_path):
+    """bench_configs.py trains a shipped config through scripts/train.py and reports its speed."""
+    out = run_script("bench_configs.py", "--configs", "default", "--updates", "2", "--json", str(tmp_path / "r.json"))
+    row = next(line for line in out.splitlines() if line.startswith("| default |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[2]) >= 0 and float(cells[3]) > 0
+    result = json.loads((tmp_path / "r.json").read_text())[0]
+    assert result["updates"] == 2 and result["env_steps_per_sec"] > 0
