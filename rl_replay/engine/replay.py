@@ -391,16 +391,19 @@ def recompute_and_backward(
             f"{block.num_outputs} in the forward; the model must be deterministic given its "
             "inputs, RNG and autocast state." + DEBUG_TIP
         )
-    roots, root_grads = list(flat), list(grads)
+    roots: Sequence[torch.Tensor] = flat
+    root_grads: Sequence = grads
     if continue_sums and not site.plan.absorb:
+        extra, extra_grads = [], []  # only here: the one-step path copies nothing
         with torch.enable_grad():
             for p in site.plan.params:
                 if p.grad is not None and p.requires_grad:
                     # A view made after the recompute: the engine runs its node first, so the
                     # running sum reaches the parameter's accumulation before any of the block's.
-                    roots.append(p.view_as(p))
-                    root_grads.append(p.grad)
+                    extra.append(p.view_as(p))
+                    extra_grads.append(p.grad)
                     p.grad = None
+        roots, root_grads = [*flat, *extra], [*grads, *extra_grads]
     backward_from(block, roots, root_grads)
     return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
