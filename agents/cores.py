@@ -17,7 +17,9 @@ One step is a sequence of length 1, so acting (one step at a time) and replaying
 (k steps at once) run the same code. Each core computes what does not depend on the state
 once for all k steps (the input projections, the gates of minGRU, the LRU's readout) and
 only the recurrence itself step by step; those batched products differ from k separate
-ones by float rounding only.
+ones by float rounding only. The loops walk ``unbind(0)`` views, not ``x[t]``: the backward of
+one unbind is one stack, where each ``x[t]`` would write its gradient into a zero tensor of
+the whole block (k times the block's size per block).
 """
 
 from __future__ import annotations
@@ -80,10 +82,10 @@ class GRUCore(nn.GRUCell, Core):
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 3H)
         h = state[0]
         ys = []
-        for t in range(u.shape[0]):
-            h = h * keep[t]
+        for gi_t, keep_t in zip(gi.unbind(0), keep.unbind(0)):
+            h = h * keep_t
             hr, hz, hn = F.linear(h, self.weight_hh, self.bias_hh).chunk(3, -1)
-            ir, iz, in_ = gi[t].chunk(3, -1)
+            ir, iz, in_ = gi_t.chunk(3, -1)
             r = torch.sigmoid(hr + ir)
             z = torch.sigmoid(hz + iz)
             n = torch.tanh(in_ + hn * r)
@@ -115,9 +117,9 @@ class LSTMCore(nn.LSTMCell, Core):
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 4H)
         h, c = state
         ys = []
-        for t in range(u.shape[0]):
-            h, c = h * keep[t], c * keep[t]
-            i, f, g, o = (F.linear(h, self.weight_hh, self.bias_hh) + gi[t]).chunk(4, -1)
+        for gi_t, keep_t in zip(gi.unbind(0), keep.unbind(0)):
+            h, c = h * keep_t, c * keep_t
+            i, f, g, o = (F.linear(h, self.weight_hh, self.bias_hh) + gi_t).chunk(4, -1)
             c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(g)
             h = torch.sigmoid(o) * torch.tanh(c)
             ys.append(h)
@@ -191,8 +193,8 @@ class LRUCore(Core):
             lam, b, x = modulus, bu, state[0]
         a = lam * keep  # (k, N, H): keep is 0 or 1, so a * x is exactly lambda * (keep * x)
         xs = []
-        for t in range(u.shape[0]):
-            x = torch.addcmul(b[t], a[t], x)
+        for a_t, b_t in zip(a.unbind(0), b.unbind(0)):
+            x = torch.addcmul(b_t, a_t, x)
             xs.append(x)
         X = torch.stack(xs)
         if self.complex:
@@ -224,7 +226,7 @@ class MinGRUCore(Core):
         candidate = self.candidate(u)
         h = state[0]
         hs = []
-        for t in range(u.shape[0]):
-            h = torch.lerp(h * keep[t], candidate[t], z[t])  # (1 - z) * h + z * h~
+        for keep_t, candidate_t, z_t in zip(keep.unbind(0), candidate.unbind(0), z.unbind(0)):
+            h = torch.lerp(h * keep_t, candidate_t, z_t)  # (1 - z) * h + z * h~
             hs.append(h)
         return torch.stack(hs), (h,)

@@ -20,7 +20,8 @@ class GRUAgent(RecurrentAgent):
         chrono_t_max: instead, chrono initialisation (see :mod:`rl_replay.agents.chrono`): the update
             gate's bias per unit is ``log(U[1, chrono_t_max - 1])``, so the units' memory
             times spread over ``[2, chrono_t_max]`` steps. Set it to the longest delay.
-        separate_critic, head_sizes, activation, skip, encoder, encoder_kwargs: see
+        **skeleton: the skeleton's settings (``encoder``, ``encoder_kwargs``, ``activation``,
+            ``skip``, ``readout_sizes``, ``head_sizes``, ``separate_critic``), see
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own GRU keeps
             its state in ``state["h_critic"]``.
     """
@@ -33,12 +34,7 @@ class GRUAgent(RecurrentAgent):
         encoder_sizes=(128,),
         update_gate_bias: float = 0.0,
         chrono_t_max: float | None = None,
-        separate_critic: bool = False,
-        head_sizes=(),
-        activation: str = "tanh",
-        skip: bool = False,
-        encoder: str = "mlp",
-        encoder_kwargs: dict | None = None,
+        **skeleton,
     ):
         if chrono_t_max is not None and update_gate_bias:
             raise SetupError("GRUAgent: set update_gate_bias or chrono_t_max, not both.")
@@ -48,11 +44,6 @@ class GRUAgent(RecurrentAgent):
             make_core=functools.partial(
                 GRUCore, hidden_size=hidden_size, update_gate_bias=update_gate_bias, chrono_t_max=chrono_t_max
             ),
-            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            encoder_kwargs=encoder_kwargs,
-            activation=activation,
-            skip=skip,
-            head_sizes=head_sizes,
-            separate_critic=separate_critic,
+            **skeleton,
         )

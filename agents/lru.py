@@ -40,7 +40,9 @@ class LRUAgent(RecurrentAgent):
             into the state from the start (a reservoir the readout can learn to read without
             any gradient reaching the write); at 0 nothing is written until ``B`` is learned,
             so remembering an early observation needs gradient that reaches it.
-        encoder, encoder_kwargs: see :class:`~rl_replay.agents.recurrent.RecurrentAgent`.
+        **skeleton: the skeleton's other settings (``encoder``, ``encoder_kwargs``,
+            ``activation``, ``skip``, ``head_sizes``, ``separate_critic``), see
+            :class:`~rl_replay.agents.recurrent.RecurrentAgent`.
 
     ``encoder_sizes=()`` feeds the observation itself to ``B`` (no bias before the
     recurrence): a zero observation writes nothing, so units with ``|lambda|`` near 1 do not
@@ -63,8 +65,7 @@ class LRUAgent(RecurrentAgent):
         max_phase: float = math.pi / 10,
         normalize: bool = True,
         input_scale: float = 1.0,
-        encoder: str = "mlp",
-        encoder_kwargs: dict | None = None,
+        **skeleton,
     ):
         super().__init__(
             observation_space,
@@ -78,10 +79,9 @@ class LRUAgent(RecurrentAgent):
                 normalize=normalize,
                 input_scale=input_scale,
             ),
-            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            encoder_kwargs=encoder_kwargs,
             readout_sizes=readout_sizes,
+            **skeleton,
         )
 
     def eigenvalues(self) -> torch.Tensor:

@@ -20,7 +20,8 @@ class LSTMAgent(RecurrentAgent):
             :mod:`rl_replay.agents.chrono`): forget bias ``log(U[1, chrono_t_max - 1])`` per unit and
             input-gate bias its negative, so memory times spread over ``[2, chrono_t_max]``
             and the cell does not fill its memory with every input.
-        separate_critic, head_sizes, activation, skip, encoder, encoder_kwargs: see
+        **skeleton: the skeleton's settings (``encoder``, ``encoder_kwargs``, ``activation``,
+            ``skip``, ``readout_sizes``, ``head_sizes``, ``separate_critic``), see
             :class:`~rl_replay.agents.recurrent.RecurrentAgent`; the critic's own LSTM keeps
             its state in ``state["h_critic"]``, ``state["c_critic"]``.
     """
@@ -33,12 +34,7 @@ class LSTMAgent(RecurrentAgent):
         encoder_sizes=(128,),
         forget_bias: float = 1.0,
         chrono_t_max: float | None = None,
-        separate_critic: bool = False,
-        head_sizes=(),
-        activation: str = "tanh",
-        skip: bool = False,
-        encoder: str = "mlp",
-        encoder_kwargs: dict | None = None,
+        **skeleton,
     ):
         super().__init__(
             observation_space,
@@ -46,11 +42,6 @@ class LSTMAgent(RecurrentAgent):
             make_core=functools.partial(
                 LSTMCore, hidden_size=hidden_size, forget_bias=forget_bias, chrono_t_max=chrono_t_max
             ),
-            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            encoder_kwargs=encoder_kwargs,
-            activation=activation,
-            skip=skip,
-            head_sizes=head_sizes,
-            separate_critic=separate_critic,
+            **skeleton,
         )

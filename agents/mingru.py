@@ -25,7 +25,10 @@ class MinGRUAgent(RecurrentAgent):
         readout_sizes: MLP widths after the cell; its input is ``h`` next to ``u``, so the
             current observation reaches the heads without going through the slow memory.
         chrono_t_max: the longest memory time (steps) the gate bias is initialised for.
-        encoder, encoder_kwargs: see :class:`~rl_replay.agents.recurrent.RecurrentAgent`.
+        skip: the readout reads ``u`` next to ``h`` (on by default: see ``readout_sizes``).
+        **skeleton: the skeleton's other settings (``encoder``, ``encoder_kwargs``,
+            ``activation``, ``head_sizes``, ``separate_critic``), see
+            :class:`~rl_replay.agents.recurrent.RecurrentAgent`.
     """
 
     def __init__(
@@ -36,16 +39,15 @@ class MinGRUAgent(RecurrentAgent):
         encoder_sizes=(64,),
         readout_sizes=(128,),
         chrono_t_max: float = 1024,
-        encoder: str = "mlp",
-        encoder_kwargs: dict | None = None,
+        skip: bool = True,
+        **skeleton,
     ):
         super().__init__(
             observation_space,
             action_space,
             make_core=functools.partial(MinGRUCore, hidden_size=hidden_size, chrono_t_max=chrono_t_max),
-            encoder=encoder,
             encoder_sizes=encoder_sizes,
-            encoder_kwargs=encoder_kwargs,
-            skip=True,
+            skip=skip,
             readout_sizes=readout_sizes,
+            **skeleton,
         )

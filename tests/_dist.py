@@ -17,9 +17,11 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import time
 import traceback
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,6 +32,8 @@ from tensordict import TensorDict
 from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_steps
 
 OK = "ok"
+#: seconds a spawned pair of ranks may take (run_ranks)
+WORKER_TIMEOUT_S = 240
 
 
 # ------------------------------------------------------------------------- plumbing
@@ -68,6 +72,53 @@ def run_workers(name: str, world_size: int, outdir, backend: str = "gloo") -> li
         join=True,
     )
     return [torch.load(os.path.join(str(outdir), f"rank{r}.pt")) for r in range(world_size)]
+
+
+def _env_entry(rank: int, world_size: int, port: int, fn, args) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        fn(rank, world_size, *args)
+        if dist.is_initialized():
+            # Leave together: a rank tearing gloo down while its peer still talks to it
+            # aborts ("terminate called without an active exception").
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Skip interpreter finalisation, where gloo's C++ teardown aborts now and then.
+    os._exit(0)
+
+
+def run_ranks(fn, *args, world_size: int = 2, timeout: float = WORKER_TIMEOUT_S) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
+
+    A worker's exception is re-raised here (with the worker's traceback); a run that
+    exceeds ``timeout`` seconds (e.g. ranks deadlocked in a collective) is killed.
+    """
+    port = free_port()
+    context = mp.start_processes(
+        _env_entry, args=(world_size, port, fn, args), nprocs=world_size, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=0.5):
+            if time.monotonic() > deadline:
+                pytest.fail(f"distributed workers did not finish within {timeout:.0f} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def run_scenarios(scenarios: dict, *args) -> dict:

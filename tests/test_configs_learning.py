@@ -28,6 +28,11 @@ def tiny_agent(target: str) -> str:
     return "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"
 
 
+def tiny(path: Path, tmp_path: Path, shipped, *overrides: str):
+    """``path``'s config with a tiny agent, no logging or checkpoints, and ``overrides``."""
+    return load_config(path, [*TINY, *overrides, f"run_dir={tmp_path / 'run'}", tiny_agent(shipped.agent.target)])
+
+
 def train(cfg, updates: int):
     trainer = build(cfg)
     before = [p.detach().clone() for p in trainer.model.parameters()]
@@ -63,18 +68,15 @@ def test_tmaze_config_keeps_length_and_reward_scale_in_sync_and_runs_an_update(p
     (wrapper,) = shipped.env.wrappers  # the previous reward, scaled so that a penalty of -1/L reads -1
     assert wrapper["target"].endswith(":PreviousActionReward") and wrapper["kwargs"]["reward_scale"] == length
     # init_from=null: a curriculum stage's source run is not here; its weights would not fit the tiny agent.
-    cfg = load_config(
+    cfg = tiny(
         path,
-        [
-            *TINY,
-            "init_from=null",
-            "env.num_envs=2",
-            "env.kwargs.corridor_length=5",
-            "collector.num_steps=6",
-            "total_env_steps=12",
-            f"run_dir={tmp_path / 'run'}",
-            tiny_agent(shipped.agent.target),
-        ],
+        tmp_path,
+        shipped,
+        "init_from=null",
+        "env.num_envs=2",
+        "env.kwargs.corridor_length=5",
+        "collector.num_steps=6",
+        "total_env_steps=12",
     )
     _, metrics = train(cfg, updates=1)
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
@@ -86,17 +88,8 @@ def test_memory_config_keeps_step_cap_in_sync_and_runs_an_update(path, tmp_path)
     # Whole episodes: the step cap must cover the cue, the delay and the query.
     assert shipped.collector.mode == "episode"
     assert shipped.collector.num_steps == shipped.env.kwargs["delay"] + 2
-    cfg = load_config(
-        path,
-        [
-            *TINY,
-            "env.num_envs=2",
-            "env.kwargs.delay=6",
-            "collector.num_steps=8",
-            "total_env_steps=16",
-            f"run_dir={tmp_path / 'run'}",
-            tiny_agent(shipped.agent.target),
-        ],
+    cfg = tiny(
+        path, tmp_path, shipped, "env.num_envs=2", "env.kwargs.delay=6", "collector.num_steps=8", "total_env_steps=16"
     )
     _, metrics = train(cfg, updates=1)
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
@@ -107,17 +100,14 @@ def test_popgym_config_builds_and_runs_two_updates(path, tmp_path):
     pytest.importorskip("popgym")
     shipped = load_config(path)
     assert shipped.env.imports == ["popgym"] and shipped.env.id.startswith("popgym-")
-    cfg = load_config(
+    cfg = tiny(
         path,
-        [
-            *TINY,
-            "env.num_envs=4",
-            "collector.num_steps=8",
-            "total_env_steps=64",
-            "ppo.num_minibatches=2",
-            f"run_dir={tmp_path / 'run'}",
-            tiny_agent(shipped.agent.target),
-        ],
+        tmp_path,
+        shipped,
+        "env.num_envs=4",
+        "collector.num_steps=8",
+        "total_env_steps=64",
+        "ppo.num_minibatches=2",
     )
     trainer, _ = train(cfg, updates=2)
     space = trainer.collector.envs.single_observation_space

@@ -18,6 +18,7 @@ TINY = [
     "collector.num_steps=8",
     "total_env_steps=32",
     "ppo.num_minibatches=2",
+    "eval.episodes=2",  # the configs evaluate at the end of training: 2 episodes, not their 32
     "log.wandb_mode=disabled",
     "log.progress=false",
     "checkpoint.every=0",

@@ -32,14 +32,13 @@ import argparse
 import os
 import sys
 import time
-import types
 
 import gymnasium as gym
 import numpy as np
 import torch
-from _bench_common import MemoryMeter, describe_machine, run_isolated, set_threads, worker_cli
-from _bench_report import fmt_bytes, fmt_s
-from bench_ppo import grad_check, plain_optimize
+from _bench_common import MemoryMeter, describe_machine, set_threads, worker_cli
+from _bench_report import fmt_bytes
+from bench_ppo import grad_check, run_update, sweep
 from tensordict import TensorDict
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
@@ -129,17 +128,6 @@ def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: tor
     return Rollout(data, None, T * N, start_state=start_state)
 
 
-def run_update(method: str, cfg, agent, optimizer, rollout) -> dict:
-    if method == "plain":
-        return plain_optimize(cfg, agent, optimizer, rollout)
-    from rl_replay.algorithms.ppo import PPO
-
-    # optimize() reads only the policy and bptt_truncate from the collector.
-    collector = types.SimpleNamespace(policy=agent, bptt_truncate=None)
-    metrics, _ = PPO(cfg, collector, agent, optimizer).optimize(rollout)
-    return metrics
-
-
 # ============================================================================ worker
 def worker(spec: dict) -> dict:
     set_threads(spec.get("threads", 1))
@@ -225,27 +213,17 @@ def main(argv=None) -> int:
     print(describe_machine())
     worst = grad_check(spec, 8, build=build, run_update=run_update)
     print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
-    results = {}
-    for T in Ts:
-        for method in args.methods:
-            r = run_isolated(
-                worker,
-                {**spec, "T": T, "method": method},
-                script=os.path.abspath(__file__),
-                launcher="forkserver",
-                timeout=args.timeout,
-                preload=PRELOAD,
-            )
-            results[(T, method)] = r
-            if "error" in r:
-                print(f"T={T} {method}: ERROR {r['error']}\n{r.get('traceback', '')}")
-                continue
-            line = (
-                f"T={T:<5d} {method:<10s} {memory} {fmt_bytes(r['peak_growth']):>10s}  update {fmt_s(r['seconds']):>9s}"
-            )
-            if r["block_input_bytes"]:
-                line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
-            print(line, flush=True)
+    results = sweep(
+        worker,
+        spec,
+        Ts,
+        args.methods,
+        script=os.path.abspath(__file__),
+        timeout=args.timeout,
+        preload=PRELOAD,
+        memory=memory,
+        memory_key="peak_growth",
+    )
     for line in summarize(results, Ts, memory):
         print(line)
     return 0 if all("error" not in r for r in results.values()) else 1

@@ -282,6 +282,50 @@ class GradRecorder(torch.optim.Optimizer):
         self.grads.append([p.grad.detach().clone() for g in self.param_groups for p in g["params"]])
 
 
+def sweep(
+    worker,
+    spec: dict,
+    Ts,
+    methods,
+    *,
+    script: str,
+    timeout: float,
+    preload,
+    memory: str = "peak RSS growth",
+    memory_key: str = "peak_rss_growth",
+):
+    """Run ``worker`` once per (T, method), each in a fresh process; print a line per run.
+
+    Returns ``{(T, method): result}``; a result holds ``error`` where the run failed.
+    """
+    results = {}
+    for T in Ts:
+        for method in methods:
+            r = run_isolated(
+                worker,
+                {**spec, "T": T, "method": method},
+                script=script,
+                launcher="forkserver",
+                timeout=timeout,
+                preload=preload,
+            )
+            results[(T, method)] = r
+            if "error" in r:
+                print(f"T={T} {method}: ERROR {r['error']}\n{r.get('traceback', '')}")
+                continue
+            line = f"T={T:<5d} {method:<10s} {memory} {fmt_bytes(r[memory_key]):>10s}  update {fmt_s(r['seconds']):>9s}"
+            if r["block_input_bytes"]:
+                line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
+            mf = r.get("minibatch_forward")
+            if mf:
+                line += (
+                    f"  largest minibatch forward: slab {fmt_bytes(mf['slab'])}, heap +"
+                    f"{fmt_bytes(mf['heap'] or 0)}, RSS +{fmt_bytes(mf['rss'])}"
+                )
+            print(line, flush=True)
+    return results
+
+
 def grad_check(spec: dict, T: int, build=None, run_update=None) -> tuple[float, float]:
     """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods.
 
@@ -373,34 +417,10 @@ def main(argv=None) -> int:
     check_T = min(min(Ts), 128)  # the gradient check costs two extra updates
     worst = grad_check(spec, check_T)
     print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
-    rows, results = [], {}
-    for T in Ts:
-        for method in args.methods:
-            r = run_isolated(
-                worker,
-                {**spec, "T": T, "method": method},
-                script=os.path.abspath(__file__),
-                launcher="forkserver",
-                timeout=args.timeout,
-                preload=PRELOAD,
-            )
-            results[(T, method)] = r
-            if "error" in r:
-                print(f"T={T} {method}: ERROR {r['error']}\n{r.get('traceback', '')}")
-                continue
-            line = (
-                f"T={T:<5d} {method:<10s} peak RSS growth {fmt_bytes(r['peak_rss_growth']):>10s}  "
-                f"update {fmt_s(r['seconds']):>9s}"
-            )
-            if r["block_input_bytes"]:
-                line += f"  block inputs {fmt_bytes(r['block_input_bytes'])}"
-            mf = r.get("minibatch_forward")
-            if mf:
-                line += (
-                    f"  largest minibatch forward: slab {fmt_bytes(mf['slab'])}, heap +"
-                    f"{fmt_bytes(mf['heap'] or 0)}, RSS +{fmt_bytes(mf['rss'])}"
-                )
-            print(line, flush=True)
+    rows: list = []
+    results = sweep(
+        worker, spec, Ts, args.methods, script=os.path.abspath(__file__), timeout=args.timeout, preload=PRELOAD
+    )
     ok = [T for T in Ts if all("error" not in results[(T, m)] for m in args.methods)]
     for T in ok:
         plain, rep = results.get((T, "plain")), results.get((T, "rl_replay"))

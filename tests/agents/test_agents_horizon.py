@@ -29,28 +29,13 @@ ROOT = Path(__file__).resolve().parents[2]
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(5,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
 
+# The skeleton's options that change the graph: a second core for the critic, the skip, head MLPs.
+SKIP_HEADS = {"separate_critic": True, "skip": True, "head_sizes": (16,), "activation": "relu"}
+
 AGENTS = {
     "gru-chrono": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
-    "gru-skip-heads": lambda: GRUAgent(
-        OBS,
-        ACT,
-        hidden_size=16,
-        encoder_sizes=(16,),
-        separate_critic=True,
-        skip=True,
-        head_sizes=(16,),
-        activation="relu",
-    ),
-    "lstm-skip-heads": lambda: LSTMAgent(
-        OBS,
-        ACT,
-        hidden_size=16,
-        encoder_sizes=(16,),
-        separate_critic=True,
-        skip=True,
-        head_sizes=(16,),
-        activation="relu",
-    ),
+    "gru-skip-heads": lambda: GRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), **SKIP_HEADS),
+    "lstm-skip-heads": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), **SKIP_HEADS),
     "lstm-chrono": lambda: LSTMAgent(OBS, ACT, hidden_size=16, encoder_sizes=(16,), chrono_t_max=100),
     "mingru": lambda: MinGRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),
     "lru-complex": lambda: LRUAgent(OBS, ACT, hidden_size=16, encoder_sizes=(8,), readout_sizes=(16,)),

@@ -366,7 +366,7 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 def test_two_rank_fsdp_ppo_matches_single_process_gradient(tmp_path):
-    from test_distributed_train import run_ranks
+    from _dist import run_ranks
 
     run_ranks(_fsdp_ppo_worker, str(tmp_path))
     r = torch.load(tmp_path / "fsdp_ppo.pt", weights_only=False)

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import run_ranks
 from conftest import assert_grads_match
-from test_distributed_train import clean_name, plain_rollout_grads, run_ranks
+from test_distributed_train import clean_name, plain_rollout_grads
 
 pytestmark = [
     pytest.mark.cuda,

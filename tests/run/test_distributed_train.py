@@ -16,80 +16,23 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _dist import free_port, run_ranks
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP_CPU_CONFIG = ROOT / "configs" / "fsdp_mlp_cpu.yaml"
-WORKER_TIMEOUT_S = 240
 
 if not torch.distributed.is_available():  # pragma: no cover
     pytest.skip("torch.distributed is not available", allow_module_level=True)
-
-
-# ------------------------------------------------------------------------ spawning ranks
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, port: int, fn, args) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
-    try:
-        fn(rank, world_size, *args)
-        if dist.is_initialized():
-            # Leave together: a rank tearing gloo down while its peer still talks to it
-            # aborts ("terminate called without an active exception").
-            dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    # Skip interpreter finalisation, where gloo's C++ teardown aborts now and then.
-    os._exit(0)
-
-
-def run_ranks(fn, *args, world_size: int = 2, timeout: float = WORKER_TIMEOUT_S) -> None:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes.
-
-    A worker's exception is re-raised here (with the worker's traceback); a run that
-    exceeds ``timeout`` seconds (e.g. ranks deadlocked in a collective) is killed.
-    """
-    port = free_port()
-    context = mp.start_processes(
-        _entry, args=(world_size, port, fn, args), nprocs=world_size, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=0.5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"distributed workers did not finish within {timeout:.0f} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
 
 
 # --------------------------------------------------------------- plain-autograd reference
