@@ -41,7 +41,7 @@ __all__ = ["load_config", "config_from_dict", "config_to_dict", "save_config", "
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "device": ("cpu", "cuda", "auto"),
-    "env.vectorization": ("sync", "async"),
+    "env.vectorization": ("sync", "async", "vector_entry_point"),
     "collector.mode": ("fixed", "episode"),
     "loss.algorithm": ALGORITHM_NAMES,
     "optim.name": ("adam", "rmsprop", "sgd"),

@@ -44,7 +44,8 @@ class EnvConfig:
     num_envs: int = 8
     """number of parallel environments in the vector env"""
     vectorization: str = "sync"
-    """vector env implementation: sync | async"""
+    """vector env implementation: sync | async | vector_entry_point (the env's own batched vector env,
+    registered as its ``vector_entry_point``, e.g. ``rl_replay/MemoryCue-v0``; no env.wrappers)"""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """extra keyword arguments passed to ``gymnasium.make``"""
     max_episode_steps: int | None = None

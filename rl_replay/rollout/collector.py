@@ -24,7 +24,7 @@ from rl_replay.agent import Agent
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
-from rl_replay.rollout.env_state import pickle_envs, set_vector_statistics, vector_statistics
+from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.rollout.environment import env_episode_return
 from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
 from rl_replay.spaces import obs_converter
@@ -254,7 +254,10 @@ class Collector:
             "envs": None,
             "env_statistics": vector_statistics(self.envs),
         }
-        if isinstance(self.envs, gym.vector.SyncVectorEnv):
+        if isinstance(self.envs, StatefulVectorEnv):
+            # Plain data (arrays, ints): saved with the numbers, loaded without unpickling.
+            state["vector_env"] = self.envs.state_dict()
+        elif isinstance(self.envs, gym.vector.SyncVectorEnv):
             try:
                 # The sub-envs (with their RNGs) plus the vector env's own autoreset flags.
                 state["envs"] = pickle_envs((self.envs.envs, self.envs._autoreset_envs))
@@ -272,7 +275,9 @@ class Collector:
         """Continue from :meth:`state_dict`. ``state["envs"]`` is unpickled: the caller decides
         whether it may be (it sets ``envs`` None and ``fresh_envs`` to ``(why, what to do)``
         when not)."""
-        if state.get("envs") is not None:
+        if state.get("vector_env") is not None and isinstance(self.envs, StatefulVectorEnv):
+            self.envs.load_state_dict(state["vector_env"])
+        elif state.get("envs") is not None:
             # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
             self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])  # type: ignore[attr-defined]
         elif state.get("obs") is not None:

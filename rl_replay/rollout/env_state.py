@@ -1,8 +1,11 @@
 """Environment state in checkpoints: sub-envs pickled whole, wrapper statistics as plain arrays.
 
-Two things about the envs go into a checkpoint (through the collector's ``state_dict``):
+What goes into a checkpoint about the envs (through the collector's ``state_dict``):
 
-* :func:`pickle_envs`: the sync sub-envs pickled whole (episode progress, RNGs, every
+* a :class:`StatefulVectorEnv` (a vector env that batches itself, such as
+  :class:`rl_replay.envs.memory.MemoryCueVectorEnv`): its ``state_dict()``, plain data, so a
+  resume continues exactly and nothing is unpickled;
+* otherwise :func:`pickle_envs`: the sync sub-envs pickled whole (episode progress, RNGs, every
   wrapper's state), so a resume continues exactly. Several gymnasium wrappers keep a local
   function (``RescaleObservation``'s ``rescale_box.<locals>.forward``, the other
   ``Transform*`` subclasses), which plain pickle refuses; such a wrapper is pickled as its
@@ -23,7 +26,7 @@ import io
 import pickle
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import gymnasium as gym
 import numpy as np
@@ -32,6 +35,7 @@ from gymnasium.wrappers.utils import RunningMeanStd
 from rl_replay.errors import SetupError
 
 __all__ = [
+    "StatefulVectorEnv",
     "pickle_envs",
     "wrapper_statistics",
     "vector_statistics",
@@ -42,6 +46,16 @@ __all__ = [
 ]
 
 Stats = list[dict[str, Any]]  # one sub-env's: {"wrapper", "attr", "mean", "var", "count"} per RunningMeanStd
+
+
+@runtime_checkable
+class StatefulVectorEnv(Protocol):
+    """A vector env that saves and restores its whole state as plain data (arrays, numbers,
+    strings, lists and dicts of them: what a checkpoint holds without pickling objects)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 # ----------------------------------------------------------------------------- pickling
@@ -120,11 +134,13 @@ def vector_statistics(envs: gym.vector.VectorEnv) -> list[Stats]:
     if isinstance(envs, gym.vector.SyncVectorEnv):
         return [wrapper_statistics(env) for env in envs.envs]
     out: list[Stats] = [[] for _ in range(envs.num_envs)]
+    if not isinstance(envs, gym.vector.AsyncVectorEnv):  # an env's own vector env: no wrappers
+        return out
     for attr in _ASYNC_ATTRS:
         # Asked first: a worker asked for a missing attribute dies of the AttributeError.
-        if not all(envs.call("has_wrapper_attr", attr)):  # type: ignore[attr-defined]
+        if not all(envs.call("has_wrapper_attr", attr)):
             continue
-        for stats, rms in zip(out, envs.get_attr(attr)):  # type: ignore[attr-defined]
+        for stats, rms in zip(out, envs.get_attr(attr)):
             if isinstance(rms, RunningMeanStd):
                 stats.append(
                     {

@@ -191,9 +191,14 @@ def make_vector_env(
     env's own episode return is still known when a wrapper rescales rewards (``NormalizeReward``);
     read it with :func:`env_episode_return`.
 
+    ``vectorization`` is ``sync``, ``async`` or ``vector_entry_point``: the env's own batched
+    vector env (registered as its ``vector_entry_point``), which takes no wrappers.
+
     The project's own environments (``rl_replay/...``) are registered on import of ``rl_replay.envs``.
     """
     env_id = resolve_env_id(env_id, imports)
+    if vectorization == "vector_entry_point":
+        return _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys)
     loaded = load_wrappers(wrappers)
     # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
     # not a traceback from inside a vector env (or an async worker process); its observation
@@ -218,6 +223,30 @@ def make_vector_env(
             **_make_kwargs(kwargs, max_episode_steps),
         )
     except TypeError as exc:
+        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+
+
+def _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys):
+    # gymnasium's vector_entry_point mode takes no per-env wrappers: the env batches itself.
+    spec = gym.spec(env_id)
+    if spec.vector_entry_point is None:
+        raise SetupError(
+            f"env.vectorization=vector_entry_point: environment '{env_id}' registers no vector_entry_point; "
+            "use env.vectorization=sync."
+        )
+    if wrappers or observation_keys:
+        raise SetupError(
+            "env.vectorization=vector_entry_point steps the env's own vector env, which takes no "
+            "env.wrappers or env.observation_keys; remove them or use env.vectorization=sync."
+        )
+    try:
+        return gym.make_vec(
+            env_id,
+            num_envs=num_envs,
+            vectorization_mode="vector_entry_point",
+            **_make_kwargs(kwargs, max_episode_steps),
+        )
+    except (TypeError, ValueError) as exc:
         raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
 
 

@@ -343,6 +343,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         env_wrappers=cfg.env.wrappers,
         env_statistics=env_statistics,
         env_observation_keys=cfg.env.observation_keys,
+        vectorization=cfg.env.vectorization,
     )
     print(
         f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "

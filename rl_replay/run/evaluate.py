@@ -31,6 +31,7 @@ def evaluate(
     env_wrappers: tuple[dict, ...] | list[dict] = (),
     env_statistics: list[dict] | None = None,
     env_observation_keys: tuple[str, ...] | list[str] = (),
+    vectorization: str = "sync",
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
@@ -42,9 +43,12 @@ def evaluate(
     (:func:`rl_replay.rollout.env_state.training_statistics`) are the training run's wrapper statistics
     (``NormalizeObservation``...): every env gets them, frozen, so the agent sees inputs scaled
     as in training. None leaves the wrappers' own (fresh) statistics.
+    ``vectorization`` is the run's ``env.vectorization`` (``async`` plays as ``sync``: the
+    episodes are the same).
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
+    own = video_dir is None and vectorization == "vector_entry_point"  # the env's own vector env
     if video_dir is not None:
         import gymnasium as gym
         from gymnasium.wrappers import RecordVideo
@@ -66,13 +70,15 @@ def evaluate(
         vector_env = make_vector_env(  # type: ignore[assignment]
             env_id,
             num_envs,
+            vectorization="vector_entry_point" if own else "sync",
             kwargs=kwargs,
             max_episode_steps=max_episode_steps,
             imports=env_imports,
             wrappers=env_wrappers,
             observation_keys=env_observation_keys,
         )
-    if env_statistics is not None:
+    # An env's own vector env takes no wrappers, so it has no statistics to be given.
+    if env_statistics is not None and not own:
         try:
             for env in vector_env.envs:
                 apply_statistics(env, env_statistics, freeze=True)

@@ -193,6 +193,7 @@ class Trainer:
                 env_wrappers=cfg.env.wrappers,
                 env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
                 env_observation_keys=cfg.env.observation_keys,
+                vectorization=cfg.env.vectorization,
             )
         np.random.set_state(np_state)
         random.setstate(py_state)
