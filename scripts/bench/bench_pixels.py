@@ -38,7 +38,7 @@ import numpy as np
 import torch
 from _bench_common import MemoryMeter, describe_machine, set_threads, worker_cli
 from _bench_report import fmt_bytes
-from bench_ppo import grad_check, run_update, sweep
+from bench_ppo import bench_config, grad_check, run_update, sweep
 from tensordict import TensorDict
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
@@ -51,23 +51,9 @@ LIMIT = 16 * 2**30  # the plain-autograd budget asked about
 def build(spec: dict, T: int):
     """(cfg, agent, optimizer, rollout) for one configuration, all seeded, on ``spec["device"]``."""
     from rl_replay.agent import build_agent
-    from rl_replay.config import load_config
 
     p = spec["policy"]
-    cfg = load_config(
-        None,
-        [
-            "loss.algorithm=ppo",
-            f"env.num_envs={p['envs']}",
-            f"collector.num_steps={T}",
-            f"ppo.epochs={spec.get('epochs') or p['epochs']}",
-            f"ppo.num_minibatches={p['minibatches']}",
-            "loss.entropy_coef=0.01",
-            "optim.name=adam",
-            "optim.lr=2.5e-4",
-            "log.wandb_mode=disabled",
-        ],
-    )
+    cfg = bench_config(p, T, spec.get("epochs") or p["epochs"], p["minibatches"])
     device = torch.device(spec.get("device", "cpu"))
     obs_space = gym.spaces.Box(0, 255, tuple(p["frame"]), np.uint8)
     encoder_kwargs = {} if p["channels"] is None else {"channels": p["channels"]}

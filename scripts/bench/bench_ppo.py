@@ -64,28 +64,34 @@ SMOKE = dict(obs=8, encoder=[32, 32], hidden=16, actions=4, envs=8, epochs=2, mi
 
 
 # ============================================================================ setup
-def build(spec: dict, T: int):
-    """(cfg, agent, optimizer, rollout) for one configuration, all seeded."""
-    from rl_replay.agent import build_agent
+def bench_config(p: dict, T: int, epochs: int, minibatches: int):
+    """The PPO settings both benchmarks' synthetic updates use (CleanRL's Atari LSTM recipe)."""
     from rl_replay.config import load_config
 
-    if spec.get("config"):
-        return build_from_config(spec, T)
-    p = spec["policy"]
-    cfg = load_config(
+    return load_config(
         None,
         [
             "loss.algorithm=ppo",
             f"env.num_envs={p['envs']}",
             f"collector.num_steps={T}",
-            f"ppo.epochs={spec.get('epochs', p['epochs'])}",
-            f"ppo.num_minibatches={spec.get('minibatches', p['minibatches'])}",
+            f"ppo.epochs={epochs}",
+            f"ppo.num_minibatches={minibatches}",
             "loss.entropy_coef=0.01",
             "optim.name=adam",
             "optim.lr=2.5e-4",
             "log.wandb_mode=disabled",
         ],
     )
+
+
+def build(spec: dict, T: int):
+    """(cfg, agent, optimizer, rollout) for one configuration, all seeded."""
+    from rl_replay.agent import build_agent
+
+    if spec.get("config"):
+        return build_from_config(spec, T)
+    p = spec["policy"]
+    cfg = bench_config(p, T, spec.get("epochs") or p["epochs"], spec.get("minibatches", p["minibatches"]))
     obs_space = gym.spaces.Box(-10.0, 10.0, shape=(p["obs"],))
     torch.manual_seed(spec.get("seed", 0))
     agent = build_agent(
