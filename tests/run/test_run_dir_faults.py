@@ -216,6 +216,7 @@ def test_evaluate_refuses_damaged_and_non_finite_checkpoints(finished_run, tmp_p
     for args, pattern in (
         ([str(truncated)], f"checkpoint {re.escape(str(checkpoint_path(truncated)))} is truncated"),
         ([str(finished_run), "--episodes", "-3"], "got -3"),
+        ([str(finished_run), "--num-envs", "0"], "--num-envs must be a positive number of envs, got 0"),
     ):
         assert evaluate_main(args) == 2
         out, err = capsys.readouterr()

@@ -136,6 +136,7 @@ def test_evaluate_prints_mean_and_std(tmp_path):
     )
     build(cfg).train()
     proc = start(EVALUATE, run_dir, "--episodes", 3, cwd=tmp_path)
+    side_by_side = start(EVALUATE, run_dir, "--episodes", 3, "--num-envs", 3, cwd=tmp_path)
 
     # What the script should print: the checkpoint's agent, evaluated here.
     state = load_checkpoint(run_dir)
@@ -154,6 +155,11 @@ def test_evaluate_prints_mean_and_std(tmp_path):
         f"episodes (checkpoint update 3, 48 env steps)"
     )
     assert json.loads(result) == expected
+    # --num-envs 3: the three episodes side by side, as evaluate(num_envs=3) plays them.
+    out, err = side_by_side.communicate(timeout=120)
+    assert side_by_side.returncode == 0, err
+    wide = evaluate(agent, "CartPole-v1", episodes=3, num_envs=3, seed=12345, max_episode_steps=30)
+    assert json.loads(out.strip().splitlines()[-1]) == wide
 
 
 def test_evaluate_error_in_process(tmp_path, capsys):
