@@ -117,7 +117,9 @@ def test_online_without_network_fails_fast_on_the_cli(wandb_env, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "127.0.0.1:9 cannot be reached" in lines[0], proc.stderr
     assert "log.wandb_mode=offline" in lines[0]
-    assert elapsed < 15
+    # Fast means no wait for wandb's own retries (minutes): the bound leaves room for a slow,
+    # loaded machine's interpreter start (18 s seen beside another test worker).
+    assert elapsed < 60
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())  # no run dir, no wandb dir
 
 
