@@ -97,6 +97,15 @@ def assert_grads_match(
             )
 
 
+def collect_replayed(collector):
+    """One rollout of ``collector`` with one replay block per step (what A2C and REINFORCE do
+    with ``collector.block_steps`` 1): ``(rollout, accumulator)``, the outputs attached."""
+    from rl_replay.engine import GradientAccumulator, replay
+
+    accumulator = GradientAccumulator()
+    return collector.collect(lambda inputs: replay(collector.agent, accumulator, inputs)), accumulator
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     if not GRAD_DIFFS:
         return

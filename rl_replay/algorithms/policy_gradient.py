@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from abc import abstractmethod
 
@@ -11,7 +12,7 @@ from tensordict import TensorDict
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.config import LossConfig
-from rl_replay.engine import GradientAccumulator
+from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.rollout.collector import Rollout
 from rl_replay.rollout.sequence import replay_sequence
 
@@ -35,39 +36,39 @@ class PolicyGradient(Algorithm):
     def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
         """The named loss terms (see :mod:`rl_replay.algorithms.losses`) of a collected (T, N) rollout."""
 
-    def collect(self) -> Rollout:
+    def collect(self) -> tuple[Rollout, GradientAccumulator]:
         """One rollout whose ``log_prob``, ``entropy`` and ``value`` are attached to autograd
-        through replay blocks (``rollout.accumulator`` holds them), by ``collector.block_steps``."""
+        through replay blocks, by ``collector.block_steps``, and the accumulator those blocks
+        share."""
+        accumulator = GradientAccumulator()
         block_steps = self.cfg.collector.block_steps
         if block_steps == 1:
-            return self.collector.collect()
-        stored = self.collector.collect(graph=False)
-        accumulator = GradientAccumulator()
+            return self.collector.collect(functools.partial(replay, self.model, accumulator)), accumulator
+        stored = self.collector.collect()
         outputs = replay_sequence(
             self.model,
             self.policy,
             stored.data,
-            stored.start_state,  # type: ignore[arg-type]
+            stored.start_state,
             accumulator,
             self.bptt_truncate,
             block_steps=block_steps,
         )
         # A new rollout: the collected one stays as the collector made it. next_value stays
         # the collection's (detached; the same numbers).
-        return dataclasses.replace(stored, data=stored.data.copy().update(outputs), accumulator=accumulator)
+        return dataclasses.replace(stored, data=stored.data.copy().update(outputs)), accumulator
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
-        rollout = self.collect()
-        acc = rollout.accumulator
+        rollout, acc = self.collect()
         t1 = time.perf_counter()
         terms = self.loss(rollout.data, self.cfg.loss)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
         metrics = {
-            "memory/replay_saved_bytes": float(acc.saved_bytes),  # type: ignore[union-attr]
+            "memory/replay_saved_bytes": float(acc.saved_bytes),
             "time/replay_backward_sec": t2 - t1,
-            "time/replay_recompute_sec": acc.replay_seconds,  # type: ignore[union-attr]
+            "time/replay_recompute_sec": acc.replay_seconds,
         }
         for key, value in terms.items():
             metrics["train/" + key] = float(value.detach())  # type: ignore[arg-type]

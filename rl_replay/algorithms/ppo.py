@@ -1,7 +1,7 @@
 """Recurrent PPO on replay blocks: whole-sequence minibatches whose memory does not grow with T.
 
 Collection runs the policy without a graph and keeps what the update needs (see
-:meth:`rl_replay.rollout.collector.Collector.collect` with ``graph=False``). GAE is computed once
+:meth:`rl_replay.rollout.collector.Collector.collect` without a ``forward``). GAE is computed once
 per rollout. Each epoch shuffles the environments and splits them into
 ``num_minibatches`` groups; a minibatch is the whole T-step sequence of its envs. Its
 steps are re-run as replay blocks from the envs' stored start state
@@ -62,7 +62,7 @@ class PPO(Algorithm):
 
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
-        rollout = self.collector.collect(graph=False)
+        rollout = self.collector.collect()
         t1 = time.perf_counter()
         metrics, grad_norm = self.optimize(rollout)
         t2 = time.perf_counter()
@@ -97,7 +97,7 @@ class PPO(Algorithm):
             order = torch.randperm(N)
             for k in range(p.num_minibatches):
                 envs = order[k * per_mb : (k + 1) * per_mb]
-                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(stored[:, envs], rollout.start_state[envs])  # type: ignore[index]
+                terms, grad_norm, mb_saved, mb_replay_sec = self._minibatch(stored[:, envs], rollout.start_state[envs])
                 grad_norms.append(float(grad_norm))
                 saved_bytes = max(saved_bytes, mb_saved)
                 replay_sec += mb_replay_sec

@@ -1,4 +1,4 @@
-"""Rollout collection: step a gymnasium vector env, one replay block per timestep.
+"""Rollout collection: step a gymnasium vector env with the policy, one timestep at a time.
 
 Autoreset (gymnasium >= 1.0, the default ``NEXT_STEP`` mode): after a sub-env's episode
 ends at step ``t``, its step ``t + 1`` ignores the action and returns the reset
@@ -21,7 +21,6 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay.agent import Agent
-from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
@@ -38,21 +37,20 @@ class Rollout:
     """One update's worth of experience.
 
     ``data`` has batch size ``[T, N]`` with keys ``observation``, ``action``, ``reward``,
-    ``terminated``, ``truncated``, ``valid``, ``is_first`` and, attached to autograd through
-    the replay blocks, ``log_prob``, ``entropy`` and ``value``; ``next_value`` is detached.
-
-    A rollout collected with ``graph=False`` holds the same keys, all detached, no
-    ``accumulator``, and ``start_state``: each env's recurrent state before its first row
-    (what an update re-running the rollout starts from).
+    ``terminated``, ``truncated``, ``valid``, ``is_first``, ``log_prob``, ``entropy``,
+    ``value`` and ``next_value``. ``log_prob``, ``entropy`` and ``value`` are attached to
+    autograd when the collection's ``forward`` built a graph (see :meth:`Collector.collect`),
+    detached otherwise; ``next_value`` is always detached. ``start_state`` is each env's
+    recurrent state before its first row (detached): what an update re-running the rollout
+    starts from.
     """
 
     data: TensorDict
-    accumulator: GradientAccumulator | None
+    start_state: TensorDict
     env_steps: int
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     episode_successes: list[float] = field(default_factory=list)
-    start_state: TensorDict | None = None
 
 
 class Collector:
@@ -139,24 +137,28 @@ class Collector:
         return inputs
 
     # ------------------------------------------------------------------ collect
-    def collect(self, *, graph: bool = True) -> Rollout:
+    def collect(self, forward: Callable[[TensorDict], TensorDict] | None = None) -> Rollout:
         """Run one rollout.
 
-        With ``graph=True`` (A2C, REINFORCE) every step is a replay block and the outputs
-        stay attached to a fresh GradientAccumulator. With ``graph=False`` (PPO) the
-        policy runs under ``torch.no_grad`` and the rollout also keeps ``start_state``.
+        By default the policy runs under ``torch.no_grad``: the rollout is data, and an
+        update that needs gradients re-runs its rows from ``start_state`` (PPO, and A2C or
+        REINFORCE with ``block_steps`` > 1). With ``forward``, each step's outputs are
+        ``forward(inputs)`` for the step's input TensorDict, e.g.
+        ``functools.partial(rl_replay.replay, model, accumulator)``: the rollout's
+        ``log_prob``, ``entropy`` and ``value`` then stay attached to whatever graph it
+        built. The collector itself never builds one.
         """
-        if graph:
-            return self._collect(GradientAccumulator())
+        if forward is not None:
+            return self._collect(forward)
         with torch.no_grad():
-            return self._collect(None)
+            return self._collect(lambda inputs: self.agent(**inputs))
 
-    def _collect(self, acc: GradientAccumulator | None) -> Rollout:
+    def _collect(self, forward: Callable[[TensorDict], TensorDict]) -> Rollout:
         if self.mode == "episode":
             self._reset(None if self._obs is not None else self.seed)
         elif self._obs is None:
             self._reset(self.seed)
-        start_state = None if acc is not None else self._state.clone()  # type: ignore[union-attr]
+        start_state = self._state.detach().clone()  # type: ignore[union-attr]
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
         cols: dict[str, list] = {k: [] for k in ("observation", "is_first", "action")}
@@ -167,7 +169,7 @@ class Collector:
         env_steps = 0
         for t in range(self.num_steps):
             inputs = block_inputs(self._obs, self._state, self._is_first, N)  # type: ignore[arg-type]
-            out = replay(self.agent, acc, inputs) if acc is not None else self.agent(**inputs)
+            out = forward(inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
             append_heads(heads, out)
@@ -236,7 +238,7 @@ class Collector:
             dtype = torch.float32 if key == "reward" else torch.bool
             data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
         data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
-        return Rollout(TensorDict(data, batch_size=[T, N]), acc, env_steps, returns, lengths, successes, start_state)
+        return Rollout(TensorDict(data, batch_size=[T, N]), start_state, env_steps, returns, lengths, successes)
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def build(spec: dict, T: int):
 
 
 def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: torch.device):
-    """A stored rollout as ``Collector.collect(graph=False)`` returns it: seeded uint8 frames."""
+    """A stored rollout as ``Collector.collect()`` returns it: seeded uint8 frames."""
     from rl_replay.rollout.collector import Rollout
 
     g = torch.Generator().manual_seed(1234)
@@ -111,7 +111,7 @@ def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: tor
         next_value=torch.cat([value[1:], torch.zeros(1, N, device=device)]),
         batch_size=[T, N],
     )
-    return Rollout(data, None, T * N, start_state=start_state)
+    return Rollout(data, start_state, T * N)
 
 
 # ============================================================================ worker

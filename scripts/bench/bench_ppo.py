@@ -134,7 +134,7 @@ def build_from_config(spec: dict, T: int):
 
 
 def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
-    """A stored rollout as ``Collector.collect(graph=False)`` returns it, from seeded data."""
+    """A stored rollout as ``Collector.collect()`` returns it, from seeded data."""
     from rl_replay.rollout.collector import Rollout
 
     g = torch.Generator().manual_seed(1234)
@@ -170,7 +170,7 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
         next_value=torch.cat([value[1:], torch.zeros(1, N)]),
         batch_size=[T, N],
     )
-    return Rollout(data, None, T * N, start_state=start_state)
+    return Rollout(data, start_state, T * N)
 
 
 def plain_optimize(cfg, agent, optimizer, rollout) -> dict:

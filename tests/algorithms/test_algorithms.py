@@ -175,7 +175,8 @@ def test_contradicting_ppo_norm_adv_and_loss_normalize_advantages_are_refused(tm
 
 # ------------------------------------------------- A2C / REINFORCE: collector.block_steps
 def _one_update(name: str, block_steps: int, extra: list[str]):
-    """The gradient of one A2C / REINFORCE update on CartPole, collected with ``block_steps``."""
+    """One A2C / REINFORCE update on CartPole collected with ``block_steps``: its result, the
+    gradients it stepped with and the accumulator its replay blocks shared."""
     cfg = load_config(None, [*TINY, f"loss.algorithm={name}", f"collector.block_steps={block_steps}", *extra])
     envs = make_vector_env("CartPole-v1", cfg.env.num_envs)
     torch.manual_seed(0)
@@ -199,9 +200,19 @@ def _one_update(name: str, block_steps: int, extra: list[str]):
 
     optimizer = Recording(model.parameters(), lr=1e-3)
     algorithm = make_algorithm(cfg, collector, model, optimizer, DistInfo(), torch.device("cpu"))
+    accumulators = []
+    collect = algorithm.collect
+
+    def collect_and_keep():
+        rollout, accumulator = collect()
+        accumulators.append(accumulator)
+        return rollout, accumulator
+
+    algorithm.collect = collect_and_keep
     result = algorithm.update()
     envs.close()
-    return result, grads
+    (accumulator,) = accumulators
+    return result, grads, accumulator
 
 
 @pytest.mark.parametrize("name", ["a2c", "reinforce"])
@@ -220,8 +231,8 @@ def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extr
     # replay block per collected step; the shipped agent runs each block as one sequence call
     # (its input projection, readout and heads over the 5 * 3 rows at once): float rounding.
     extra = ["collector.num_steps=24", "env.num_envs=3", f"agent.target={agent}", *extra]
-    one, g1 = _one_update(name, 1, extra)
-    five, g5 = _one_update(name, 5, extra)
+    one, g1, acc1 = _one_update(name, 1, extra)
+    five, g5, acc5 = _one_update(name, 5, extra)
     same = torch.equal if agent != "gru" else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-6)
     assert torch.equal(one.rollout.data["action"], five.rollout.data["action"])
     for key in ("log_prob", "entropy", "value", "next_value"):
@@ -237,17 +248,17 @@ def test_stored_rollout_blocks_give_the_one_step_collection_gradients(name, extr
         assert losses[0] == pytest.approx(losses[1], rel=1e-4, abs=1e-6)
     # Fewer blocks, so fewer saved bytes per step: the k steps' inputs and one start state.
     assert 0 < five.metrics["memory/replay_saved_bytes"] < one.metrics["memory/replay_saved_bytes"]
-    assert one.rollout.accumulator.num_blocks == one.rollout.data.batch_size[0]
+    assert acc1.num_blocks == one.rollout.data.batch_size[0]
     cut = 7 if "collector.bptt_truncate=7" in extra else None
-    assert five.rollout.accumulator.num_blocks == len(block_spans(five.rollout.data.batch_size[0], 5, cut))
+    assert acc5.num_blocks == len(block_spans(five.rollout.data.batch_size[0], 5, cut))
 
 
 def test_stored_rollout_blocks_of_a_stateless_agent_are_one_call_each():
     # An MLP has no state: a block's 5 * 3 rows go through the agent in one call (the batched
     # recompute), so the gradient equals the per-step one up to float rounding, not bit for bit.
     extra = ["collector.num_steps=24", "env.num_envs=3", "agent.target=mlp", "agent.kwargs={hidden_sizes: [8]}"]
-    one, g1 = _one_update("a2c", 1, extra)
-    five, g5 = _one_update("a2c", 5, extra)
-    assert five.rollout.accumulator.num_blocks == 5 and one.rollout.accumulator.num_blocks == 24
+    _, g1, acc1 = _one_update("a2c", 1, extra)
+    _, g5, acc5 = _one_update("a2c", 5, extra)
+    assert acc5.num_blocks == 5 and acc1.num_blocks == 24
     for n in g1:
         torch.testing.assert_close(g5[n], g1[n], rtol=1e-5, atol=1e-6)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from _reference import plain_sequence
-from conftest import assert_grads_match
+from conftest import assert_grads_match, collect_replayed
 from tensordict import TensorDict
 from torch import nn
 
@@ -83,7 +83,7 @@ def assert_column(data, key, expected, *, both_envs=True):
 # ----------------------------------------------------------------- rows, flags, values
 def test_fixed_rollout_with_termination():
     collector, agent = chain_collector(3)  # V(x) = 3x + 1, obs x = t/3
-    r = collector.collect()
+    r, _ = collect_replayed(collector)
     d = r.data
     assert d.batch_size == torch.Size([6, 2])
     assert_column(d, "observation", [0, 1 / 3, 2 / 3, 1.0, 0, 1 / 3])  # row 3: final obs
@@ -101,9 +101,11 @@ def test_fixed_rollout_with_termination():
     assert r.episode_returns == [6.0, 6.0] and r.episode_lengths == [3, 3]
     assert r.env_steps == 12
 
-    # Fixed mode carries env state, episode return and length across rollouts.
+    # Fixed mode carries env state, episode return and length across rollouts. Without a
+    # forward the policy runs without a graph: the same rows, nothing attached.
     r2 = collector.collect()
     d2 = r2.data
+    assert not any(d2[k].requires_grad for k in ("log_prob", "entropy", "value"))
     assert_column(d2, "observation", [2 / 3, 1.0, 0, 1 / 3, 2 / 3, 1.0])
     assert_column(d2, "reward", [3, 0, 1, 2, 3, 0])
     assert_column(d2, "terminated", [T_, F_, F_, F_, T_, F_])
@@ -151,7 +153,7 @@ def test_fixed_rollout_with_truncation():
 )
 def test_gae_hand_values_and_no_gradient_to_invalid_rows(length, max_steps, w, advantages, returns):
     collector, _ = chain_collector(length, max_episode_steps=max_steps, w=w)
-    d = collector.collect().data
+    d = collect_replayed(collector)[0].data
     valid = d["valid"]
     n_valid = valid.sum().item()
     assert n_valid == 10
@@ -186,7 +188,7 @@ def test_episode_mode_restarts_masks_and_stops_early():
     agent = LinearValueAgent(envs.single_observation_space, envs.single_action_space)
     collector = Collector(envs, agent, num_steps=10, mode="episode", seed=0)
     for _ in range(2):  # the second rollout restarts every env (env 0 was mid-episode)
-        r = collector.collect()
+        r, _ = collect_replayed(collector)
         d = r.data
         assert d.batch_size == torch.Size([4, 2])  # stopped when env 1 finished, not at 10
         assert torch.equal(d["valid"][:, 0], torch.tensor([T_, T_, F_, F_]))
@@ -235,7 +237,7 @@ def gru_collector(length, num_steps, bptt_truncate=None, num_envs=2):
 
 def grad_to_h0(length, num_steps, bptt_truncate, row):
     collector, agent, h0 = gru_collector(length, num_steps, bptt_truncate)
-    d = collector.collect().data
+    d = collect_replayed(collector)[0].data
     loss = d["value"][row].sum() + d["log_prob"][row].sum()
     loss.backward()
     param_grad = sum(p.grad.abs().sum() for p in agent.parameters() if p.grad is not None)
@@ -298,7 +300,9 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
 
     collector.collect()  # a second rollout starts mid-episode with a carried state
     start_state = collector._state.clone()
-    rollout = collector.collect()
+    rollout, accumulator = collect_replayed(collector)
+    assert set(rollout.start_state.keys()) == set(start_state.keys())
+    assert all(torch.equal(rollout.start_state[k], start_state[k]) for k in start_state.keys())
     d = rollout.data
     assert d.batch_size == torch.Size([16, 4])
     # The rollout crosses episode ends of both kinds.
@@ -307,7 +311,7 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
     agent.zero_grad(set_to_none=True)
     terms = A2C.loss(d, loss_cfg)
     total_loss(terms).backward()
-    assert rollout.accumulator.blocks_replayed == 16
+    assert accumulator.blocks_replayed == 16
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
     final_state = collector._state
 
@@ -361,7 +365,7 @@ def test_box_and_multidiscrete_actions(kind):
         action_shape = (2,)
     agent = MLPAgent(envs.single_observation_space, envs.single_action_space, hidden_sizes=(8,))
     collector = Collector(envs, agent, num_steps=6, seed=0)
-    d = collector.collect().data
+    d = collect_replayed(collector)[0].data
     assert d["log_prob"].shape == (6, 3)
     assert d["entropy"].shape == (6, 3)
     assert d["action"].shape == (6, 3, *action_shape)

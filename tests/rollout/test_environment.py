@@ -10,7 +10,7 @@ import numpy as np
 import obs_envs  # noqa: F401  (registers test/DictObs-v0, test/TupleObs-v0, test/ImageObs-v0)
 import pytest
 import torch
-from conftest import assert_grads_match
+from conftest import assert_grads_match, collect_replayed
 from tensordict import TensorDict
 from test_collector import plain_autograd_update
 
@@ -243,7 +243,7 @@ def test_replay_parity_with_dict_observation():
     collector = Collector(envs, agent, num_steps=8, seed=2)
     collector.collect()  # start the measured rollout mid-episode with a carried state
     start_state = collector._state.clone()
-    rollout = collector.collect()
+    rollout, _ = collect_replayed(collector)
     d = rollout.data
     assert isinstance(d["observation"], TensorDict) and d["observation"].batch_size == torch.Size([8, 3])
     assert d["observation", "nested", "code"].shape == (8, 3, 5)
@@ -265,9 +265,9 @@ def test_uint8_images_are_saved_as_uint8():
         torch.manual_seed(0)
         envs = make_vector_env("test/ImageObs-v0", N, kwargs={"dtype": dtype})
         agent = MLPAgent(envs.single_observation_space, envs.single_action_space, hidden_sizes=(8,))
-        rollout = Collector(envs, agent, num_steps=T, seed=0).collect()
+        rollout, accumulator = collect_replayed(Collector(envs, agent, num_steps=T, seed=0))
         assert rollout.data["observation"].dtype == getattr(torch, dtype)
-        saved[dtype] = rollout.accumulator.saved_bytes
+        saved[dtype] = accumulator.saved_bytes
         envs.close()
     pixels = T * N * 8 * 8 * 3
     # Same blocks except the observation: 1 byte per pixel instead of 4.
@@ -312,7 +312,7 @@ def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
     envs = make_vector_env("CartPole-v1", 3, wrappers=[{"target": t} for t in wrappers])
     agent = MLPAgent(envs.single_observation_space, envs.single_action_space, hidden_sizes=[8])
     collector = Collector(envs, agent, num_steps=40, seed=0)
-    rollout = collector.collect(graph=False)
+    rollout = collector.collect()
     assert rollout.episode_returns, "40 random steps end some CartPole episode"
     assert rollout.episode_returns == [float(n) for n in rollout.episode_lengths]
     # The rewards the loss sees are rescaled: without the raw statistics the returns would differ.

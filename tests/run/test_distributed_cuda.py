@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import run_ranks
-from conftest import assert_grads_match
+from conftest import assert_grads_match, collect_replayed
 from test_distributed_train import clean_name, plain_rollout_grads
 
 pytestmark = [
@@ -61,9 +61,9 @@ def offload_parity_worker(
         assert model.cpu_offload.offload_params is cpu_offload
         torch.manual_seed(1)
         collector = Collector(envs, model, num_steps=STEPS, device=device, seed=100)
-        rollout = collector.collect()
+        rollout, accumulator = collect_replayed(collector)
         total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
-        assert rollout.accumulator.blocks_replayed == STEPS
+        assert accumulator.blocks_replayed == STEPS
         # One rank (NO_SHARD): the original parameters' .grad hold the full gradients
         # (in host memory under CPU offload).
         fsdp = {

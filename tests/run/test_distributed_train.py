@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch
 from _dist import free_port, run_ranks
-from conftest import assert_grads_match
+from conftest import assert_grads_match, collect_replayed
 from tensordict import TensorDict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,9 +107,9 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         assert len(FSDP.fsdp_modules(model)) > 1, "auto-wrap made no inner units"
         torch.manual_seed(1 + rank)  # action sampling differs per rank
         collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank)
-        rollout = collector.collect()
+        rollout, accumulator = collect_replayed(collector)
         total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
-        assert rollout.accumulator.blocks_replayed == PARITY_STEPS
+        assert accumulator.blocks_replayed == PARITY_STEPS
         with FSDP.summon_full_params(model, with_grads=True):
             fsdp = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
         data = rollout.data.detach()
