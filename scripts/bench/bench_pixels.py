@@ -38,8 +38,7 @@ import numpy as np
 import torch
 from _bench_common import MemoryMeter, describe_machine, set_threads, worker_cli
 from _bench_report import fmt_bytes
-from bench_ppo import bench_config, grad_check, run_update, sweep
-from tensordict import TensorDict
+from bench_ppo import bench_config, grad_check, run_update, stored_rollout, sweep
 
 PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
@@ -76,42 +75,9 @@ def build(spec: dict, T: int):
 
 def synthetic_rollout(agent, T: int, N: int, frame: tuple[int, ...], device: torch.device):
     """A stored rollout as ``Collector.collect()`` returns it: seeded uint8 frames."""
-    from rl_replay.rollout.collector import Rollout
-
     g = torch.Generator().manual_seed(1234)
     observation = torch.randint(0, 256, (T, N, *frame), generator=g, dtype=torch.uint8).to(device)
-    is_first = (torch.rand(T, N, generator=g) < 1 / 200).to(device)  # episodes of ~200 steps
-    is_first[0] = True
-    start_state = agent.initial_state(N, device)
-    log_prob, value, entropy, action = [], [], [], []
-    state = start_state
-    with torch.no_grad():
-        for t in range(T):
-            out = agent(observation=observation[t], state=state, is_first=is_first[t])
-            dist = agent.distribution(out)
-            a = torch.randint(agent.action_space.n, (N,), generator=g).to(device)
-            action.append(a)
-            log_prob.append(dist.log_prob(a))
-            entropy.append(dist.entropy())
-            value.append(out["value"])
-            state = out["state"]
-    value = torch.stack(value)
-    terminated = torch.cat([is_first[1:], torch.zeros(1, N, dtype=torch.bool, device=device)])
-    data = TensorDict(
-        observation=observation,
-        is_first=is_first,
-        action=torch.stack(action),
-        log_prob=torch.stack(log_prob),
-        entropy=torch.stack(entropy),
-        value=value,
-        reward=torch.randn(T, N, generator=g).to(device),
-        terminated=terminated,
-        truncated=torch.zeros_like(is_first),
-        valid=torch.ones_like(is_first),
-        next_value=torch.cat([value[1:], torch.zeros(1, N, device=device)]),
-        batch_size=[T, N],
-    )
-    return Rollout(data, start_state, T * N)
+    return stored_rollout(agent, observation, g, device)
 
 
 # ============================================================================ worker

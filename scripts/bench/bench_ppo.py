@@ -135,27 +135,33 @@ def build_from_config(spec: dict, T: int):
 
 def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
     """A stored rollout as ``Collector.collect()`` returns it, from seeded data."""
+    g = torch.Generator().manual_seed(1234)
+    return stored_rollout(agent, torch.randn(T, N, obs_dim, generator=g), g)
+
+
+def stored_rollout(agent, observation: torch.Tensor, g: torch.Generator, device: torch.device | str = "cpu"):
+    """The (T, N) rollout of ``agent`` on ``observation`` (on ``device``) under ``no_grad``:
+    episodes of ~200 steps, random actions, rewards and start flags from ``g`` (CPU)."""
     from rl_replay.rollout.collector import Rollout
 
-    g = torch.Generator().manual_seed(1234)
-    observation = torch.randn(T, N, obs_dim, generator=g)
-    is_first = torch.rand(T, N, generator=g) < 1 / 200  # episodes of ~200 steps
+    T, N = observation.shape[:2]
+    is_first = (torch.rand(T, N, generator=g) < 1 / 200).to(device)  # episodes of ~200 steps
     is_first[0] = True
-    start_state = agent.initial_state(N)
+    start_state = agent.initial_state(N, device)
     log_prob, value, entropy, action = [], [], [], []
     state = start_state
     with torch.no_grad():
         for t in range(T):
             out = agent(observation=observation[t], state=state, is_first=is_first[t])
             dist = agent.distribution(out)
-            a = torch.randint(agent.action_space.n, (N,), generator=g)
+            a = torch.randint(agent.action_space.n, (N,), generator=g).to(device)
             action.append(a)
             log_prob.append(dist.log_prob(a))
             entropy.append(dist.entropy())
             value.append(out["value"])
             state = out["state"]
     value = torch.stack(value)
-    terminated = torch.cat([is_first[1:], torch.zeros(1, N, dtype=torch.bool)])
+    terminated = torch.cat([is_first[1:], torch.zeros_like(is_first[:1])])
     data = TensorDict(
         observation=observation,
         is_first=is_first,
@@ -163,11 +169,11 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
         log_prob=torch.stack(log_prob),
         entropy=torch.stack(entropy),
         value=value,
-        reward=torch.randn(T, N, generator=g),
+        reward=torch.randn(T, N, generator=g).to(device),
         terminated=terminated,
-        truncated=torch.zeros(T, N, dtype=torch.bool),
-        valid=torch.ones(T, N, dtype=torch.bool),
-        next_value=torch.cat([value[1:], torch.zeros(1, N)]),
+        truncated=torch.zeros_like(is_first),
+        valid=torch.ones_like(is_first),
+        next_value=torch.cat([value[1:], torch.zeros_like(value[:1])]),
         batch_size=[T, N],
     )
     return Rollout(data, start_state, T * N)
