@@ -45,7 +45,8 @@ def _children(space: gym.Space) -> list[tuple[str, gym.Space]]:
     """(key, subspace) in the fixed order used everywhere: Dict order, Tuple index."""
     if isinstance(space, gym.spaces.Dict):
         return [(str(k), s) for k, s in space.spaces.items()]
-    return [(str(i), s) for i, s in enumerate(space.spaces)]  # type: ignore[attr-defined]
+    assert isinstance(space, gym.spaces.Tuple), space
+    return [(str(i), s) for i, s in enumerate(space.spaces)]
 
 
 def check_observation_space(space: gym.Space, who: str = "rl_replay") -> None:
@@ -88,29 +89,28 @@ def usable_keys(space: gym.Space, selected: list[str] | None = None) -> tuple[li
     the space lacks or cannot convert, a selection on a space that is not a Dict, and a space
     with nothing usable.
     """
-    is_dict = isinstance(space, gym.spaces.Dict)
     if selected:
-        if not is_dict:
+        if not isinstance(space, gym.spaces.Dict):
             raise SetupError(
                 f"env.observation_keys {selected} selects keys of a Dict observation, but the "
                 f"observation space is {space}; remove env.observation_keys."
             )
-        keys = [str(k) for k in space.spaces]  # type: ignore[attr-defined]
+        keys = [str(k) for k in space.spaces]
         missing = [k for k in selected if k not in keys]
         if missing:
             raise SetupError(f"env.observation_keys: {missing} not in the observation space's keys {keys}.")
-        bad = [k for k in selected if not _is_usable(space.spaces[k])]  # type: ignore[attr-defined]
+        bad = [k for k in selected if not _is_usable(space.spaces[k])]
         if bad:
             raise SetupError(
-                f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "  # type: ignore[attr-defined]
-                f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}."  # type: ignore[attr-defined]
+                f"env.observation_keys: {bad} are not tensor spaces ({space.spaces[bad[0]]}); "
+                f"choose among {[k for k in keys if _is_usable(space.spaces[k])]}."
             )
         return list(selected), [k for k in keys if k not in selected]
     if _is_usable(space):
         return None
-    if is_dict:
-        kept = [str(k) for k, sub in space.spaces.items() if _is_usable(sub)]  # type: ignore[attr-defined]
-        dropped = [str(k) for k in space.spaces if str(k) not in kept]  # type: ignore[attr-defined]
+    if isinstance(space, gym.spaces.Dict):
+        kept = [str(k) for k, sub in space.spaces.items() if _is_usable(sub)]
+        dropped = [str(k) for k in space.spaces if str(k) not in kept]
         if kept:
             return kept, dropped
     raise SetupError(

@@ -119,6 +119,11 @@ class Collector:
         self._ep_return[:] = 0.0
         self._ep_length[:] = 0
 
+    def _block_inputs(self) -> TensorDict:
+        """The current step's agent inputs (after a reset)."""
+        assert self._obs is not None and self._state is not None and self._is_first is not None
+        return block_inputs(self._obs, self._state, self._is_first, self.num_envs)
+
     def _env_action(self, action: torch.Tensor) -> np.ndarray:
         a = action.cpu().numpy()
         if self._box:
@@ -132,7 +137,7 @@ class Collector:
         The collector forgets them: the first :meth:`collect` resets with the same seed.
         """
         self._reset(self.seed)
-        inputs = block_inputs(self._obs, self._state, self._is_first, self.num_envs)  # type: ignore[arg-type]
+        inputs = self._block_inputs()
         self._obs = self._state = self._is_first = None
         return inputs
 
@@ -168,7 +173,7 @@ class Collector:
         returns, lengths, successes = [], [], []
         env_steps = 0
         for t in range(self.num_steps):
-            inputs = block_inputs(self._obs, self._state, self._is_first, N)  # type: ignore[arg-type]
+            inputs = self._block_inputs()
             out = forward(inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
@@ -224,7 +229,7 @@ class Collector:
                 break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
-            bootstrap = self.agent(**block_inputs(self._obs, self._state, self._is_first, N))["value"]  # type: ignore[arg-type]
+            bootstrap = self.agent(**self._block_inputs())["value"]
         self._state = self._state.detach()  # type: ignore[union-attr]
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]
