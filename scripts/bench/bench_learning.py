@@ -154,7 +154,7 @@ def gradient_check(trainer) -> tuple[float, float]:
     loss = trainer.algorithm.loss
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    rollout = trainer.algorithm.collect()  # as the trainer's update attaches it (collector.block_steps)
+    rollout, _ = trainer.algorithm.collect()  # as the trainer's update attaches it (collector.block_steps)
     total_loss(loss(rollout.data, trainer.cfg.loss)).backward()
     replayed = grad_snapshot(model)
     model.zero_grad(set_to_none=True)
