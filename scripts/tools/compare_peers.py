@@ -183,6 +183,7 @@ def build_callback(metrics_path: Path, window: int = 100):
             record.update(update_memory(self.model.device))
             record["time/steps_per_sec"] = (self.num_timesteps - self.last_steps) / (now - self.last_time)
             self.file.write(json.dumps(record) + "\n")
+            self.file.flush()  # one line per iteration on disk: a long run can be watched, a killed one keeps its rows
             self.last_time, self.last_steps = now, self.num_timesteps
             self.episodes = self.judged = self.success = 0
 

@@ -1,8 +1,12 @@
 """Summarise learning curves from ``metrics.jsonl`` files (the trainer's or compare_peers.py's).
 
 For each run directory (or metrics file) prints: env steps at which the mean of
-``--key`` over the last ``--window`` records first reached ``--threshold``, that
-windowed mean at the end, the median env steps/s and the peak RSS.
+``--key`` over the last ``--window`` records first reached ``--threshold``, the update
+time to that record, that windowed mean at the end, the median env steps/s and the peak RSS.
+
+The update time is each record's env steps over its ``time/steps_per_sec``, summed: the
+trainer's rows and compare_peers.py's rows both give their iteration's rate, so the two
+are read on one clock (process start-up and the trainer's evaluation episodes left out).
 
     python scripts/tools/summarize_curve.py runs/probe_lru128 runs/peer_memory128
     python scripts/tools/summarize_curve.py RUN1 RUN2 RUN3 --key rollout/return_recent --threshold 475 --window 1
@@ -36,21 +40,26 @@ def load(path: str | Path) -> list[dict]:
 def summarize(
     records: list[dict], key: str = "rollout/success_rate", threshold: float = 0.95, window: int = 10
 ) -> dict:
-    """``steps_to_threshold`` (None if never), ``final`` windowed mean, ``env_steps``,
-    ``steps_per_sec`` (median) and ``peak_rss_mib``."""
+    """``steps_to_threshold`` and ``seconds_to_threshold`` (None if never), ``final`` windowed
+    mean, ``env_steps``, ``steps_per_sec`` (median) and ``peak_rss_mib``."""
     values, reached, final = [], None, None
+    seconds, reached_seconds, last_steps = 0.0, None, 0
     for r in records:
+        if r.get("time/steps_per_sec"):  # this record's env steps at its own rate
+            seconds += (r["env_steps"] - last_steps) / r["time/steps_per_sec"]
+            last_steps = r["env_steps"]
         if r.get(key) is None:  # absent, or null (no episode ended in that update)
             continue
         values.append(r[key])
         if len(values) >= window:
             final = sum(values[-window:]) / window
             if reached is None and final >= threshold:
-                reached = r["env_steps"]
+                reached, reached_seconds = r["env_steps"], seconds
     sps = [r["time/steps_per_sec"] for r in records if "time/steps_per_sec" in r]
     rss = [r["memory/peak_rss_bytes"] for r in records if "memory/peak_rss_bytes" in r]
     return {
         "steps_to_threshold": reached,
+        "seconds_to_threshold": reached_seconds if reached is not None and last_steps else None,
         "final": final,
         "env_steps": records[-1]["env_steps"] if records else 0,
         "steps_per_sec": statistics.median(sps) if sps else None,
@@ -121,10 +130,10 @@ def main(argv=None) -> int:
     if args.window < 1:
         parser.error("--window must be >= 1")
     print(
-        f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | final | "
-        "env steps run | env steps/s | peak RSS MiB |"
+        f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | update time to it | "
+        "final | env steps run | env steps/s | peak RSS MiB |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|")
     reached = []
     for run in args.runs:
         s = summarize(load(run), args.key, args.threshold, args.window)
@@ -132,6 +141,7 @@ def main(argv=None) -> int:
         fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
         print(
             f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
+            f"{'n/a' if s['seconds_to_threshold'] is None else format(s['seconds_to_threshold'] / 60, '.1f') + ' min'} | "
             f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
             f"{fmt(s['peak_rss_mib'], '.0f')} |"
         )

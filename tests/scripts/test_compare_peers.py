@@ -196,7 +196,10 @@ def test_summarize_curve_steps_to_threshold(tmp_path):
     # Windowed means: 0.5, 0.75, 1.0 (at 400 steps) ... 0.9, 0.9, 1.0
     assert s["steps_to_threshold"] == 400 and s["final"] == 1.0 and s["env_steps"] == 700
     assert s["peak_rss_mib"] == 7 and s["steps_per_sec"] == 40.0
-    assert summarize(load(tmp_path), window=2, threshold=1.1)["steps_to_threshold"] is None
+    # Update time to it: 100 steps at 10, 20, 30 and 40 steps/s (the record without a rate adds nothing).
+    assert s["seconds_to_threshold"] == pytest.approx(10 + 5 + 100 / 30 + 2.5)
+    never = summarize(load(tmp_path), window=2, threshold=1.1)
+    assert never["steps_to_threshold"] is None and never["seconds_to_threshold"] is None
 
 
 def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsys):
@@ -215,7 +218,7 @@ def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsy
         runs.append(str(run))
     assert main([*runs, "--key", "rollout/return_recent", "--threshold", "475", "--window", "1"]) == 0
     out = capsys.readouterr().out
-    assert "| 3,000 |" in out and "not reached" in out
+    assert "| 3,000 | n/a |" in out and "not reached" in out  # no time/steps_per_sec: no update time
     assert "median env steps to threshold over 3 runs: 3,000" in out
 
 

@@ -2,13 +2,15 @@
 
 The dry run exercises every step of the GPU validation except CUDA itself: installing
 wheels from a folder into a temporary site directory, collecting the CUDA tests, a
-training run through scripts/train.py under torchrun (FSDP1 at one rank, gloo) and
-bench_memory at a tiny size, and the results file those steps write.
+training run through scripts/train.py under torchrun (FSDP1 at one rank, gloo),
+bench_pixels --smoke (its checks live here: one run of it serves both), bench_memory at a
+tiny size, and the results file those steps write.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -107,6 +109,17 @@ def test_dry_run(tmp_path):
     ):
         assert step in results, results
     assert (out / "bench_memory.json").exists()
+    # bench_pixels --smoke (the CNN + GRU update on uint8 frames) ran both ways, bit-identical to plain
+    # autograd, and printed its summary lines (no timing or memory assertions).
+    pixels = (out / "bench_pixels.txt").read_text()
+    assert "gradient check: worst abs diff 0.000e+00, worst rel diff 0.000e+00" in pixels, pixels
+    for T in (8, 16):
+        for method in ("plain", "rl_replay"):
+            assert re.search(rf"T={T}\s+{method}\s+peak RSS growth", pixels), (T, method, pixels)
+        assert f"summary T={T}: peak RSS growth rl_replay/plain" in pixels
+    assert "ERROR" not in pixels
+    assert re.search(r"summary rl_replay memory: .* per step .*; block inputs .* per step; ratio", pixels)
+    assert re.search(r"summary plain autograd: .* would pass 16 GiB at T=\d+ \(extrapolated", pixels)
     # The overhead table, with gradients identical in both block sizes.
     assert "Per-block overhead (scripts/bench/bench_overhead.py, CPU, tiny)" in results
     assert results.count("| configs/memory_1024.yaml | 8 | 16 |") == 2 and "| NO |" not in results
