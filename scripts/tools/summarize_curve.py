@@ -59,7 +59,7 @@ def summarize(
     rss = [r["memory/peak_rss_bytes"] for r in records if "memory/peak_rss_bytes" in r]
     return {
         "steps_to_threshold": reached,
-        "seconds_to_threshold": reached_seconds if reached is not None and last_steps else None,
+        "seconds_to_threshold": reached_seconds if last_steps else None,  # None: no record had a rate
         "final": final,
         "env_steps": records[-1]["env_steps"] if records else 0,
         "steps_per_sec": statistics.median(sps) if sps else None,
