@@ -92,7 +92,7 @@ def main() -> int:
             print(f"| {config} | error: {r['error']} | | | |", flush=True)
             continue
         print(
-            f"| {config} | {r['env_steps_per_sec']:.0f} | {r['collect_sec']:.2f} | {r['optimize_sec']:.2f} "
+            f"| {config} | {r['env_steps_per_sec']:.0f} | {r['collect_sec']:.3g} | {r['optimize_sec']:.3g} "
             f"| {r['process_sec']:.0f} |",
             flush=True,
         )

@@ -114,7 +114,14 @@ def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent, block
         assert rollout.start_state["h"].abs().sum() > 0
     metrics, _ = algo.optimize(rollout)
     assert len(recorder.grads) == 1 and metrics["train/epochs_run"] == 1
-    assert metrics["train/approx_kl"] == 0 and metrics["train/clipfrac"] == 0  # ratio 1
+    assert metrics["train/clipfrac"] == 0
+    if block_steps == 1:
+        assert metrics["train/approx_kl"] == 0  # the collector's call, replayed: ratio exactly 1
+    else:
+        # A block is one call over 7 steps' rows where the collector made one call per step; the
+        # math library may round a matmul differently by its row count (seen with MKL: the GRU on
+        # AVX-512, the MLP with AVX2 forced), so the ratio is 1 up to float rounding, not bit for bit.
+        assert abs(metrics["train/approx_kl"]) < 1e-7
     expected = plain_ppo_grads(reference, rollout, cfg)
     names = [n for n, _ in model.named_parameters()]
     assert all(g.abs().sum() > 0 for g in expected)

@@ -228,3 +228,4 @@ def test_bench_configs_prints_a_row_per_config(tmp_path):
     assert float(cells[1]) > 0 and float(cells[2]) >= 0 and float(cells[3]) > 0
     result = json.loads((tmp_path / "r.json").read_text())[0]
     assert result["updates"] == 2 and result["env_steps_per_sec"] > 0
+    assert result["collect_sec"] > 0 and result["optimize_sec"] > 0
