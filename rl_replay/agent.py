@@ -32,7 +32,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from rl_replay.errors import SetupError
+from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.registry import AGENTS
 from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
 from rl_replay.targets import canonical_target, resolve
@@ -280,7 +280,7 @@ def load_agent_class(target: str) -> type[Agent]:
     (``gru``) or an import path ``package.module:ClassName``."""
     cls = resolve(target, "agent.target", AGENTS)
     if not (isinstance(cls, type) and issubclass(cls, Agent)):
-        raise SetupError(f"agent.target '{target}' is {cls!r}, not a subclass of rl_replay.Agent.")
+        raise SetupError(f"agent.target {shown(target)} is {shown(cls)}, not a subclass of rl_replay.Agent.")
     return cls
 
 
@@ -296,4 +296,6 @@ def build_agent(target: str, kwargs: dict[str, Any], observation_space, action_s
     try:
         return cls(observation_space, action_space, **kwargs)
     except TypeError as exc:
-        raise SetupError(f"agent.target '{target}' rejected agent.kwargs {kwargs}: {exc}") from None
+        raise SetupError(
+            f"agent.target {shown(target)} rejected agent.kwargs {shown(kwargs)}: {one_line(str(exc))[:300]}"
+        ) from None

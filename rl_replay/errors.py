@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+import reprlib
 import signal
 
 from rl_replay.engine.errors import ReplayError
@@ -24,7 +25,42 @@ __all__ = [
     "NonFiniteError",
     "RunWriteError",
     "TrainingInterrupted",
+    "one_line",
+    "shown",
 ]
+
+# Bidirectional-text controls reorder what a terminal shows (U+202E turns text around).
+_BIDI = {*range(0x202A, 0x202F), *range(0x2066, 0x206A)}
+
+
+def one_line(text: str) -> str:
+    """``text`` with control characters escaped (``\\n``, ``\\x1b``...): one line that a
+    terminal prints as it is. Text from a run directory can carry escape sequences that
+    would recolour, retitle or overwrite the user's terminal."""
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if code < 0x20 or 0x7F <= code < 0xA0 or code in _BIDI:
+            out.append(ch.encode("unicode_escape").decode("ascii") if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxdict, _REPR.maxlist, _REPR.maxtuple = 3, 6, 6, 6
+_REPR.maxstring, _REPR.maxother, _REPR.maxlong = 80, 80, 40
+_SHOWN_MAX = 240
+
+
+def shown(value: object) -> str:
+    """``repr(value)`` shortened and on one line, for error messages that quote foreign values.
+
+    Bounded whatever ``value`` is: a nested structure that shares its parts (a YAML alias bomb)
+    is cut at a few levels and items instead of being expanded.
+    """
+    text = one_line(_REPR.repr(value))
+    return text if len(text) <= _SHOWN_MAX else text[: _SHOWN_MAX - 3] + "..."
 
 
 class SetupError(ValueError):

@@ -6,7 +6,16 @@ Precedence when loading: dataclass defaults < YAML file < command-line overrides
     cfg = load_config("configs/memory_gru.yaml", ["optim.lr=3e-4", "env.kwargs.delay=32"])
 """
 
-from rl_replay.config.loader import config_from_dict, config_to_dict, load_config, save_config, type_name, validate
+from rl_replay.config.loader import (
+    config_from_dict,
+    config_to_dict,
+    dump_config,
+    load_config,
+    loads_config,
+    save_config,
+    type_name,
+    validate,
+)
 from rl_replay.config.schema import (
     ALGORITHM_NAMES,
     AgentConfig,
@@ -25,6 +34,8 @@ from rl_replay.config.schema import (
 )
 
 __all__ = [
+    "dump_config",
+    "loads_config",
     "ALGORITHM_NAMES",
     "AgentConfig",
     "CheckpointConfig",

@@ -21,6 +21,7 @@ import dataclasses
 import math
 import os
 import re
+import stat
 import tempfile
 import types
 import typing
@@ -31,9 +32,19 @@ import yaml
 
 from rl_replay._compat import translate_norm_adv
 from rl_replay.config.schema import ALGORITHM_NAMES, Config
+from rl_replay.errors import one_line, shown
 from rl_replay.targets import canonical_target, is_short_name, parse_target
 
-__all__ = ["load_config", "config_from_dict", "config_to_dict", "save_config", "validate", "type_name"]
+__all__ = [
+    "load_config",
+    "loads_config",
+    "dump_config",
+    "config_from_dict",
+    "config_to_dict",
+    "save_config",
+    "validate",
+    "type_name",
+]
 
 # --------------------------------------------------------------------------------------
 # Validation tables (dotted key -> constraint)
@@ -81,12 +92,47 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
 
 
 # --------------------------------------------------------------------------------------
-# YAML: safe loader that also reads 1e-3 as a float (PyYAML's YAML 1.1 resolver needs a dot)
+# YAML: a safe loader that also reads 1e-3 as a float (PyYAML's YAML 1.1 resolver needs a
+# dot), refuses a key given twice in one mapping (YAML would keep the last silently) and
+# refuses anchors and aliases (a config has no use for them, and a few of them nest into a
+# structure that grows exponentially when printed).
 # --------------------------------------------------------------------------------------
 
 
+class ConfigYAMLError(yaml.YAMLError):
+    """A config's YAML is well-formed but not accepted (a duplicate key, an anchor or alias)."""
+
+
 class _Loader(yaml.SafeLoader):
-    pass
+    def compose_node(self, parent, index):
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise ConfigYAMLError(
+                f"line {event.start_mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
+                "accepted in a config; write the value out"
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, str] = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                mark = key_node.start_mark
+                where = f"{mark.line + 1}"
+                try:
+                    first = seen.get(key)
+                except TypeError:  # an unhashable key: the constructor below names it
+                    continue
+                if first is not None:
+                    if first == where:  # both on one line: {a: 1, a: 2}
+                        first, where = f"{first} column {seen[key, 'column']}", f"{where} column {mark.column + 1}"
+                    raise ConfigYAMLError(
+                        f"key {shown(key)} is given twice in one mapping (lines {first} and {where}); "
+                        "keep one (YAML would silently use the last)"
+                    )
+                seen[key], seen[key, "column"] = where, str(mark.column + 1)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -105,6 +151,17 @@ _Loader.add_implicit_resolver(
 
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error on one line: what is wrong and where (PyYAML's own text spans several lines
+    and quotes the source)."""
+    if isinstance(exc, ConfigYAMLError):
+        return str(exc)
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
+    return where + one_line(" ".join(str(problem).split()))[:200]
 
 
 # --------------------------------------------------------------------------------------
@@ -162,18 +219,25 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
         if isinstance(value, container):
             return container(value)  # shallow copy; elements are not checked
     raise ValueError(
-        f"Invalid type for config key '{key}': expected {type_name(tp)}, got {type(value).__name__} {value!r}"
+        f"Invalid type for config key '{key}': expected {type_name(tp)}, got {type(value).__name__} {shown(value)}"
     )
+
+
+def _key_text(key: Any) -> str:
+    """A key as it appears in a message: a file's key may be anything (long, odd characters)."""
+    return one_line(key) if isinstance(key, str) and len(key) <= 80 else shown(key)
 
 
 def _unknown_key(key: str, section: str | None, valid: Sequence[str]) -> ValueError:
     where = f"in '{section}'" if section else "at top level"
-    return ValueError(f"Unknown config key '{key}'. Valid keys {where}: {', '.join(valid)}")
+    return ValueError(f"Unknown config key '{_key_text(key)}'. Valid keys {where}: {', '.join(valid)}")
 
 
 def _unknown_section(name: str, key: str) -> ValueError:
     sections = [k for k, tp in _hints(Config).items() if _is_section(tp)]
-    return ValueError(f"Unknown config section '{name}' (in '{key}'). Valid sections: {', '.join(sections)}")
+    return ValueError(
+        f"Unknown config section '{_key_text(name)}' (in '{_key_text(key)}'). Valid sections: {', '.join(sections)}"
+    )
 
 
 # --------------------------------------------------------------------------------------
@@ -183,7 +247,7 @@ def _unknown_section(name: str, key: str) -> ValueError:
 
 def _build(cls: type, data: Any, prefix: str) -> Any:
     if not isinstance(data, Mapping):
-        raise ValueError(f"Config section '{prefix}' must be a mapping, got {type(data).__name__} {data!r}")
+        raise ValueError(f"Config section '{prefix}' must be a mapping, got {type(data).__name__} {shown(data)}")
     names = [f.name for f in dataclasses.fields(cls)]
     for k in data:
         if k not in names:
@@ -223,12 +287,12 @@ def validate(cfg: Config) -> Config:
     for key, value, tp in _iter_leaves(cfg):
         _check_value(key, value, tp)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"Non-finite value for config key '{key}': {value!r} (must be a finite number)")
+            raise ValueError(f"Non-finite value for config key '{key}': {shown(value)} (must be a finite number)")
         values[key] = value
     for key, allowed in _CHOICES.items():
         if values[key] not in allowed:
-            shown = ", ".join("null" if a is None else str(a) for a in allowed)
-            raise ValueError(f"Invalid value for config key '{key}': {values[key]!r}. Allowed: {shown}")
+            choices = ", ".join("null" if a is None else str(a) for a in allowed)
+            raise ValueError(f"Invalid value for config key '{key}': {shown(values[key])}. Allowed: {choices}")
     for key, (lo, lo_inc, hi, hi_inc) in _RANGES.items():
         v = values[key]
         if v is None:
@@ -241,7 +305,7 @@ def validate(cfg: Config) -> Config:
         if not ok or (isinstance(v, float) and math.isnan(v)):
             lo_s = "" if lo is None else f"{lo} {'<=' if lo_inc else '<'} "
             hi_s = "" if hi is None else f" {'<=' if hi_inc else '<'} {hi}"
-            raise ValueError(f"Out of range value for config key '{key}': {v!r} (must be {lo_s}{key}{hi_s})")
+            raise ValueError(f"Out of range value for config key '{key}': {shown(v)} (must be {lo_s}{key}{hi_s})")
     if not is_short_name(cfg.agent.target):  # a short name is looked up when the agent is built
         _check_target("agent.target", cfg.agent.target, "(expected a built-in name such as 'gru', or 'module:Class')")
     _check_str_list("env.imports", cfg.env.imports)
@@ -251,15 +315,15 @@ def validate(cfg: Config) -> Config:
         key = f"env.wrappers[{i}]"
         form = "(expected {target: 'module:Class', kwargs: {...}})"
         if not isinstance(spec, Mapping):
-            raise ValueError(f"Invalid value for config key '{key}': {spec!r} {form}")
+            raise ValueError(f"Invalid value for config key '{key}': {shown(spec)} {form}")
         unknown = sorted(set(spec) - {"target", "kwargs"})
         if unknown:
-            raise ValueError(f"Unknown key {unknown[0]!r} in config key '{key}': {form}")
+            raise ValueError(f"Unknown key {shown(unknown[0])} in config key '{key}': {form}")
         if not isinstance(spec.get("target"), str) or not spec["target"]:
             raise ValueError(f"Config key '{key}.target' must be a string 'module:Class' {form}")
         _check_target(f"{key}.target", spec["target"], form)
         if not isinstance(spec.get("kwargs") or {}, Mapping):
-            raise ValueError(f"Config key '{key}.kwargs' must be a mapping, got {spec['kwargs']!r}")
+            raise ValueError(f"Config key '{key}.kwargs' must be a mapping, got {shown(spec['kwargs'])}")
     if cfg.loss.algorithm == "ppo":
         _validate_ppo(cfg)
     if cfg.distributed.wrap_modules and cfg.distributed.min_num_params is not None:
@@ -285,13 +349,13 @@ def _check_target(key: str, value: str, form: str) -> None:
     try:
         parse_target(value, key)
     except ValueError:
-        raise ValueError(f"Invalid value for config key '{key}': {value!r} {form}") from None
+        raise ValueError(f"Invalid value for config key '{key}': {shown(value)} {form}") from None
 
 
 def _check_str_list(key: str, value: list) -> None:
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item:
-            raise ValueError(f"Invalid value for config key '{key}[{i}]': {item!r} (expected a non-empty string)")
+            raise ValueError(f"Invalid value for config key '{key}[{i}]': {shown(item)} (expected a non-empty string)")
 
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
@@ -325,7 +389,9 @@ def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
             if v is None:  # a section with every key commented out
                 continue
             if not isinstance(v, Mapping):
-                raise ValueError(f"Config section '{k}' in {path!r} must be a mapping, got {type(v).__name__} {v!r}")
+                raise ValueError(
+                    f"Config section '{k}' in {path!r} must be a mapping, got {type(v).__name__} {shown(v)}"
+                )
             section_names = list(_hints(hints[k]))
             for sk, sv in v.items():
                 if sk not in section_names:
@@ -340,19 +406,19 @@ _OVERRIDE_FORM = "expected 'section.key=value' (or 'key=value' for a top-level k
 
 def _apply_override(data: dict[str, Any], override: str) -> None:
     if not isinstance(override, str) or "=" not in override:
-        raise ValueError(f"Malformed override {override!r}: {_OVERRIDE_FORM}")
+        raise ValueError(f"Malformed override {shown(override)}: {_OVERRIDE_FORM}")
     key, raw = override.split("=", 1)
     key = key.strip()
     parts = key.split(".")
     if not key or any(not p for p in parts):
-        raise ValueError(f"Malformed override {override!r}: {_OVERRIDE_FORM}")
+        raise ValueError(f"Malformed override {shown(override)}: {_OVERRIDE_FORM}")
     try:
         value = _yaml_load(raw)
     except yaml.YAMLError as e:
-        raise ValueError(f"Cannot parse value of override {override!r} as YAML: {e}") from None
+        raise ValueError(f"Cannot parse value of override {shown(override)} as YAML: {_yaml_problem(e)}") from None
 
     if key == "ppo.norm_adv":  # retired: read as in a file (see rl_replay._compat.translate_norm_adv)
-        _merge_file(data, {"ppo": {"norm_adv": value}}, f"override {override!r}")
+        _merge_file(data, {"ppo": {"norm_adv": value}}, f"override {shown(override)}")
         return
     root = _hints(Config)
     head = parts[0]
@@ -376,7 +442,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     if _is_section(tp):  # whole section, e.g. env={id: CartPole-v1, num_envs: 4}
         if not isinstance(value, Mapping):
             raise ValueError(
-                f"Override of section '{head}' needs a mapping value, got {value!r}; "
+                f"Override of section '{head}' needs a mapping value, got {shown(value)}; "
                 f"or set one key: '{head}.<key>=value'"
             )
         _merge_file(data, {head: value}, "override")
@@ -396,7 +462,7 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
                 child = node[p] = {}
             if not isinstance(child, dict):
                 sub = ".".join([dotted, *rest[: i + 1]])
-                raise ValueError(f"Cannot set '{key}': '{sub}' is {child!r}, not a mapping")
+                raise ValueError(f"Cannot set '{key}': '{sub}' is {shown(child)}, not a mapping")
             node = child
         node[rest[-1]] = value
         return
@@ -407,6 +473,10 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     container[name] = value
 
 
+# A config is a page of YAML; a file far larger is not one (and is not read whole).
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a Config: dataclass defaults, then the YAML file (if any), then overrides.
 
@@ -414,21 +484,44 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     they were written for the file's target. ``agent.kwargs`` overrides still apply.
 
     Raises FileNotFoundError if ``path`` does not exist and ValueError for unknown keys,
-    wrong types, invalid values and malformed overrides.
+    wrong types, invalid values, malformed overrides, a key given twice in one mapping, YAML
+    anchors or aliases, and a path that is not a regular file of at most 1 MiB.
     """
+    if path is None:
+        return loads_config(None, overrides)
+    path = os.fspath(path)
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"Config file not found: {path}") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"Config file {path!r} is not a regular file; give the path of a YAML file")
+    if info.st_size > MAX_CONFIG_BYTES:
+        raise ValueError(f"Config file {path!r} is {info.st_size} bytes; a config holds at most {MAX_CONFIG_BYTES}")
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_CONFIG_BYTES + 1)
+    return loads_config(raw, overrides, source=path)
+
+
+def loads_config(text: str | bytes | None, overrides: Sequence[str] = (), *, source: str = "<config>") -> Config:
+    """:func:`load_config` of the YAML ``text`` (None: no file); ``source`` names it in errors."""
     if isinstance(overrides, str):  # a single override passed by mistake
         overrides = [overrides]
     data = config_to_dict(Config())
-    if path is not None:
-        path = os.fspath(path)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Config file not found: {path}")
-        with open(path, encoding="utf-8") as fh:
-            try:
-                loaded = _yaml_load(fh.read())
-            except yaml.YAMLError as e:
-                raise ValueError(f"Cannot parse config file {path!r} as YAML: {e}") from None
-        _merge_file(data, loaded, path)
+    if text is not None:
+        if len(text) > MAX_CONFIG_BYTES:
+            raise ValueError(f"Config {source!r} is over {MAX_CONFIG_BYTES} bytes; a config holds at most that")
+        try:
+            if isinstance(text, bytes):
+                text = text.decode("utf-8")
+            loaded = _yaml_load(text)
+        except UnicodeDecodeError as e:
+            raise ValueError(f"Config file {source!r} is not UTF-8 text (byte {e.start})") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"Cannot parse config file {source!r} as YAML: {_yaml_problem(e)}") from None
+        except RecursionError:
+            raise ValueError(f"Cannot parse config file {source!r} as YAML: it is nested too deeply") from None
+        _merge_file(data, loaded, source)
     loaded = copy.deepcopy(data)
     for ov in overrides:
         _apply_override(data, ov)
@@ -451,12 +544,18 @@ def _same_agent(a: Any, b: Any) -> bool:
     return canonical_agent_target(a) == canonical_agent_target(b)
 
 
+def dump_config(cfg: Config) -> str:
+    """``cfg`` as the YAML text :func:`save_config` writes."""
+    return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+
+
 def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
-    """Write ``cfg`` as YAML, atomically (temp file in the same directory, then os.replace)."""
+    """Write ``cfg`` as YAML, atomically (a new temporary file in the same directory, then
+    os.replace, which replaces a symlink at ``path`` rather than writing through it)."""
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
+    text = dump_config(cfg)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:

@@ -22,9 +22,9 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.config import EnvConfig
-from rl_replay.errors import SetupError
+from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.spaces import usable_keys
-from rl_replay.targets import import_module, resolve, split_env_id
+from rl_replay.targets import foreign_why, import_module, resolve, split_env_id
 
 __all__ = [
     "import_env_modules",
@@ -64,13 +64,17 @@ def resolve_env_id(env_id: str, imports: Sequence[str] = ()) -> str:
     import_env_modules(imports)
     module, env_id = split_env_id(env_id)
     if module is not None:
-        import_module(module, f"env.id '{module}:{env_id}'")
+        import_module(module, f"env.id {shown(f'{module}:{env_id}')}")
     if env_id not in gym.registry:
         stem = env_id.split("/")[-1].split("-")[0].lower()
         known = sorted(k for k in gym.registry if stem and stem in k.lower())
         hint = f" Similar ids: {', '.join(known[:8])}." if known else ""
-        raise SetupError(f"unknown environment id '{env_id}'.{hint} {_REGISTER_HINT}")
+        raise SetupError(f"unknown environment id {shown(env_id)}.{hint} {_REGISTER_HINT}")
     return env_id
+
+
+# Wrappers that write files where their kwargs say, or open windows: not from a foreign config.
+_ACTING_WRAPPERS = ("RecordVideo", "HumanRendering")
 
 
 def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env], gym.Env]]:
@@ -84,7 +88,12 @@ def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env]
         wrapper = resolve(spec["target"], what)
         # A config may come from someone else's run directory: call nothing but a wrapper class.
         if not (isinstance(wrapper, type) and issubclass(wrapper, gym.Wrapper)):
-            raise SetupError(f"{what} '{spec['target']}' is {wrapper!r}, not a gymnasium.Wrapper subclass.")
+            raise SetupError(f"{what} {shown(spec['target'])} is {shown(wrapper)}, not a gymnasium.Wrapper subclass.")
+        why = foreign_why()
+        if why is not None and wrapper.__name__ in _ACTING_WRAPPERS:
+            raise SetupError(
+                f"{what} {shown(spec['target'])} writes files or opens windows where its kwargs say; {why}"
+            )
         wrappers.append(functools.partial(wrapper, **dict(spec.get("kwargs") or {})))
     return wrappers  # type: ignore[return-value]
 
@@ -143,7 +152,9 @@ def _apply(env: gym.Env, wrappers: Sequence[Callable], specs: Sequence[Mapping[s
         try:
             env = wrapper(env)
         except Exception as exc:
-            raise SetupError(f"env.wrappers[{i}] '{specs[i]['target']}' failed on {env}: {exc}") from None
+            raise SetupError(
+                f"env.wrappers[{i}] {shown(specs[i]['target'])} failed on {shown(env)}: {one_line(str(exc))[:300]}"
+            ) from None
     return env
 
 
@@ -167,7 +178,9 @@ def make_env(
     try:
         env = gym.make(env_id, **make_kwargs)
     except TypeError as exc:
-        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+        raise SetupError(
+            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
+        ) from None
     env = _apply(_record_env_episodes(env) if loaded else env, loaded, wrappers)
     select = observation_filter(env.observation_space, observation_keys)
     return env if select is None else select(env)
@@ -206,7 +219,9 @@ def make_vector_env(
     try:
         probe = gym.make(env_id, **_make_kwargs(kwargs, max_episode_steps))
     except TypeError as exc:
-        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+        raise SetupError(
+            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
+        ) from None
     probe = _apply(probe, loaded, wrappers)
     probe.close()
     select = observation_filter(probe.observation_space, observation_keys)
@@ -223,7 +238,9 @@ def make_vector_env(
             **_make_kwargs(kwargs, max_episode_steps),
         )
     except TypeError as exc:
-        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+        raise SetupError(
+            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
+        ) from None
 
 
 def _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys):
@@ -247,7 +264,9 @@ def _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, 
             **_make_kwargs(kwargs, max_episode_steps),
         )
     except (TypeError, ValueError) as exc:
-        raise SetupError(f"environment '{env_id}' rejected env.kwargs {dict(kwargs or {})}: {exc}") from None
+        raise SetupError(
+            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
+        ) from None
 
 
 def envs_from_config(

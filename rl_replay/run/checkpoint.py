@@ -24,9 +24,12 @@ A checkpoint is two files (docs/operations.md, "Sharing runs"):
 
 Both are written the same way: to a temporary file in the same directory, fsynced, read back
 and checked, the old file kept as ``<name>.prev<suffix>`` (``checkpoint.prev.pt``), then
-renamed into place (``os.replace`` is atomic on POSIX). Loading checks size and sha256 and
-raises a one-line :class:`~rl_replay.errors.CheckpointError` naming the file for an empty,
-truncated, corrupt or foreign one; :func:`load_latest` falls back to the previous checkpoint.
+renamed into place (``os.replace`` is atomic on POSIX). Loading opens a regular file only (no
+symlink, FIFO or device: :mod:`rl_replay.run.files`), compares the file's size with the size its
+header declares *before* reading the payload, reads exactly that many bytes (refused if this
+process cannot hold them), checks the sha256 and raises a one-line
+:class:`~rl_replay.errors.CheckpointError` naming the file for an empty, truncated, padded,
+corrupt or foreign one; :func:`load_latest` falls back to the previous checkpoint.
 
 Older checkpoints (format 1, or a bare ``torch.save``) are pickles: they are refused with the
 command that converts one whose origin the user trusts (:func:`convert_legacy`).
@@ -47,8 +50,8 @@ import numpy as np
 import torch
 
 from rl_replay._compat import current_agent_keys
-from rl_replay.errors import CheckpointError
-from rl_replay.run import safe_tree, trust
+from rl_replay.errors import CheckpointError, one_line
+from rl_replay.run import files, safe_tree, trust
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -157,16 +160,16 @@ def _write_atomic(path: Path, header: bytes, data: bytes | memoryview, check: Ca
             f.flush()
             os.fsync(f.fileno())
         check(Path(tmp))  # what is on disk is what we meant to write
-        if path.exists():
+        if files.is_regular(path):  # (a symlink or other odd entry is replaced, never kept or followed)
             # Keep the current file as the previous one. A hard link leaves ``path`` in
             # place, so at every moment there is a file under the usual name.
             link = Path(tmp + ".prev")
             try:
-                os.link(path, link)
+                os.link(path, link, follow_symlinks=False)
             except OSError:  # file systems without hard links
                 import shutil
 
-                shutil.copy2(path, link)
+                shutil.copy2(path, link, follow_symlinks=False)
             os.replace(link, _previous(path))
         os.replace(tmp, path)
         _fsync_dir(path.parent)
@@ -184,15 +187,20 @@ def _fields(line: bytes, magic: bytes, shown: Path, what: str) -> dict[str, str]
         raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
 
 
-def _checked_payload(data: bytes, fields: dict[str, str], shown: Path, what: str) -> bytes:
+def _read_payload(f: Any, size: int, line: bytes, fields: dict[str, str], shown: Path, what: str) -> bytes:
+    """The payload after the header ``line`` of the open file ``f`` (``size`` bytes in all), read
+    only once the file's size matches the size the header declares, then checked by sha256."""
     try:
         digest, expected = fields["sha256"], int(fields["size"])
     except (KeyError, ValueError):
         raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
-    if len(data) != expected:
-        raise CheckpointError(
-            f"{what} {shown} is truncated or padded: {len(data)} payload bytes instead of {expected}."
-        )
+    found = size - len(line)
+    if found != expected:
+        raise CheckpointError(f"{what} {shown} is truncated or padded: {found} payload bytes instead of {expected}.")
+    files.check_affordable(expected, shown, what)
+    data = f.read(expected)
+    if len(data) != expected or f.read(1):
+        raise CheckpointError(f"{what} {shown} changed while it was read; try again.")
     if hashlib.sha256(data).hexdigest() != digest:
         raise CheckpointError(f"{what} {shown} is corrupt: its sha256 checksum does not match its contents.")
     return data
@@ -210,28 +218,29 @@ def _is_bare_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
-def _read_checkpoint_bytes(path: Path, *, shown: Path | None = None) -> bytes:
-    """The verified safetensors payload of a format-2 checkpoint."""
+def _read_checkpoint_bytes(path: Path, *, shown: Path | None = None, follow: bool = False) -> bytes:
+    """The verified safetensors payload of a format-2 checkpoint (``follow``: ``path`` was named
+    by the user and may be a symlink; a run directory's own file may not)."""
     shown = shown or path
-    if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {shown} is empty (0 bytes): it was cut off while being written.")
-    with open(path, "rb") as f:
+    with files.open_regular(path, "checkpoint", follow=follow) as (f, size):
+        if size == 0:
+            raise CheckpointError(f"checkpoint {shown} is empty (0 bytes): it was cut off while being written.")
         head = f.read(len(_MAGIC))
         if head != _MAGIC:
             if _is_bare_torch_save(head):
                 raise _legacy_error(shown, "a bare torch.save file (no header)")
             raise CheckpointError(f"{shown} is not an rl_replay checkpoint (it does not start with its header).")
         line = head + f.readline(_HEADER_MAX)
-        data = f.read()
-    version, _, rest = line[len(_MAGIC) :].partition(b" ")
-    if version == b"1":
-        raise _legacy_error(shown, "in the format-1 layout")
-    if version != str(FORMAT).encode():
-        raise CheckpointError(
-            f"checkpoint {shown} has format {version.decode(errors='replace')!r}, which this "
-            f"version of rl_replay does not read (it reads format {FORMAT}); upgrade rl_replay."
-        )
-    return _checked_payload(data, _fields(b" " + rest, b"", shown, "checkpoint"), shown, "checkpoint")
+        version, _, rest = line[len(_MAGIC) :].partition(b" ")
+        if version == b"1":
+            raise _legacy_error(shown, "in the format-1 layout")
+        if version != str(FORMAT).encode():
+            raise CheckpointError(
+                f"checkpoint {shown} has format {one_line(version.decode(errors='replace'))[:20]!r}, which this "
+                f"version of rl_replay does not read (it reads format {FORMAT}); upgrade rl_replay."
+            )
+        fields = _fields(b" " + rest, b"", shown, "checkpoint")
+        return _read_payload(f, size, line, fields, shown, "checkpoint")
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -270,19 +279,21 @@ def _decode(data: bytes, path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, *, follow: bool = False) -> dict[str, Any]:
     """Load and verify a checkpoint (a file, or a run directory's latest) onto the CPU.
 
-    Runs no code from the file. Raises FileNotFoundError if it does not exist and
-    :class:`CheckpointError` (one line, naming the file) if it is empty, truncated, corrupt,
-    not a checkpoint, or a legacy pickle (with the command that converts a trusted one).
+    Runs no code from the file. Raises FileNotFoundError if it does not exist,
+    :class:`~rl_replay.run.files.UnsafeFileError` if it is not a regular file (a symlink too,
+    unless ``follow``: a file the user named, not a run directory's) and :class:`CheckpointError`
+    (one line, naming the file) if it is empty, truncated, corrupt, not a checkpoint, or a
+    legacy pickle (with the command that converts a trusted one).
     """
     path = Path(path)
     if path.is_dir():
-        path = checkpoint_path(path)
-    if not path.exists():
+        path, follow = checkpoint_path(path), False
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"no checkpoint at {path}")
-    return _decode(_read_checkpoint_bytes(path), path)
+    return _decode(_read_checkpoint_bytes(path, follow=follow), path)
 
 
 def require(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str], needed_for: str) -> None:
@@ -334,7 +345,7 @@ def load_latest(run_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, str |
     try:
         return load_checkpoint(latest), latest, None
     except (CheckpointError, FileNotFoundError) as exc:
-        if not previous.exists():
+        if not os.path.lexists(previous):
             raise
         try:
             state = load_checkpoint(previous)
@@ -368,14 +379,13 @@ def save_env_state(pickles: list[bytes | None], run_dir: str | os.PathLike, key:
 
 def _read_env_file(path: Path, *, shown: Path | None = None) -> tuple[dict[str, str], bytes]:
     shown = shown or path
-    with open(path, "rb") as f:
+    with files.open_regular(path, "env state") as (f, size):
         head = f.read(len(_ENV_MAGIC))
         if head != _ENV_MAGIC:
             raise CheckpointError(f"env state {shown} is not an rl_replay env-state file.")
         line = head + f.readline(_HEADER_MAX)
-        data = f.read()
-    fields = _fields(line, _ENV_MAGIC, shown, "env state")
-    return fields, _checked_payload(data, fields, shown, "env state")
+        fields = _fields(line, _ENV_MAGIC, shown, "env state")
+        return fields, _read_payload(f, size, line, fields, shown, "env state")
 
 
 class EnvState:
@@ -397,7 +407,7 @@ def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust
     latest = Path(run_dir) / ENV_STATE_NAME
     problems = []
     for path in (latest, _previous(latest)):
-        if not path.exists():
+        if not os.path.lexists(path):
             continue
         try:
             fields, data = _read_env_file(path)
@@ -407,13 +417,13 @@ def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust
         if fields.get("sha256") != digest:
             continue
         mine = fields.get("key") == trust.fingerprint(key)
-        if trust.verify(data, fields.get("hmac-sha256", ""), key):
+        if trust.verify(data, fields.get("hmac-sha256", ""), key, "env-state"):
             note = None
         else:
             why = (
                 "changed after it was written (its MAC does not verify with this user's key)"
                 if mine
-                else f"written by another user or machine (signed with key {fields.get('key', '?')}, this user's "
+                else f"written by another user or machine (signed with key {one_line(fields.get('key', '?'))[:32]}, this user's "
                 f"is {trust.fingerprint(key)} in {trust.secret_path()})"
             )
             if not trust_file:
@@ -461,7 +471,9 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
     raw = path.read_bytes()
     if raw.startswith(_MAGIC):
         line, _, data = raw.partition(b"\n")
-        data = _checked_payload(data, _fields(line, _MAGIC + b"1 ", path, "checkpoint"), path, "checkpoint")
+        fields = _fields(line, _MAGIC + b"1 ", path, "checkpoint")
+        if fields.get("size") != str(len(data)) or fields.get("sha256") != hashlib.sha256(data).hexdigest():
+            raise CheckpointError(f"checkpoint {path} is corrupt: its size or sha256 does not match its header.")
     else:
         data = raw
     try:

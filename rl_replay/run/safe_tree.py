@@ -12,12 +12,17 @@ The round trip is exact: tensors keep dtype and values, numpy arrays and scalars
 dtype, tuples stay tuples, integer dict keys stay integers (an optimizer's state is keyed by
 parameter index). ``bytes`` come back as ``bytes``: what they hold is for the caller to decide
 whether to trust (the environment pickles of :mod:`rl_replay.run.checkpoint` are MAC-checked first).
+
+Reading is bounded as well as code-free: the tree's JSON may nest at most :data:`MAX_DEPTH`
+levels (checked before it is parsed), and a numpy dtype named in it must be a plain number or
+bool (no structured or sub-array dtype, which could declare an array far larger than its data).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -29,6 +34,31 @@ TREE_KEY = "rl_replay.tree"
 
 # numpy dtypes torch has no tensor dtype for are stored widened (and narrowed back on load).
 _WIDEN = (np.dtype(np.uint16), np.dtype(np.uint32))
+
+#: How deeply a stored tree may nest (a trainer's checkpoint nests 6 levels).
+MAX_DEPTH = 64
+# The dtypes a stored numpy array may name: plain bools, integers, floats and complex numbers
+# of either byte order, as ``dtype.str`` writes them ('<f4', '|b1', '>i8').
+_DTYPE = re.compile(r"[<>|=]?[biufc]\d{1,2}")
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+
+
+def _dtype(text: Any) -> np.dtype:
+    if not (isinstance(text, str) and _DTYPE.fullmatch(text)):
+        raise ValueError(f"dtype {text!r:.40} is not a plain numeric or bool dtype")
+    dtype = np.dtype(text)
+    if dtype.kind not in "biufc" or dtype.shape or dtype.fields is not None:
+        raise ValueError(f"dtype {text!r} is not a plain numeric or bool dtype")
+    return dtype
+
+
+def _depth(text: bytes) -> int:
+    """How deeply the JSON ``text`` nests, counted without parsing it (strings removed first)."""
+    brackets = np.frombuffer(_STRING.sub(b'""', text), dtype=np.uint8)
+    steps = np.zeros(len(brackets), dtype=np.int32)
+    steps[(brackets == ord("[")) | (brackets == ord("{"))] = 1
+    steps[(brackets == ord("]")) | (brackets == ord("}"))] = -1
+    return int(np.cumsum(steps).max(initial=0))
 
 
 class _Writer:
@@ -96,25 +126,28 @@ def dumps(tree: Any, metadata: dict[str, str] | None = None) -> bytes:
     return save(writer.tensors, metadata=meta)
 
 
-def _decode(node: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def _decode(node: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+    depth += 1
     if isinstance(node, list):
-        return [_decode(v, tensors) for v in node]
+        return [_decode(v, tensors, depth) for v in node]
     if not isinstance(node, dict):
         return node
     if "$t" in node:
         return tensors[node["$t"]]
     if "$np" in node:
-        array = tensors[node["$np"]].numpy().astype(np.dtype(node["dtype"]), copy=False)
+        array = tensors[node["$np"]].numpy().astype(_dtype(node["dtype"]), copy=False)
         return array[()] if node["scalar"] else array
     if "$b" in node:
         return tensors[node["$b"]].numpy().tobytes()
     if "$f" in node:
         return float(node["$f"])
     if "$tuple" in node:
-        return tuple(_decode(v, tensors) for v in node["$tuple"])
+        return tuple(_decode(v, tensors, depth) for v in node["$tuple"])
     if "$dict" in node:
-        return {_hashable(_decode(k, tensors)): _decode(v, tensors) for k, v in node["$dict"]}
-    return {k: _decode(v, tensors) for k, v in node.items()}
+        return {_hashable(_decode(k, tensors, depth)): _decode(v, tensors, depth) for k, v in node["$dict"]}
+    return {k: _decode(v, tensors, depth) for k, v in node.items()}
 
 
 def _hashable(key: Any) -> Any:
@@ -135,11 +168,14 @@ def loads(data: bytes) -> tuple[Any, dict[str, str]]:
         length = int.from_bytes(data[:8], "little")
         header = json.loads(bytes(data[8 : 8 + length]))
         meta = header.get("__metadata__") or {}
-        encoded = json.loads(meta[TREE_KEY])
-    except (SafetensorError, KeyError, ValueError, TypeError) as exc:
-        raise ValueError(f"not a stored tree ({type(exc).__name__}: {exc})") from None
+        tree_text = meta[TREE_KEY].encode()
+        if _depth(tree_text) > MAX_DEPTH:
+            raise ValueError(f"its tree nests deeper than {MAX_DEPTH} levels")
+        encoded = json.loads(tree_text)
+    except (SafetensorError, KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
+        raise ValueError(f"not a stored tree ({type(exc).__name__}: {str(exc)[:200]})") from None
     try:
         tree = _decode(encoded, tensors)
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise ValueError(f"its tree does not fit its tensors ({type(exc).__name__}: {exc})") from None
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
+        raise ValueError(f"its tree does not fit its tensors ({type(exc).__name__}: {str(exc)[:200]})") from None
     return tree, {k: v for k, v in meta.items() if k != TREE_KEY}

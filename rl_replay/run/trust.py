@@ -1,4 +1,5 @@
-"""Which pickles this user wrote: a per-user secret and HMAC-SHA256 over what must stay a pickle.
+"""Which files this user wrote: a per-user secret and HMAC-SHA256 over what must not be taken
+from anyone else.
 
 A run directory may come from someone else; reading its weights executes nothing
 (:mod:`rl_replay.run.safe_tree`). The environment state of a checkpoint (the sync sub-envs with
@@ -6,6 +7,9 @@ their wrappers and RNGs) can only be a pickle, and unpickling runs whatever the 
 So it is unpickled only when it carries a MAC made with *this user's* secret: a file that
 this user's runs wrote. A file from another user or machine, or one changed after it was
 written, fails the check (a checksum cannot tell: whoever changes the file can rewrite it).
+A run's ``config.yaml`` is signed the same way, under its own purpose: it names code by import
+path, and only a config this user's runs wrote may import modules outside rl_replay and
+gymnasium (:mod:`rl_replay.run.run_config`).
 
 The secret is 32 random bytes, created on first use as ``<config dir>/rl_replay/secret.key``
 with permissions 0600 (in a 0700 directory); the config directory is ``$XDG_CONFIG_HOME``, or
@@ -27,7 +31,8 @@ from rl_replay.errors import SetupError
 __all__ = ["config_dir", "secret_path", "user_secret", "fingerprint", "sign", "verify"]
 
 SECRET_NAME = "secret.key"
-_DOMAIN = b"rl_replay env-state v1\0"  # keeps this key's MACs apart from any other use
+# Keeps this key's MACs for one purpose apart from any other: an env-state MAC is no config MAC.
+_DOMAINS = {"env-state": b"rl_replay env-state v1\0", "config": b"rl_replay config v1\0"}
 
 
 def config_dir() -> Path:
@@ -103,11 +108,16 @@ def fingerprint(key: bytes) -> str:
     return hashlib.sha256(b"rl_replay key id\0" + key).hexdigest()[:16]
 
 
-def sign(data: bytes | memoryview, key: bytes) -> str:
-    """HMAC-SHA256 of ``data`` under ``key``, in hex."""
-    return hmac.new(key, _DOMAIN + bytes(data), hashlib.sha256).hexdigest()
+def sign(data: bytes | memoryview, key: bytes, purpose: str = "env-state") -> str:
+    """HMAC-SHA256 of ``data`` under ``key`` for ``purpose`` (``env-state`` or ``config``), in hex."""
+    return hmac.new(key, _DOMAINS[purpose] + bytes(data), hashlib.sha256).hexdigest()
 
 
-def verify(data: bytes | memoryview, mac: str, key: bytes) -> bool:
-    """Whether ``mac`` is :func:`sign` of ``data`` under ``key`` (compared in constant time)."""
-    return hmac.compare_digest(sign(data, key), mac)
+def verify(data: bytes | memoryview, mac: object, key: bytes, purpose: str = "env-state") -> bool:
+    """Whether ``mac`` is :func:`sign` of ``data`` under ``key`` (compared in constant time).
+
+    ``mac`` comes from a file: anything but 64 hex digits (another type, non-ASCII text) is False.
+    """
+    if not (isinstance(mac, str) and len(mac) == 64 and all(c in "0123456789abcdef" for c in mac)):
+        return False
+    return hmac.compare_digest(sign(data, key, purpose).encode(), mac.encode())
