@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from rl_replay._compat import current_agent_keys
-from rl_replay.errors import CheckpointError, one_line
+from rl_replay.errors import CheckpointError, one_line, shown
 from rl_replay.run import files, safe_tree, trust
 
 __all__ = [
@@ -65,8 +65,10 @@ __all__ = [
     "remove_stale_temporaries",
     "capture_rng",
     "restore_rng",
+    "check_rng",
     "non_finite_tensors",
     "require",
+    "require_counts",
     "load_agent_weights",
     "save_env_state",
     "read_env_state",
@@ -132,6 +134,25 @@ def restore_rng(rng: dict[str, Any], device: torch.device | str = "cpu") -> None
     random.setstate(rng["python"])
     if "cuda" in rng and device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def check_rng(rng: Any, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError (one line) unless :func:`restore_rng` accepts ``rng``; changes nothing.
+
+    A checkpoint's RNG states are checked by restoring them and then this process's own
+    states, before a resume writes anything.
+    """
+    saved = capture_rng(device)
+    try:
+        if not isinstance(rng, dict):
+            raise TypeError(f"a {type(rng).__name__}, not a table of generator states")
+        restore_rng(rng, device)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
+        raise ValueError(
+            f"RNG states that cannot be restored ({type(exc).__name__}: {one_line(str(exc))[:160]})"
+        ) from None
+    finally:
+        restore_rng(saved, device)
 
 
 # ------------------------------------------------------------------------ file primitives
@@ -303,6 +324,16 @@ def require(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str],
         raise CheckpointError(
             f"checkpoint {path} lacks {', '.join(repr(k) for k in missing)}, which "
             f"{needed_for} needs: it was not written by rl_replay's trainer."
+        )
+
+
+def require_counts(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str]) -> None:
+    """One-line CheckpointError unless each of ``keys`` in ``state`` is a non-negative integer."""
+    bad = [k for k in keys if not (isinstance(state.get(k), int) and not isinstance(state[k], bool) and state[k] >= 0)]
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} holds {', '.join(f'{k}={shown(state.get(k))}' for k in bad)}: counters must be "
+            "non-negative integers, so it was not written by rl_replay's trainer."
         )
 
 
@@ -510,8 +541,15 @@ def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
     other writer is active).
     """
     removed = []
-    for pattern in (".checkpoint*.tmp*", ".env_state*.tmp*", ".config.yaml.*.tmp", "metrics.jsonl.tmp"):
+    patterns = (
+        ".checkpoint*.tmp*",
+        ".env_state*.tmp*",
+        ".config.yaml.*.tmp",
+        "metrics.jsonl.tmp",
+        ".metrics.jsonl.*.tmp",
+    )
+    for pattern in (*patterns, ".wandb_logged.json.*.tmp"):
         for tmp in Path(run_dir).glob(pattern):
-            tmp.unlink(missing_ok=True)
+            tmp.unlink(missing_ok=True)  # (unlink removes a symlink itself, never its target)
             removed.append(tmp)
     return removed

@@ -41,6 +41,14 @@ with 130 / 143; a second one exits at once.
 """
 
 
+def _error(exc: BaseException | str) -> None:
+    """Print ``error: <message>`` as one line, control characters escaped: a message may quote
+    text from someone else's run directory (an env id with terminal escape sequences)."""
+    from rl_replay.errors import one_line
+
+    print(f"error: {one_line(str(exc))}", file=sys.stderr)
+
+
 # ------------------------------------------------------------------------- config --help
 def _field_docs(cls: type) -> dict[str, str]:
     """``{field: docstring}`` from the string literal under each field of a dataclass."""
@@ -143,6 +151,12 @@ def train_main(argv: list[str] | None = None) -> int:
         "user on this machine (a pickle can run any code: only for runs you trust)",
     )
     parser.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="with --resume: let the run's config.yaml import the modules it names even if it was not "
+        "written by this user (importing a module runs it: only for runs whose author you trust)",
+    )
+    parser.add_argument(
         "overrides",
         nargs="*",
         metavar="section.key=value",
@@ -168,6 +182,13 @@ def train_main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.trust_config and not args.resume:
+        print(
+            "error: --trust-config applies to --resume RUN_DIR only (a config given with --config is "
+            "yours, and init_from= reads weights only).",
+            file=sys.stderr,
+        )
+        return 2
     if args.resume and any(_override_key(o) == "run_dir" for o in args.overrides):
         print(
             f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
@@ -179,7 +200,12 @@ def train_main(argv: list[str] | None = None) -> int:
         from rl_replay.run.setup import build
 
         if args.resume:
-            trainer = build(resume=args.resume, overrides=tuple(args.overrides), trust_env_state=args.trust_env_state)
+            trainer = build(
+                resume=args.resume,
+                overrides=tuple(args.overrides),
+                trust_env_state=args.trust_env_state,
+                trust_config=args.trust_config,
+            )
         else:
             if args.config and not Path(args.config).is_file():
                 raise FileNotFoundError(_missing_config(args.config))
@@ -187,10 +213,10 @@ def train_main(argv: list[str] | None = None) -> int:
             cfg = load_config(args.config or default, args.overrides)
             trainer = build(cfg)
     except (SetupError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(exc)
         return 2
     except RunWriteError as exc:  # the run directory was claimed, but its first files could not be written
-        print(f"error: {exc}", file=sys.stderr)
+        _error(exc)
         return 1
     except KeyboardInterrupt:
         print("error: interrupted while starting; no training happened.", file=sys.stderr)
@@ -215,7 +241,7 @@ def train_main(argv: list[str] | None = None) -> int:
             print(f"{exc}\nto continue: {_resume_command(trainer.run_dir, info)}", file=sys.stderr)
     except (NonFiniteError, CheckpointError, RunWriteError) as exc:
         if info.is_main or info.distributed:
-            print(f"error: {exc}", file=sys.stderr)
+            _error(exc)
         code = 1
     if info.distributed:
         from rl_replay.distributed import shutdown
@@ -239,7 +265,9 @@ EVALUATE_USAGE = """Evaluate a checkpoint: run N episodes and print the mean and
     {prog} RUN_DIR --wandb           # also log the result to the run's wandb project
     {prog} RUN_DIR env.kwargs.delay=4096   # a changed environment (env.kwargs.*, env.max_episode_steps)
 
-Works for checkpoints written by one process or by several (FSDP) processes.
+Works for checkpoints written by one process or by several (FSDP) processes. A run's
+config.yaml that you did not write (another user's run, an edited file) imports nothing outside
+rl_replay and gymnasium; --trust-config lets it import what it names.
 """
 
 
@@ -275,6 +303,12 @@ def evaluate_main(argv: list[str] | None = None) -> int:
         help="log the result (and video) to the training run's wandb project, as an eval run "
         "in its group (mode: WANDB_MODE, else the run's log.wandb_mode)",
     )
+    parser.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="let the run's config.yaml import the modules it names even if it was not written by this "
+        "user (importing a module runs it: only for runs whose author you trust)",
+    )
     args = parser.parse_intermixed_args(argv)
     if args.episodes is not None and args.episodes < 1:
         print(f"error: --episodes must be a positive number of episodes, got {args.episodes}.", file=sys.stderr)
@@ -285,60 +319,86 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     for ov in args.env_overrides:
         key = _override_key(ov)
         if not (key.startswith("env.kwargs.") or key in ("env.kwargs", "env.max_episode_steps")):
-            print(
-                f"error: evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
-                "the agent and everything else come from the run's config.yaml.",
-                file=sys.stderr,
+            _error(
+                f"evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
+                "the agent and everything else come from the run's config.yaml."
             )
             return 2
 
-    from rl_replay.agent import build_agent
-    from rl_replay.config import load_config
     from rl_replay.errors import SetupError
-    from rl_replay.rollout.env_state import training_statistics
-    from rl_replay.rollout.environment import envs_from_config
-    from rl_replay.run.checkpoint import load_agent_weights, load_checkpoint, non_finite_tensors, require
-    from rl_replay.run.evaluate import evaluate
+    from rl_replay.run.run_config import imports_of, read_run_config
 
     run_dir = Path(args.run_dir)
     try:
-        cfg = load_config(run_dir / "config.yaml", args.env_overrides)
-        if cfg.torch_threads is not None:
-            # As in training: a small policy on an oversubscribed thread pool is many times slower.
-            import torch
-
-            torch.set_num_threads(cfg.torch_threads)
-        state = load_checkpoint(run_dir)  # numbers only: runs nothing from the file
-        ckpt = run_dir / "checkpoint.pt"
-        require(state, ckpt, ("update", "env_steps"), "evaluation")
-        bad = non_finite_tensors(state["agent"])
-        if bad:
-            raise SetupError(
-                f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
-                "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
+        if not run_dir.is_dir():
+            raise FileNotFoundError(
+                f"no run directory {run_dir}: give the directory of a run (it holds config.yaml and checkpoint.pt)"
             )
-        probe = envs_from_config(cfg.env, 1)
+        run_config = read_run_config(run_dir, args.env_overrides, trust_config=args.trust_config, flag="--trust-config")
+        with imports_of(run_config):
+            return _evaluate(args, run_dir, run_config.cfg)
+    except (SetupError, ValueError, FileNotFoundError) as exc:
+        _error(exc)
+        return 2
+
+
+def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
+    """``evaluate_main`` once the run's config is read: every bad input raises (SetupError...)."""
+    from rl_replay.agent import build_agent
+    from rl_replay.errors import SetupError
+    from rl_replay.rollout.env_state import training_statistics
+    from rl_replay.rollout.environment import envs_from_config
+    from rl_replay.run.checkpoint import (
+        load_agent_weights,
+        load_checkpoint,
+        non_finite_tensors,
+        require,
+        require_counts,
+    )
+    from rl_replay.run.evaluate import evaluate
+
+    if cfg.torch_threads is not None:
+        # As in training: a small policy on an oversubscribed thread pool is many times slower.
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
+    state = load_checkpoint(run_dir)  # numbers only: runs nothing from the file
+    ckpt = run_dir / "checkpoint.pt"
+    require(state, ckpt, ("update", "env_steps"), "evaluation")
+    require_counts(state, ckpt, ("update", "env_steps"))
+    bad = non_finite_tensors(state["agent"])
+    if bad:
+        raise SetupError(
+            f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
+            "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
+        )
+    probe = envs_from_config(cfg.env, 1)
+    try:
         agent = build_agent(
             cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space
         )
+    finally:
         probe.close()
-        load_agent_weights(agent, state["agent"], ckpt)
-        if args.wandb:
-            from rl_replay.run.logger import wandb_preflight
+    load_agent_weights(agent, state["agent"], ckpt)
+    if args.wandb:
+        from rl_replay.run.logger import wandb_preflight
 
-            wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
-    except (SetupError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
     collectors = state.get("collector")
-    valid = isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors)
-    env_statistics = training_statistics(collectors) if valid else None  # type: ignore[arg-type]  # NormalizeObservation's scale, as in training
+    env_statistics = None
+    if isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors):
+        try:  # NormalizeObservation's scale, as in training
+            env_statistics = training_statistics(collectors)  # type: ignore[arg-type]
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise SetupError(
+                f"checkpoint {ckpt} holds wrapper statistics that cannot be used ({type(exc).__name__}: "
+                f"{str(exc)[:160]}); evaluate a checkpoint of this run's own environments."
+            ) from None
     if args.video:
         try:
             import moviepy  # noqa: F401
         except ImportError:
-            print("error: --video needs the optional video dependency: pip install -e '.[video]'", file=sys.stderr)
-            return 2
+            raise SetupError("--video needs the optional video dependency: pip install -e '.[video]'") from None
     result = evaluate(
         agent,
         cfg.env.id,
@@ -395,7 +455,7 @@ def convert_main(argv: list[str] | None = None) -> int:
     try:
         path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())
     except (SetupError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        _error(exc)
         return 2
     if kept is None:
         print(f"{path} is already in the current format; nothing to do.")

@@ -1,7 +1,10 @@
 """All run output in one place: progress bar, ``metrics.jsonl`` and wandb (main rank only).
 
 ``metrics.jsonl`` is the record of a run: one JSON line per logged update, every metric
-kept; a non-finite value (no episode finished, a diverged loss) is written as ``null``.
+kept; a non-finite value (no episode finished, a diverged loss) is written as ``null``. It is
+appended to without following a symlink and read as a stream of bounded lines
+(:mod:`rl_replay.run.files`); a line that parses but is not a row (no integer ``update`` and
+``env_steps``) is one line naming it.
 
 wandb gets the same rows, with ``step=update`` and ``env_steps`` declared as the x-axis
 of every metric (``define_metric``). A row reaches wandb only once a checkpoint covers
@@ -27,11 +30,13 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rl_replay.errors import SetupError
+from rl_replay.errors import RunDirError, SetupError, shown
+from rl_replay.run import files
 
 __all__ = [
     "ProgressLines",
@@ -39,6 +44,7 @@ __all__ = [
     "RunSummary",
     "truncate_metrics",
     "read_metrics",
+    "iter_metrics",
     "unsent_wandb_id",
     "resolve_wandb_mode",
     "wandb_preflight",
@@ -49,6 +55,8 @@ METRICS_NAME = "metrics.jsonl"
 #: Last update handed to wandb (see RunLogger): on resume, rows after it are sent again.
 WANDB_MARK_NAME = "wandb_logged.json"
 WANDB_MODES = ("online", "offline", "disabled")
+# A metrics row is a few KiB; a longer line is not one (a sparse hole reads as an endless line).
+MAX_ROW_BYTES = 1 << 20
 # wandb's own aliases for its modes
 _MODE_ALIASES = {"run": "online", "dryrun": "offline"}
 ONLINE_CHECK_SECONDS = 10.0
@@ -122,20 +130,57 @@ def _jsonable(value: Any) -> Any:
     return value if math.isfinite(value) else None
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The records of a ``metrics.jsonl`` (a run directory or the file); skips a torn last line."""
-    path = Path(path)
+def iter_metrics(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (a run directory or the file), read as a stream.
+
+    A line that is not JSON (one cut short by a kill) is skipped. Raises
+    :class:`~rl_replay.errors.RunDirError` (one line) for a row that is JSON but not a metrics
+    row, and :class:`~rl_replay.run.files.UnsafeFileError` for a file that is not a regular file
+    or holds a line longer than a row can be.
+    """
+    for _, record in _rows(Path(path)):
+        yield record
+
+
+def _rows(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """``(line, row)`` of each row of :func:`iter_metrics`."""
     if path.is_dir():
         path = path / METRICS_NAME
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
+    if not os.path.lexists(path):
+        return
+    for number, line in files.iter_lines(path, "metrics file", max_line=MAX_ROW_BYTES):
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (ValueError, RecursionError):
             continue  # a line cut short by a kill
-    return records
+        if not (
+            isinstance(record, dict)
+            and _is_count(record.get("update"))
+            and _is_count(record.get("env_steps", 0))
+        ):
+            raise RunDirError(
+                f"metrics file {path} line {number} is not a metrics row (a JSON object with an integer 'update' and "
+                f"'env_steps'): {shown(record)}. Remove that line (or the file) to use the run."
+            )
+        yield line, record
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (a run directory or the file): :func:`iter_metrics` as a list."""
+    return list(iter_metrics(path))
+
+
+def _read_mark(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """The wandb mark of a run (``{"update", "wandb_id"}``), or ``{}`` if it has none that reads."""
+    try:
+        mark = json.loads(files.read_regular(Path(run_dir) / WANDB_MARK_NAME, "wandb mark", limit=4096))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return mark if isinstance(mark, dict) else {}
 
 
 def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
@@ -144,29 +189,34 @@ def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
     A run restarted from update 0 (stopped before its first checkpoint) continues that
     wandb run instead of leaving an empty one beside a new one.
     """
-    try:
-        mark = json.loads((Path(run_dir) / WANDB_MARK_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return mark.get("wandb_id") if mark.get("update") == 0 else None
+    mark = _read_mark(run_dir)
+    wandb_id = mark.get("wandb_id")
+    ok = isinstance(wandb_id, str) and wandb_id.isalnum() and len(wandb_id) <= 64
+    return wandb_id if ok and mark.get("update") == 0 else None
 
 
 def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
-    """Drop lines logged after ``last_update`` (written by a run killed after its checkpoint)."""
+    """Drop lines logged after ``last_update`` (written by a run killed after its checkpoint).
+
+    The kept rows go to a new file that replaces the old one (a symlink in its place is
+    replaced, not written through).
+    """
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by the kill
-        if record["update"] <= last_update:
-            kept.append(line)
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    fd, tmp = files.create_exclusive(path.parent, path.name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            for line, record in _rows(path):
+                if record["update"] <= last_update:
+                    out.write(line.decode("utf-8", errors="replace") + "\n")
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
 
 
 class RunSummary:
@@ -204,7 +254,7 @@ class RunSummary:
             out["summary/mean_steps_per_sec"] = self._sps_sum / self._sps_count
         if self._last is not None:
             out["summary/updates"] = self._last["update"]
-            out["summary/env_steps"] = self._last["env_steps"]
+            out["summary/env_steps"] = self._last.get("env_steps", 0)
         return out
 
 
@@ -310,14 +360,21 @@ class RunLogger:
         self.wandb_id = wandb_id
         if not is_main:
             return
-        # The run's history so far (truncated to the checkpoint on resume) seeds the summaries.
-        history = [r for r in read_metrics(self.run_dir) if r.get("update", 0) <= start_update]
+        # The run's history so far (truncated to the checkpoint on resume) seeds the summaries;
+        # the rows after wandb's mark are kept to be sent again (_resend).
+        mark = self._mark()
         self._summary = RunSummary()  # of the rows handed to wandb, i.e. covered by a checkpoint
-        for record in history:
-            self._summary.add(record)
-        self._file = open(self.run_dir / METRICS_NAME, "a", buffering=1)
+        history = []
+        for record in iter_metrics(self.run_dir):
+            if record["update"] <= start_update:
+                self._summary.add(record)
+                if record["update"] > mark:
+                    history.append(record)
+        fd = files.open_in_place(self.run_dir / METRICS_NAME, os.O_WRONLY | os.O_APPEND, "metrics file")
+        self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
+            files.check_directory(self.run_dir / "wandb", "wandb directory")
             import wandb  # lazy: the engine and the tests of other parts never need it
 
             settings = wandb.Settings(init_timeout=15) if mode == "online" else None
@@ -355,10 +412,8 @@ class RunLogger:
 
     # ------------------------------------------------------------------ wandb rows
     def _mark(self) -> int:
-        try:
-            return int(json.loads((self.run_dir / WANDB_MARK_NAME).read_text())["update"])
-        except (OSError, ValueError, KeyError):
-            return 0
+        update = _read_mark(self.run_dir).get("update")
+        return update if _is_count(update) else 0
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -371,10 +426,9 @@ class RunLogger:
             self._write_mark(int(rows[-1]["update"]))
 
     def _write_mark(self, update: int) -> None:
-        mark = self.run_dir / WANDB_MARK_NAME
-        tmp = mark.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"update": update, "wandb_id": self.wandb_id}))
-        os.replace(tmp, mark)
+        files.replace_with_text(
+            self.run_dir / WANDB_MARK_NAME, json.dumps({"update": update, "wandb_id": self.wandb_id})
+        )
 
     def _resend(self, history: list[dict[str, Any]], start_update: int) -> None:
         """On resume: rows up to the checkpoint that wandb may not have (a kill right after a

@@ -5,7 +5,10 @@
   already taken, e.g. by a run started in the same second, gets a ``-2``, ``-3``... suffix.
 * :class:`RunLock` holds ``fcntl.flock`` on ``RUN_DIR/.lock`` for the life of the run. The
   operating system drops the lock when the process dies, so a killed run never leaves a
-  stale lock behind; a second live process writing the same directory is refused.
+  stale lock behind; a second live process writing the same directory is refused. The lock
+  file is created exclusively or opened without following a symlink (a ``.lock`` linked to a
+  file elsewhere is refused, never truncated), and a resume writes its pid into it only once
+  everything it read has been checked (:meth:`RunLock.record_pid`).
 * A run that stopped before its first checkpoint is no dead end: ``--resume`` restarts it
   in place from update 0 (:func:`resume_kind`), and a fresh run refused there says so.
 
@@ -21,6 +24,7 @@ import time
 from pathlib import Path
 
 from rl_replay.errors import RunDirError
+from rl_replay.run import files
 from rl_replay.run.checkpoint import checkpoint_path, previous_checkpoint_path
 from rl_replay.run.logger import read_metrics
 
@@ -34,9 +38,14 @@ _HELD: dict[str, RunLock] = {}
 
 
 class RunLock:
-    """An exclusive ``flock`` on ``run_dir/.lock``; :meth:`release` (or process death) drops it."""
+    """An exclusive ``flock`` on ``run_dir/.lock``; :meth:`release` (or process death) drops it.
 
-    def __init__(self, run_dir: str | os.PathLike) -> None:
+    ``record`` writes this process's pid into the file at once (a new run); a resume passes
+    False and calls :meth:`record_pid` once it has checked what it read, so that a refused
+    resume leaves the run's files as they were.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike, *, record: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
         key = str(self.path.resolve())
@@ -44,22 +53,31 @@ class RunLock:
         if previous is not None:
             previous.release()
         try:
-            self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            self._fd: int | None = files.open_in_place(self.path, os.O_RDWR, "lock file")
+        except files.UnsafeFileError:
+            raise
         except OSError as exc:  # a read-only file system (EROFS), no permission, a full disk
             raise _not_writable(self.run_dir, exc) from None
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            holder = os.pread(self._fd, 64, 0).decode(errors="replace").strip()
             os.close(self._fd)
             self._fd = None
             raise RunDirError(
-                f"run directory {self.run_dir} is in use by another running process (pid {holder}); "
-                "wait for it to finish or stop it, or choose another run_dir."
+                f"run directory {self.run_dir} is in use by another running process "
+                f"(pid {holder if holder.isdigit() else 'unknown'}); wait for it to finish or stop it, "
+                "or choose another run_dir."
             ) from None
+        _HELD[key] = self
+        if record:
+            self.record_pid()
+
+    def record_pid(self) -> None:
+        """Write this process's pid into the lock file (what a refused second process shows)."""
+        assert self._fd is not None
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"{os.getpid()}\n".encode(), 0)
-        _HELD[key] = self
 
     @property
     def held(self) -> bool:
@@ -90,7 +108,7 @@ def _contents(run_dir: Path) -> list[str]:
 
 
 def _has_checkpoint(run_dir: Path) -> bool:
-    return checkpoint_path(run_dir).exists() or previous_checkpoint_path(run_dir).exists()
+    return os.path.lexists(checkpoint_path(run_dir)) or os.path.lexists(previous_checkpoint_path(run_dir))
 
 
 def logged_updates(run_dir: str | os.PathLike) -> str:
@@ -128,6 +146,8 @@ def resume_kind(run_dir: str | os.PathLike) -> str:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise RunDirError(f"cannot resume {run_dir}: no such directory. Start a new run there with run_dir={run_dir}")
+    if os.path.lexists(run_dir / "config.yaml") and not files.is_regular(run_dir / "config.yaml"):
+        files.read_regular(run_dir / "config.yaml", "config", limit=0)  # raises the one line naming it
     if not (run_dir / "config.yaml").is_file():
         where = f"run_dir={run_dir}" if not _contents(run_dir) else "another run_dir=..."
         raise RunDirError(f"cannot resume {run_dir}: it holds no run (no config.yaml). Start a new run with {where}")

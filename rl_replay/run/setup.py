@@ -20,15 +20,30 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
-from rl_replay.config import Config, batch_size_per_rank, config_to_dict, load_config, num_updates, save_config
+from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_updates
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
-from rl_replay.errors import CheckpointError, SetupError
+from rl_replay.errors import SetupError
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
-from rl_replay.run.checkpoint import load_checkpoint, load_latest, remove_stale_temporaries
+from rl_replay.run import trust
+from rl_replay.run.checkpoint import (
+    check_rng,
+    load_checkpoint,
+    load_latest,
+    non_finite_tensors,
+    remove_stale_temporaries,
+)
 from rl_replay.run.interrupt import children_ignore_sigint
-from rl_replay.run.logger import METRICS_NAME, RunLogger, truncate_metrics, unsent_wandb_id, wandb_preflight
+from rl_replay.run.logger import (
+    METRICS_NAME,
+    RunLogger,
+    iter_metrics,
+    truncate_metrics,
+    unsent_wandb_id,
+    wandb_preflight,
+)
+from rl_replay.run.run_config import imports_of, read_run_config, write_run_config
 from rl_replay.run.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
 from rl_replay.run.trainer import Trainer
 from rl_replay.run.trainer_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng
@@ -115,26 +130,36 @@ def build(
     resume: str | Path | None = None,
     overrides: tuple[str, ...] = (),
     trust_env_state: bool = False,
+    trust_config: bool = False,
 ) -> Trainer:
     """Build a Trainer from a config, or resume the run in ``resume`` (its saved config).
 
     Everything that can be misconfigured is checked before anything is written: a fresh
-    run's directory does not exist yet (or is empty); a resumed run's checkpoint is loaded
-    into the new objects before its ``config.yaml`` is rewritten; one that stopped before its
-    first checkpoint restarts in place from update 0 (a warning says how many logged updates
-    that redoes). A failure releases what was taken until then (the run directory's lock, the
-    envs, the logger); the returned trainer holds them until :meth:`Trainer.close`.
+    run's directory does not exist yet (or is empty); a resumed run's checkpoint, RNG states,
+    wrapper statistics and metrics rows are read, checked and loaded into the new objects
+    before its ``config.yaml`` is rewritten or its ``metrics.jsonl`` cut back, so a refused
+    resume leaves the run's files as they were. One that stopped before its first checkpoint
+    restarts in place from update 0 (a warning says how many logged updates that redoes). A
+    failure releases what was taken until then (the run directory's lock, the envs, the
+    logger); the returned trainer holds them until :meth:`Trainer.close`.
 
-    A resume unpickles the checkpoint's environment state only if this user's MAC verifies it
-    (:mod:`rl_replay.run.trust`), or with ``trust_env_state``; otherwise it starts fresh episodes
-    and says why.
+    A resumed run's ``config.yaml`` imports modules outside rl_replay and gymnasium only if
+    this user's signature verifies it, or with ``trust_config``
+    (:mod:`rl_replay.run.run_config`). Its environment state is unpickled only if this user's
+    MAC verifies it (:mod:`rl_replay.run.trust`), or with ``trust_env_state``; otherwise it
+    starts fresh episodes and says why.
     """
-    restart = False
-    if resume is not None:
-        resume = Path(resume)
-        restart = resume_kind(resume) == "restart"
-        cfg = _resume_config(resume, overrides)
-    assert cfg is not None
+    if resume is None:
+        assert cfg is not None
+        return _build(cfg, None, (), trust_env_state)
+    resume = Path(resume)
+    restart = resume_kind(resume) == "restart"
+    run_config = read_run_config(resume, overrides, trust_config=trust_config, flag="--trust-config")
+    with imports_of(run_config):
+        return _build(replace(run_config.cfg, run_dir=str(resume)), resume, restart, trust_env_state)
+
+
+def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool) -> Trainer:
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -146,10 +171,12 @@ def build(
         lock: RunLock | None = None
         state, ckpt = None, None
         if resume is not None:
-            # Refuse a run that is still being written before reading anything.
-            lock = _hold(cleanup, _on_main(lambda: RunLock(resume), info))
+            # Refuse a run that is still being written before reading anything; the pid is
+            # written into the lock once everything read has been checked.
+            lock = _hold(cleanup, _on_main(lambda: RunLock(resume, record=False), info))
+            _on_main(lambda: _check_metrics(resume), info)
             if not restart:
-                state, ckpt = _read_resume_state(cfg, resume, info, trust_env_state)
+                state, ckpt = _read_resume_state(cfg, resume, info, device, trust_env_state)
         # A warm start's weights are read before anything is built or written: a bad path fails first.
         init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
         trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
@@ -159,13 +186,16 @@ def build(
         if resume is None:
             trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
             trainer.run_dir = Path(dist_utils.broadcast_from_main(str(lock.run_dir) if lock else None, info))
-        elif restart and info.is_main:
-            print(
-                f"warning: {resume} has no checkpoint: the run stopped before its first one "
-                f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
-                file=sys.stderr,
-                flush=True,
-            )
+        else:
+            if lock is not None:
+                lock.record_pid()
+            if restart and info.is_main:
+                print(
+                    f"warning: {resume} has no checkpoint: the run stopped before its first one "
+                    f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
+                    file=sys.stderr,
+                    flush=True,
+                )
         trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
         cut_to = state["update"] if state is not None else 0 if restart else None
         wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None  # type: ignore[arg-type]
@@ -179,10 +209,11 @@ def build(
     return trainer
 
 
-def _resume_config(resume: Path, overrides: tuple[str, ...]) -> Config:
-    """The saved config of the run in ``resume`` with ``overrides``."""
-    cfg = load_config(resume / "config.yaml", overrides)
-    return replace(cfg, run_dir=str(resume))
+def _check_metrics(run_dir: Path) -> None:
+    """Read every row of the run's ``metrics.jsonl`` (a row that is not one is refused now,
+    before the resume changes anything)."""
+    for _ in iter_metrics(run_dir):
+        pass
 
 
 def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None:
@@ -193,13 +224,18 @@ def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None
 
 
 def _read_resume_state(
-    cfg: Config, resume: Path, info: dist_utils.DistInfo, trust_env_state: bool = False
+    cfg: Config, resume: Path, info: dist_utils.DistInfo, device: torch.device, trust_env_state: bool = False
 ) -> tuple[dict[str, Any], Path]:
-    """The checkpoint state to resume from and its path; refuses overrides it cannot honour."""
+    """The checkpoint state to resume from and its path; refuses overrides it cannot honour
+    and RNG states that cannot be restored."""
     state, ckpt, warning = read_trainer_state(resume, info, trust_env_state=trust_env_state)
     if warning and info.is_main:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _check_resume_config(cfg, state["config"], resume)
+    try:
+        check_rng(state["rng"][info.rank], device)
+    except ValueError as exc:
+        raise SetupError(f"cannot resume {resume}: its checkpoint {ckpt} holds {exc}.") from None
     return state, ckpt
 
 
@@ -224,7 +260,7 @@ def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_ut
         if cut_to is not None:
             remove_stale_temporaries(run_dir)
             truncate_metrics(run_dir / METRICS_NAME, cut_to)
-        save_config(cfg, run_dir / "config.yaml")
+        write_run_config(cfg, run_dir, trust.user_secret())
     dist_utils.barrier(info)
 
 
@@ -260,14 +296,20 @@ def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
             if warning:
                 print(f"warning: init_from={source!r}: {warning}", file=sys.stderr, flush=True)
         else:
-            state = load_checkpoint(path)
+            state = load_checkpoint(path, follow=True)  # a file the user named
     except FileNotFoundError:
         raise SetupError(
             f"init_from={source!r}: no checkpoint there. Give a run directory that holds "
             "checkpoint.pt, or the path of a checkpoint file."
         ) from None
-    except CheckpointError as exc:
+    except SetupError as exc:  # a damaged or legacy checkpoint, a file that is not a regular one
         raise SetupError(f"init_from={source!r}: {exc}") from None
+    bad = non_finite_tensors(state["agent"])
+    if bad:
+        raise SetupError(
+            f"init_from={source!r}: its agent weights {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} are "
+            "not finite (a diverged run); warm-start from a checkpoint written before it diverged."
+        )
     return state["agent"]
 
 

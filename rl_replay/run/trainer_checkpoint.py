@@ -33,16 +33,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import numbers
 import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
-from rl_replay.errors import CheckpointError, SetupError
+from rl_replay.errors import CheckpointError, SetupError, shown
 from rl_replay.run import trust
 from rl_replay.run.checkpoint import (
     capture_rng,
@@ -51,6 +53,7 @@ from rl_replay.run.checkpoint import (
     non_finite_tensors,
     read_env_state,
     require,
+    require_counts,
     restore_rng,
     save_checkpoint,
     save_env_state,
@@ -231,6 +234,11 @@ def read_trainer_state(
     """
     state, path, warning = load_latest(run_dir)
     require(state, path, RESUME_KEYS, "--resume")
+    require_counts(state, path, ("update", "env_steps", "world_size"))
+    wandb_id = state.get("wandb_id")
+    if wandb_id is not None and not (isinstance(wandb_id, str) and wandb_id.isalnum() and len(wandb_id) <= 64):
+        # wandb names files and directories after the id: it must not be a path.
+        raise CheckpointError(f"checkpoint {path} holds wandb_id {shown(wandb_id)}, which is not a wandb run id.")
     check_world_size(state, info.world_size, path)
     for key in ("collector", "rng", "recent_returns"):
         if not isinstance(state[key], list) or len(state[key]) != info.world_size:
@@ -240,6 +248,9 @@ def read_trainer_state(
             )
     if not all(isinstance(c, dict) for c in state["collector"]):
         raise CheckpointError(f"checkpoint {path} holds a collector state that is not a table.")
+    returns = state["recent_returns"]
+    if not all(isinstance(r, list) and all(_is_number(x) for x in r) for r in returns):
+        raise CheckpointError(f"checkpoint {path} holds recent returns that are not lists of numbers.")
     digest = state.get("env_state")
     found = read_env_state(run_dir, digest, trust.user_secret(), trust_file=trust_env_state) if digest else None
     usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
@@ -261,6 +272,10 @@ def read_trainer_state(
     if usable and found.note:  # type: ignore[union-attr]
         warning = f"{warning} {found.note}" if warning else found.note  # type: ignore[union-attr]
     return state, path, warning
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 def load_trainer(trainer, state: dict[str, Any]) -> None:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from rl_replay.errors import SetupError
 
-__all__ = ["config_dir", "secret_path", "user_secret", "fingerprint", "sign", "verify"]
+__all__ = ["config_dir", "secret_path", "user_secret", "existing_secret", "fingerprint", "sign", "verify"]
 
 SECRET_NAME = "secret.key"
 # Keeps this key's MACs for one purpose apart from any other: an env-state MAC is no config MAC.
@@ -101,6 +101,17 @@ def user_secret() -> bytes:
             f"cannot create the per-user secret {path}: {exc.strerror or exc}. Set "
             "RL_REPLAY_CONFIG_DIR to a private, writable directory."
         ) from None
+
+
+def existing_secret() -> bytes | None:
+    """This user's secret if it exists (None: nothing this user signed can exist); never creates it.
+
+    Raises :class:`~rl_replay.errors.SetupError` as :func:`user_secret` for a secret file that
+    others can read or that belongs to another user.
+    """
+    if not secret_path().exists():
+        return None
+    return user_secret()
 
 
 def fingerprint(key: bytes) -> str:

@@ -94,4 +94,4 @@ def test_console_entry_points_resolve(capsys):
     from rl_replay.run.cli import evaluate_main
 
     assert evaluate_main(["/nonexistent"]) == 2
-    assert one_error_line(capsys.readouterr().err).startswith("error: Config file not found")
+    assert one_error_line(capsys.readouterr().err).startswith("error: no run directory /nonexistent")

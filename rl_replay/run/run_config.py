@@ -1,0 +1,143 @@
+"""A run's ``config.yaml``: signed by the run that wrote it, and data unless that signature is yours.
+
+A config names code by import path (``agent.target``, ``env.wrappers[i].target``,
+``env.imports``, an ``env.id`` of the form ``module:EnvId``), and importing a module runs it. A
+run directory may come from anyone, so the run that writes ``config.yaml`` signs it: its first
+line is a YAML comment holding an HMAC-SHA256 of the rest of the file, made with this user's
+secret (:mod:`rl_replay.run.trust`, purpose ``config``)::
+
+    # rl_replay config signature: key=<key id> hmac-sha256=<64 hex digits>
+    seed: 1
+    ...
+
+:func:`read_run_config` reads the file (a regular file of at most 1 MiB, no symlink), parses the
+bytes it verified and says whether it is this user's. A config that is not (another user's run,
+a file edited since, a run written before configs were signed) is *foreign*: its targets are
+checked by :func:`check_imports` before anything is built, and while it is in use
+(:func:`imports_of`) nothing outside rl_replay and gymnasium is imported; anything else is one
+line naming the module and the flag that trusts the config (``--trust-config``). A config given
+on the command line (``--config``) is the user's own and is not checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl_replay.config import Config, dump_config, loads_config
+from rl_replay.config.loader import MAX_CONFIG_BYTES
+from rl_replay.errors import shown
+from rl_replay.registry import AGENTS
+from rl_replay.run import files, trust
+from rl_replay.targets import (
+    allowed_in_foreign_config,
+    foreign_config,
+    foreign_refusal,
+    is_short_name,
+    parse_target,
+    split_env_id,
+)
+
+__all__ = ["CONFIG_NAME", "RunConfig", "write_run_config", "read_run_config", "check_imports", "imports_of"]
+
+CONFIG_NAME = "config.yaml"
+_PREFIX = b"# rl_replay config signature: "
+_SIGNATURE = re.compile(rb"# rl_replay config signature: key=([0-9a-f]{16}) hmac-sha256=([0-9a-f]{64})")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A run's config as read: ``cfg``; ``foreign``: None for this user's own (its signature
+    verifies, or ``trust_config`` was given), else why it is not, with the flag that trusts it."""
+
+    cfg: Config
+    foreign: str | None
+
+
+def write_run_config(cfg: Config, run_dir: str | os.PathLike, key: bytes) -> None:
+    """Write ``run_dir/config.yaml`` signed with ``key`` (atomically; a symlink there is replaced)."""
+    body = dump_config(cfg)
+    mac = trust.sign(body.encode(), key, "config")
+    line = f"{_PREFIX.decode()}key={trust.fingerprint(key)} hmac-sha256={mac}\n"
+    files.replace_with_text(Path(run_dir) / CONFIG_NAME, line + body)
+
+
+def _own(raw: bytes) -> tuple[bytes, str | None]:
+    """``(YAML to parse, why it is foreign or None)``: the signed body when the signature is this user's."""
+    first, newline, body = raw.partition(b"\n")
+    match = _SIGNATURE.fullmatch(first) if newline else None
+    if match is None:
+        return raw, "it is not signed (a run of another user, or one written before configs were signed)"
+    key = trust.existing_secret()
+    if key is None or match.group(1).decode() != trust.fingerprint(key):
+        return body, "it was signed by another user or machine"
+    if not trust.verify(body, match.group(2).decode(), key, "config"):
+        return body, "it was changed after it was written"
+    return body, None
+
+
+def read_run_config(
+    run_dir: str | os.PathLike, overrides: Sequence[str] = (), *, trust_config: bool = False, flag: str
+) -> RunConfig:
+    """The config of the run in ``run_dir`` with ``overrides``, and whether it is this user's.
+
+    ``flag`` is how the command trusts a foreign config (``--trust-config``), named in its
+    refusals. Raises FileNotFoundError if there is no ``config.yaml``,
+    :class:`~rl_replay.run.files.UnsafeFileError` if it is not a regular file of at most 1 MiB,
+    and ValueError for a config that does not load.
+    """
+    path = Path(run_dir) / CONFIG_NAME
+    raw = files.read_regular(path, "config", limit=MAX_CONFIG_BYTES)
+    text, why = _own(raw)
+    cfg = loads_config(text, overrides, source=str(path))
+    if why is None or trust_config:
+        return RunConfig(cfg, None)
+    return RunConfig(
+        cfg,
+        f"{path} is not this user's ({why}), so it may import only rl_replay and gymnasium modules. "
+        f"If you trust its author and have read its targets, pass {flag}",
+    )
+
+
+def _named_modules(cfg: Config) -> Iterator[tuple[str, str]]:
+    """``(key and value, module)`` of every module the config would import."""
+    target = cfg.agent.target
+    if not (is_short_name(target) and target in AGENTS):  # (an unknown short name is refused later)
+        if not is_short_name(target):
+            yield f"agent.target {shown(target)}", parse_target(target, "agent.target")[0]
+    for i, spec in enumerate(cfg.env.wrappers):
+        what = f"env.wrappers[{i}].target"
+        yield f"{what} {shown(spec['target'])}", parse_target(spec["target"], what)[0]
+    for i, module in enumerate(cfg.env.imports):
+        yield f"env.imports[{i}]", module
+    module, _ = split_env_id(cfg.env.id)
+    if module is not None:
+        yield f"env.id {shown(cfg.env.id)}", module
+
+
+def check_imports(run_config: RunConfig) -> None:
+    """Refuse (one line) a foreign config that names a module outside rl_replay and gymnasium.
+
+    Nothing is imported: this reads the names only, before anything is built.
+    """
+    if run_config.foreign is None:
+        return
+    for what, module in _named_modules(run_config.cfg):
+        if not allowed_in_foreign_config(module):
+            raise foreign_refusal(what, module, run_config.foreign)
+
+
+@contextlib.contextmanager
+def imports_of(run_config: RunConfig) -> Iterator[None]:
+    """While a foreign config is in use: :func:`check_imports` first, then no import outside
+    rl_replay and gymnasium (:func:`rl_replay.targets.foreign_config`); the user's own: nothing."""
+    check_imports(run_config)
+    if run_config.foreign is None:
+        yield
+    else:
+        with foreign_config(run_config.foreign):
+            yield
