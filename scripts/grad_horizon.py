@@ -102,12 +102,22 @@ def episode_observations(delay: int, batch: int, seed: int, noise_dims: int = 0)
     return observations, torch.as_tensor(np.array(got)), env.observation_space, env.action_space
 
 
-def load_run(run_dir: str) -> tuple[str, dict, dict, int]:
-    """``(target, kwargs, weights, noise_dims)`` of a MemoryCue run's agent and checkpoint."""
-    from rl_replay.config import load_config
-    from rl_replay.run.checkpoint import load_checkpoint
+def load_run(run_dir: str, trust_config: bool = False) -> tuple[str, dict, dict, int]:
+    """``(target, kwargs, weights, noise_dims)`` of a MemoryCue run's agent and checkpoint.
 
-    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    A config.yaml that this user did not sign may name only rl_replay's agents, unless
+    ``trust_config`` (docs/checkpoints.md, "The config trust rule").
+    """
+    from rl_replay.errors import SetupError, one_line
+    from rl_replay.run.checkpoint import load_checkpoint
+    from rl_replay.run.run_config import check_imports, read_run_config
+
+    try:
+        run_config = read_run_config(run_dir, trust_config=trust_config, flag="--trust-config")
+        check_imports(run_config)
+    except (SetupError, ValueError, FileNotFoundError) as exc:
+        raise SystemExit(f"grad_horizon: {one_line(str(exc))}") from None
+    cfg = run_config.cfg
     if cfg.env.id != "rl_replay/MemoryCue-v0":
         raise SystemExit(
             f"grad_horizon: --run {run_dir} trained on {cfg.env.id!r}; the diagnostic "
@@ -191,6 +201,11 @@ def main(argv=None) -> int:
         default=[],
         help="a MemoryCue run directory (repeatable): its agent with the checkpoint's weights",
     )
+    parser.add_argument(
+        "--trust-config",
+        action="store_true",
+        help="with --run: let a config.yaml you did not write name an agent outside rl_replay (importing it runs it)",
+    )
     parser.add_argument("--delays", type=int, nargs="+", default=[64, 256, 1024, 4096])
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
@@ -211,7 +226,7 @@ def main(argv=None) -> int:
         for t, k in (parse_spec(s) for s in (args.agent or ([] if args.run else DEFAULT_SPECS)))
     ]
     for run_dir in args.run:
-        target, kwargs, weights, noise_dims = load_run(run_dir)
+        target, kwargs, weights, noise_dims = load_run(run_dir, args.trust_config)
         specs.append((f"{spec_label(target, kwargs)} trained: {run_dir}", target, kwargs, weights, noise_dims))
 
     rows = []

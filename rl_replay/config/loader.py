@@ -125,10 +125,11 @@ class _Loader(yaml.SafeLoader):
                 except TypeError:  # an unhashable key: the constructor below names it
                     continue
                 if first is not None:
+                    both = f"lines {first} and {where}"
                     if first == where:  # both on one line: {a: 1, a: 2}
-                        first, where = f"{first} column {seen[key, 'column']}", f"{where} column {mark.column + 1}"
+                        both = f"line {where}, columns {seen[key, 'column']} and {mark.column + 1}"
                     raise ConfigYAMLError(
-                        f"key {shown(key)} is given twice in one mapping (lines {first} and {where}); "
+                        f"key {shown(key)} is given twice in one mapping ({both}); "
                         "keep one (YAML would silently use the last)"
                     )
                 seen[key], seen[key, "column"] = where, str(mark.column + 1)

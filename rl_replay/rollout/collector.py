@@ -32,6 +32,22 @@ from rl_replay.targets import unpickle
 __all__ = ["Collector", "Rollout"]
 
 
+def _same_layout(saved: Any, own: Any) -> bool:
+    """Whether ``saved`` (plain tensors, arrays and dicts) has the keys, shapes and dtypes of ``own``."""
+    if isinstance(own, TensorDict):
+        own = own.to_dict()
+    if own is None or isinstance(own, dict):
+        return (saved is None and own is None) or (
+            isinstance(saved, dict)
+            and isinstance(own, dict)
+            and saved.keys() == own.keys()
+            and all(_same_layout(saved[k], own[k]) for k in own)
+        )
+    if isinstance(own, (torch.Tensor, np.ndarray)):
+        return type(saved) is type(own) and saved.shape == own.shape and saved.dtype == own.dtype
+    return True
+
+
 @dataclass
 class Rollout:
     """One update's worth of experience.
@@ -281,7 +297,26 @@ class Collector:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`. ``state["envs"]`` is unpickled: the caller decides
         whether it may be (it sets ``envs`` None and ``fresh_envs`` to ``(why, what to do)``
-        when not)."""
+        when not).
+
+        Raises ValueError, before anything is changed, if the arrays of ``state`` are not laid
+        out as this collector's (shapes, dtypes, keys): a checkpoint of other envs or agent, or
+        one crafted to fail later, mid-run.
+        """
+        empty = gym.vector.utils.create_empty_array(self.envs.single_observation_space, n=self.num_envs)
+        own = {  # the layout of a reset, made without stepping the envs or drawing random numbers
+            "obs": self._to_tensor(empty),
+            "state": self.policy.initial_state(self.num_envs, self.device),
+            "is_first": torch.ones(self.num_envs, dtype=torch.bool),
+            "autoreset": self._autoreset,
+            "ep_return": self._ep_return,
+            "ep_length": self._ep_length,
+        }
+        for key, mine in own.items():
+            if key == "obs" and state.get(key) is None:
+                continue
+            if key not in state or not _same_layout(state[key], mine):
+                raise ValueError(f"the collector state's {key!r} does not fit this run's envs and agent")
         if state.get("vector_env") is not None and isinstance(self.envs, StatefulVectorEnv):
             self.envs.load_state_dict(state["vector_env"])
         elif state.get("envs") is not None:

@@ -388,7 +388,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
     env_statistics = None
     if isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors):
         try:  # NormalizeObservation's scale, as in training
-            env_statistics = training_statistics(collectors)  # type: ignore[arg-type]
+            env_statistics = training_statistics(collectors)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise SetupError(
                 f"checkpoint {ckpt} holds wrapper statistics that cannot be used ({type(exc).__name__}: "

@@ -153,11 +153,7 @@ def _rows(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
             record = json.loads(line)
         except (ValueError, RecursionError):
             continue  # a line cut short by a kill
-        if not (
-            isinstance(record, dict)
-            and _is_count(record.get("update"))
-            and _is_count(record.get("env_steps", 0))
-        ):
+        if not (isinstance(record, dict) and _is_count(record.get("update")) and _is_count(record.get("env_steps", 0))):
             raise RunDirError(
                 f"metrics file {path} line {number} is not a metrics row (a JSON object with an integer 'update' and "
                 f"'env_steps'): {shown(record)}. Remove that line (or the file) to use the run."
@@ -413,7 +409,7 @@ class RunLogger:
     # ------------------------------------------------------------------ wandb rows
     def _mark(self) -> int:
         update = _read_mark(self.run_dir).get("update")
-        return update if _is_count(update) else 0
+        return update if isinstance(update, int) and _is_count(update) else 0
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

@@ -112,8 +112,8 @@ def _named_modules(cfg: Config) -> Iterator[tuple[str, str]]:
     for i, spec in enumerate(cfg.env.wrappers):
         what = f"env.wrappers[{i}].target"
         yield f"{what} {shown(spec['target'])}", parse_target(spec["target"], what)[0]
-    for i, module in enumerate(cfg.env.imports):
-        yield f"env.imports[{i}]", module
+    for i, name in enumerate(cfg.env.imports):
+        yield f"env.imports[{i}]", name
     module, _ = split_env_id(cfg.env.id)
     if module is not None:
         yield f"env.id {shown(cfg.env.id)}", module

@@ -151,7 +151,7 @@ def build(
     """
     if resume is None:
         assert cfg is not None
-        return _build(cfg, None, (), trust_env_state)
+        return _build(cfg, None, False, trust_env_state)
     resume = Path(resume)
     restart = resume_kind(resume) == "restart"
     run_config = read_run_config(resume, overrides, trust_config=trust_config, flag="--trust-config")

@@ -273,6 +273,14 @@ def test_custom_agent_from_config(tmp_path, monkeypatch):
     for k in before:
         assert not torch.equal(before[k], after[k]), f"{k} did not change"
     assert len(read_metrics(tmp_path / "run")) == 3
+    # The run's own config (signed with this user's key) names the module: it resumes and evaluates.
+    resumed = build(resume=tmp_path / "run", overrides=(f"total_env_steps={4 * BATCH}",))
+    assert type(resumed.model).__name__ == "TinyAgent" and resumed.update == 3
+    resumed.train()
+    assert [r["update"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    from rl_replay.run.cli import evaluate_main
+
+    assert evaluate_main([str(tmp_path / "run"), "--episodes", "1"]) == 0
 
     with pytest.raises(SetupError, match="not a subclass of rl_replay.Agent"):
         build(tiny_cfg(tmp_path / "bad", 1, "agent.target=custom_agent_module:NotAnAgent"))

@@ -329,6 +329,8 @@ def test_a_checkpoint_lacking_what_the_command_needs_is_one_line(run, tmp_path, 
 def test_a_foreign_config_calls_nothing_but_agents_wrappers_and_registered_envs(
     run, tmp_path, override, message, capsys, monkeypatch
 ):
+    """Without --trust-config the module is not even imported (tests/run/test_hostile_runs.py);
+    trusted, what it names is still only called if it is an agent, a wrapper or a registered id."""
     import custom_agent_module
 
     victim = copy_run(run, tmp_path / "victim")
@@ -339,6 +341,9 @@ def test_a_foreign_config_calls_nothing_but_agents_wrappers_and_registered_envs(
 
     save_config(cfg, victim / "config.yaml")
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "names module 'custom_agent_module'" in err and "--trust-config" in err, err
+    assert evaluate_main([str(victim), "--episodes", "1", "--trust-config"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and re.search(message, err), err
     assert not marker.exists()

@@ -167,7 +167,7 @@ def test_evaluate_error_in_process(tmp_path, capsys):
     assert evaluate_script.main([str(tmp_path / "no_run"), "--episodes", "3"]) == 2
     out, err = capsys.readouterr()
     lines = err.strip().splitlines()
-    assert out == "" and len(lines) == 1 and lines[0].startswith("error: Config file not found"), err
+    assert out == "" and len(lines) == 1 and lines[0].startswith("error: no run directory"), err
 
 
 def test_evaluate_records_video(tmp_path):

@@ -1,0 +1,132 @@
+"""Byte-level mutations of a real run's files, run through the three commands that load a run.
+
+Hypothesis flips, inserts, deletes and truncates bytes of ``checkpoint.pt``, ``env_state.pkl``,
+``config.yaml`` or ``metrics.jsonl`` of a finished run, and for the two headed files also
+"reseals" the mutated payload (sha256 and size recomputed, as anyone who edits a file can), so
+that the parsers behind the checksum are reached. Then ``evaluate.py RUN``, ``train.py
+init_from=RUN`` and ``train.py --resume RUN`` run in process, under an address-space limit a few
+GiB above what the process maps and within a per-example deadline. Each must finish with exit
+code 0 or a single ``error:`` line (never a traceback, never a control character), and nothing
+outside the run directory (and the warm start's own new run) may appear or change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import os
+import shutil
+import tempfile
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_hostile_runs import BATCH, TINY, address_space_limit, copy_run, files_of
+
+from rl_replay.run.cli import evaluate_main, train_main
+
+FILES = ("checkpoint.pt", "env_state.pkl", "config.yaml", "metrics.jsonl")
+
+MUTATION = st.one_of(
+    st.tuples(st.just("flip"), st.integers(0, 1 << 30), st.integers(1, 255)),
+    st.tuples(st.just("insert"), st.integers(0, 1 << 30), st.binary(min_size=1, max_size=16)),
+    st.tuples(st.just("delete"), st.integers(0, 1 << 30), st.integers(1, 64)),
+    st.tuples(st.just("truncate"), st.integers(0, 1 << 30)),
+)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("fuzzed") / "run"
+    assert train_main([*TINY, f"total_env_steps={2 * BATCH}", "checkpoint.every=1", f"run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+def mutate(data: bytes, mutations) -> bytes:
+    out = bytearray(data)
+    for kind, at, *arg in mutations:
+        at = at % (len(out) + 1)
+        if kind == "flip" and out:
+            out[min(at, len(out) - 1)] ^= arg[0]
+        elif kind == "insert":
+            out[at:at] = arg[0]
+        elif kind == "delete":
+            del out[at : at + arg[0]]
+        elif kind == "truncate":
+            del out[at:]
+    return bytes(out)
+
+
+def damage(path: Path, mutations, reseal: bool) -> None:
+    data = path.read_bytes()
+    if reseal and path.suffix in (".pt", ".pkl"):
+        line, _, payload = data.partition(b"\n")
+        payload = mutate(payload, mutations)
+        fields = [f for f in line.split(b" ") if not f.startswith((b"sha256=", b"size="))]
+        fields.insert(2, f"sha256={hashlib.sha256(payload).hexdigest()} size={len(payload)}".encode())
+        path.write_bytes(b" ".join(fields) + b"\n" + payload)
+    else:
+        path.write_bytes(mutate(data, mutations))
+
+
+def check(code: int, err: str, what: str) -> None:
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert "Traceback" not in err, (what, err)
+    if code:
+        assert code in (1, 2) and len(errors) == 1, (what, code, err)
+        assert not any(ord(c) < 32 for c in errors[0]), (what, errors[0])
+
+
+@pytest.mark.parametrize("name", FILES)
+@settings(
+    max_examples=15,
+    deadline=timedelta(seconds=90),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(mutations=st.lists(MUTATION, min_size=1, max_size=3), reseal=st.booleans())
+def test_mutated_run_files_never_give_a_traceback_a_write_outside_or_unbounded_memory(run, name, mutations, reseal):
+    home = Path(tempfile.mkdtemp(prefix="fuzz_"))
+    cwd, wandb_mode = os.getcwd(), os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "disabled"  # (a config cut short falls back to log.wandb_mode: offline)
+    try:
+        victim = copy_run(run, home / "victim")
+        for fallback in ("checkpoint.prev.pt", "env_state.prev.pkl"):  # the damaged file is the one read
+            (victim / fallback).unlink()
+        (home / "keep.txt").write_text("the user's file")
+        damage(victim / name, mutations, reseal)
+        os.chdir(home)  # a relative write would land here
+        commands = {
+            "evaluate": lambda: evaluate_main([str(victim), "--episodes", "1", "--num-envs", "1"]),
+            "init_from": lambda: train_main(
+                [*TINY, f"total_env_steps={BATCH}", f"init_from={victim}", f"run_dir={home / 'warm'}"]
+            ),
+            "resume": lambda: train_main(["--resume", str(victim)]),
+        }
+        for what, command in commands.items():
+            out, err = io.StringIO(), io.StringIO()
+            with (
+                address_space_limit(),
+                warnings.catch_warnings(),
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+            ):
+                warnings.simplefilter("ignore")
+                code = command()
+            check(code, err.getvalue(), what)
+        assert sorted(p.name for p in home.iterdir()) in (["keep.txt", "victim"], ["keep.txt", "victim", "warm"])
+        assert (home / "keep.txt").read_text() == "the user's file"
+        assert all(not p.is_symlink() for p in home.rglob("*"))
+        assert set(files_of(victim)) <= set(files_of(run)) | {".lock", "wandb_logged.json"}
+    finally:
+        os.chdir(cwd)
+        if wandb_mode is None:
+            del os.environ["WANDB_MODE"]
+        else:
+            os.environ["WANDB_MODE"] = wandb_mode
+        shutil.rmtree(home, ignore_errors=True)
