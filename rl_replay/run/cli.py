@@ -381,9 +381,11 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
         probe.close()
     load_agent_weights(agent, state["agent"], ckpt)
     if args.wandb:
+        from rl_replay.run.files import check_directory
         from rl_replay.run.logger import wandb_preflight
 
         wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
+        check_directory(run_dir / "wandb", "wandb directory")  # wandb writes there: not through a link
     collectors = state.get("collector")
     env_statistics = None
     if isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors):

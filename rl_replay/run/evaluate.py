@@ -156,12 +156,14 @@ def log_evaluation(
     """
     from pathlib import Path
 
+    from rl_replay.run.files import check_directory
     from rl_replay.run.logger import wandb_preflight
 
     run_dir = Path(run_dir)
     mode = wandb_preflight(cfg.log.wandb_mode)
     if mode == "disabled":
         return mode
+    check_directory(run_dir / "wandb", "wandb directory")
     import wandb
 
     name = cfg.log.run_name or run_dir.name
