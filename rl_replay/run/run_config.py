@@ -71,7 +71,7 @@ def _own(raw: bytes) -> tuple[bytes, str | None]:
     first, newline, body = raw.partition(b"\n")
     match = _SIGNATURE.fullmatch(first) if newline else None
     if match is None:
-        return raw, "it is not signed (a run of another user, or one written before configs were signed)"
+        return raw, "it carries no signature: another user's run, or one written before configs were signed"
     key = trust.existing_secret()
     if key is None or match.group(1).decode() != trust.fingerprint(key):
         return body, "it was signed by another user or machine"

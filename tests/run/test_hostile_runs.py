@@ -158,7 +158,7 @@ def test_a_foreign_config_imports_nothing_outside_rl_replay_and_gymnasium(
 
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
     line = error_line(capsys)
-    assert re.fullmatch(refusal, line) and "is not this user's (it is not signed" in line, line
+    assert re.fullmatch(refusal, line) and "is not this user's (it carries no signature" in line, line
     assert resume(victim) == 2
     assert re.fullmatch(refusal, error_line(capsys))
     assert capsys.readouterr().out == ""  # `this` prints the Zen of Python when it is imported
