@@ -24,7 +24,7 @@ from rl_replay.agent import Agent
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
-from rl_replay.rollout.environment import env_episode_return
+from rl_replay.rollout.episodes import EpisodeTracker, env_action
 from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
 from rl_replay.spaces import obs_converter
 from rl_replay.targets import unpickle
@@ -113,17 +113,14 @@ class Collector:
         self.device = torch.device(device)
         self.seed = seed
         self.reduce_sums = reduce_sums
-        self._box = isinstance(envs.single_action_space, gym.spaces.Box)
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
         self._to_tensor = obs_converter(envs.single_observation_space, self.device)
         self._obs: torch.Tensor | TensorDict | None = None
         self._state: TensorDict | None = None
         self._is_first: torch.Tensor | None = None
-        self._autoreset = np.zeros(self.num_envs, dtype=bool)
+        self.episodes = EpisodeTracker(self.num_envs)
         self._warned_unsaved_envs = False
-        self._ep_return = np.zeros(self.num_envs)
-        self._ep_length = np.zeros(self.num_envs, dtype=np.int64)
 
     # ------------------------------------------------------------------ helpers
     def _reset(self, seed: int | None) -> None:
@@ -131,21 +128,12 @@ class Collector:
         self._obs = self._to_tensor(obs)
         self._state = self.policy.initial_state(self.num_envs, self.device)
         self._is_first = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
-        self._autoreset[:] = False
-        self._ep_return[:] = 0.0
-        self._ep_length[:] = 0
+        self.episodes.reset()
 
     def _block_inputs(self) -> TensorDict:
         """The current step's agent inputs (after a reset)."""
         assert self._obs is not None and self._state is not None and self._is_first is not None
         return block_inputs(self._obs, self._state, self._is_first, self.num_envs)
-
-    def _env_action(self, action: torch.Tensor) -> np.ndarray:
-        a = action.cpu().numpy()
-        if self._box:
-            space = self.envs.single_action_space
-            a = np.clip(a.reshape((-1, *space.shape)), space.low, space.high)  # type: ignore[attr-defined, misc]
-        return a
 
     def probe_inputs(self) -> TensorDict:
         """The first block's inputs after a seeded reset, for checking the agent before a run.
@@ -194,23 +182,19 @@ class Collector:
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
             append_heads(heads, out)
-            valid_np = ~self._autoreset & ~finished
-            obs, reward, terminated, truncated, info = self.envs.step(self._env_action(action))
+            valid_np = self.episodes.real_steps(skip=finished)
+            obs, reward, terminated, truncated, info = self.envs.step(env_action(action, self.envs.single_action_space))
             problem = non_finite_env_step(self._env_id, obs, reward)
             if problem and self.reduce_sums is None:
                 raise NonFiniteError(problem)
             env_steps += N
             done = (terminated | truncated) & valid_np
-            self._ep_return += np.where(valid_np, reward, 0.0)
-            self._ep_length += valid_np
-            for i in np.flatnonzero(done):
-                returns.append(env_episode_return(info, i, self._ep_return[i]))  # type: ignore[arg-type]
-                lengths.append(int(self._ep_length[i]))
-                # Vector envs mark which sub-envs reported a key with "_<key>".
-                if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
-                    successes.append(float(info["success"][i]))
-                self._ep_return[i] = 0.0
-                self._ep_length[i] = 0
+            ended, is_first = self.episodes.step(reward, terminated, truncated, info, valid_np)
+            for episode in ended:
+                returns.append(episode.ret)
+                lengths.append(episode.length)
+                if episode.success is not None:
+                    successes.append(episode.success)
             for key, value in (
                 ("observation", inputs["observation"]),
                 ("is_first", inputs["is_first"]),
@@ -223,9 +207,7 @@ class Collector:
             flags["valid"].append(valid_np)
             state = truncate(out["state"], t, self.bptt_truncate)
             # The step after an episode end is gymnasium's autoreset step.
-            # A copy: as_tensor would alias the numpy flags, which _reset() later overwrites in place.
-            self._is_first = torch.tensor(self._autoreset, device=self.device)
-            self._autoreset = terminated | truncated
+            self._is_first = torch.as_tensor(is_first, device=self.device)
             self._obs, self._state = self._to_tensor(obs), state
             if self.mode == "episode":
                 finished |= done
@@ -271,9 +253,9 @@ class Collector:
             "obs_is_tensordict": isinstance(self._obs, TensorDict),
             "state": None if self._state is None else self._state.to_dict(),
             "is_first": self._is_first,
-            "autoreset": self._autoreset.copy(),
-            "ep_return": self._ep_return.copy(),
-            "ep_length": self._ep_length.copy(),
+            "autoreset": self.episodes.autoreset.copy(),
+            "ep_return": self.episodes.ep_return.copy(),
+            "ep_length": self.episodes.ep_length.copy(),
             "envs": None,
             "env_statistics": vector_statistics(self.envs),
         }
@@ -308,9 +290,9 @@ class Collector:
             "obs": self._to_tensor(empty),
             "state": self.policy.initial_state(self.num_envs, self.device),
             "is_first": torch.ones(self.num_envs, dtype=torch.bool),
-            "autoreset": self._autoreset,
-            "ep_return": self._ep_return,
-            "ep_length": self._ep_length,
+            "autoreset": self.episodes.autoreset,
+            "ep_return": self.episodes.ep_return,
+            "ep_length": self.episodes.ep_length,
         }
         for key, mine in own.items():
             if key == "obs" and state.get(key) is None:
@@ -361,6 +343,6 @@ class Collector:
             None if state["state"] is None else TensorDict(state["state"], batch_size=[self.num_envs]).to(self.device)
         )
         self._is_first = to(state["is_first"])
-        self._autoreset = state["autoreset"]
-        self._ep_return = state["ep_return"]
-        self._ep_length = state["ep_length"]
+        self.episodes.autoreset = state["autoreset"]
+        self.episodes.ep_return = state["ep_return"]
+        self.episodes.ep_length = state["ep_length"]

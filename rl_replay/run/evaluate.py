@@ -8,7 +8,8 @@ import torch
 from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
 from rl_replay.rollout.env_state import apply_statistics
-from rl_replay.rollout.environment import env_episode_return, make_env, make_vector_env
+from rl_replay.rollout.environment import make_env, make_vector_env
+from rl_replay.rollout.episodes import Episode, EpisodeTracker, env_action
 from rl_replay.spaces import obs_converter
 
 __all__ = ["evaluate", "log_evaluation"]
@@ -100,35 +101,26 @@ def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed,
     obs, _ = vector_env.reset(seed=seed)
     state = agent.initial_state(num_envs, device)
     is_first = torch.ones(num_envs, dtype=torch.bool, device=device)
-    autoreset = np.zeros(num_envs, dtype=bool)
-    ep_return, ep_length = np.zeros(num_envs), np.zeros(num_envs, dtype=np.int64)
-    returns, lengths, successes = [], [], []  # type: ignore[var-annotated]
-    while len(returns) < episodes:
+    tracker = EpisodeTracker(num_envs)
+    ended: list[Episode] = []
+    while len(ended) < episodes:
         out = agent(observation=to_tensor(obs), state=state, is_first=is_first)
         dist = agent.distribution(out)
         action = dist.mode if deterministic else dist.sample()
-        a = action.cpu().numpy()
-        obs, reward, terminated, truncated, info = vector_env.step(a)
-        valid = ~autoreset
-        ep_return += np.where(valid, reward, 0.0)
-        ep_length += valid
-        done = (terminated | truncated) & valid
-        for i in np.flatnonzero(done):
-            if len(returns) < episodes:
-                returns.append(env_episode_return(info, i, ep_return[i]))  # type: ignore[arg-type]
-                lengths.append(ep_length[i])
-                # Vector envs mark which sub-envs reported a key with "_<key>".
-                if "success" in info and info.get("_success", np.ones(len(done), bool))[i]:
-                    successes.append(float(info["success"][i]))
-            ep_return[i], ep_length[i] = 0.0, 0
+        valid = tracker.real_steps()
+        obs, reward, terminated, truncated, info = vector_env.step(env_action(action, vector_env.single_action_space))
+        finished, first = tracker.step(reward, terminated, truncated, info, valid)
+        ended += finished
         state = out["state"]
-        is_first = torch.as_tensor(autoreset, device=device)
-        autoreset = terminated | truncated
+        is_first = torch.as_tensor(first, device=device)
+    ended = ended[:episodes]
+    returns = [e.ret for e in ended]
+    successes = [e.success for e in ended if e.success is not None]
     result = {
         "return_mean": float(np.mean(returns)),
         "return_std": float(np.std(returns)),
-        "episode_length": float(np.mean(lengths)),
-        "episodes": float(len(returns)),
+        "episode_length": float(np.mean([e.length for e in ended])),
+        "episodes": float(len(ended)),
     }
     if successes:
         result["success_rate"] = float(np.mean(successes))

@@ -208,7 +208,7 @@ def test_a_planted_env_state_is_never_unpickled_and_the_resume_starts_fresh_epis
         assert len(messages) == 1 and why in messages[0] and "--trust-env-state" in messages[0], messages
         assert "\n" not in messages[0]
         assert resumed.update == 2 and not marker.exists()
-        assert (resumed.collector._ep_length == 0).all()  # fresh episodes
+        assert (resumed.collector.episodes.ep_length == 0).all()  # fresh episodes
         resumed.train()
     finally:
         _close(resumed)
@@ -229,7 +229,7 @@ def test_a_run_copied_to_another_user_resumes_with_fresh_envs_or_exactly_with_th
         assert fresh.update == 2 and fresh.env_steps == 2 * BATCH
         assert all(torch.equal(v, own["agent"][k]) for k, v in fresh.model.state_dict().items())
         assert fresh.optimizer.state_dict()["state"]
-        assert (fresh.collector._ep_length == 0).all()
+        assert (fresh.collector.episodes.ep_length == 0).all()
     finally:
         _close(fresh)
     assert (tmp_path / "other_user" / "secret.key").exists()
