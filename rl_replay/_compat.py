@@ -4,7 +4,7 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
 
 * **Checkpoint format 1** (a pickle) is no longer read by any command: it is refused with the
   command that converts a trusted file (``scripts/convert_checkpoint.py --trust``), which is
-  the only code that knows the old layouts (:func:`rl_replay.run.checkpoint.convert_legacy`).
+  the only code that knows the old layouts (:func:`rl_replay.run.legacy.convert_legacy`).
 * **Module names inside pickled environments** (``env_state.pkl``, and the env pickles of a
   converted format-1 checkpoint) and **import paths in an older run's config.yaml**: the
   reference agents and envs were the top-level packages ``agents`` / ``envs`` before 0.1.0, and

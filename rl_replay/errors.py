@@ -80,7 +80,7 @@ class RunDirError(SetupError):
 class CheckpointError(SetupError):
     """A checkpoint file is missing, empty, truncated, corrupt, or would hold non-finite weights.
 
-    Raised by :mod:`rl_replay.run.checkpoint`.
+    Raised by :mod:`rl_replay.run.checkpoint` and :mod:`rl_replay.run.env_state_file`.
     """
 
 

@@ -348,14 +348,9 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
     from rl_replay.errors import SetupError
     from rl_replay.rollout.env_state import training_statistics
     from rl_replay.rollout.environment import envs_from_config
-    from rl_replay.run.checkpoint import (
-        load_agent_weights,
-        load_checkpoint,
-        non_finite_tensors,
-        require,
-        require_counts,
-    )
+    from rl_replay.run.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
     from rl_replay.run.evaluate import evaluate
+    from rl_replay.run.trainer_checkpoint import load_agent_weights
 
     if cfg.torch_threads is not None:
         # As in training: a small policy on an oversubscribed thread pool is many times slower.
@@ -452,7 +447,7 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     from rl_replay.errors import SetupError
     from rl_replay.run import trust
-    from rl_replay.run.checkpoint import convert_legacy
+    from rl_replay.run.legacy import convert_legacy
 
     try:
         path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())

@@ -16,6 +16,10 @@ names is taken at its word:
 * **New files are created exclusively** (``O_CREAT | O_EXCL``) and renamed into place; a rename
   replaces a symlink itself, never what it points to.
 
+The checkpoint and env-state files are *headed*: one line ``MAGIC key=value ...`` naming the
+payload's ``sha256`` and ``size``, then the payload. :func:`write_atomic` writes one (keeping the
+previous file), :func:`header_fields` and :func:`read_payload` read one back.
+
 Every refusal is an :class:`UnsafeFileError` (a :class:`~rl_replay.errors.RunDirError`), one line.
 """
 
@@ -23,15 +27,16 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import resource
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
-from rl_replay.errors import RunDirError
+from rl_replay.errors import CheckpointError, RunDirError
 
 __all__ = [
     "UnsafeFileError",
@@ -44,7 +49,16 @@ __all__ = [
     "check_directory",
     "check_affordable",
     "is_regular",
+    "HEADER_MAX",
+    "previous_path",
+    "fsync_dir",
+    "write_atomic",
+    "header_fields",
+    "read_payload",
 ]
+
+#: The longest header line of a headed file.
+HEADER_MAX = 512
 
 _KINDS = (
     (stat.S_ISLNK, "a symbolic link"),
@@ -240,3 +254,82 @@ def check_affordable(nbytes: int, path: str | os.PathLike, what: str) -> None:
             f"{what} {os.fspath(path)} declares {nbytes} bytes, more than this process can hold "
             f"({min(left)} bytes free): it is not a file this machine can load."
         )
+
+
+# ------------------------------------------------------------------------- headed files
+def previous_path(path: Path) -> Path:
+    """``checkpoint.pt`` -> ``checkpoint.prev.pt``, ``env_state.pkl`` -> ``env_state.prev.pkl``."""
+    return path.with_name(path.stem + ".prev" + path.suffix)
+
+
+def fsync_dir(directory: Path) -> None:
+    """fsync a directory (a rename in it is then on disk)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, header: bytes, data: bytes | memoryview, check: Callable[[Path], Any]) -> None:
+    """Write ``header + data`` to a temporary file, fsync, ``check`` it, keep the old ``path``
+    as its previous file and rename the new one into place. Nothing is left behind on failure."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(header)
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        check(Path(tmp))  # what is on disk is what we meant to write
+        if is_regular(path):  # (a symlink or other odd entry is replaced, never kept or followed)
+            # Keep the current file as the previous one. A hard link leaves ``path`` in
+            # place, so at every moment there is a file under the usual name.
+            link = Path(tmp + ".prev")
+            try:
+                os.link(path, link, follow_symlinks=False)
+            except OSError:  # file systems without hard links
+                import shutil
+
+                shutil.copy2(path, link, follow_symlinks=False)
+            os.replace(link, previous_path(path))
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        for leftover in (tmp, tmp + ".prev"):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+        raise
+
+
+def header_fields(line: bytes, magic: bytes, shown: Path, what: str) -> dict[str, str]:
+    """``key=value`` fields of a header ``line`` after ``magic``; one-line CheckpointError if unreadable."""
+    try:
+        return dict(part.split("=", 1) for part in line[len(magic) :].decode().split())
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
+
+
+def read_payload(f: Any, size: int, line: bytes, fields: dict[str, str], shown: Path, what: str) -> bytes:
+    """The payload after the header ``line`` of the open file ``f`` (``size`` bytes in all), read
+    only once the file's size matches the size the header declares, then checked by sha256."""
+    try:
+        digest, expected = fields["sha256"], int(fields["size"])
+    except (KeyError, ValueError):
+        raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
+    found = size - len(line)
+    if found != expected:
+        raise CheckpointError(f"{what} {shown} is truncated or padded: {found} payload bytes instead of {expected}.")
+    check_affordable(expected, shown, what)
+    data = f.read(expected)
+    if len(data) != expected or f.read(1):
+        raise CheckpointError(f"{what} {shown} changed while it was read; try again.")
+    if hashlib.sha256(data).hexdigest() != digest:
+        raise CheckpointError(f"{what} {shown} is corrupt: its sha256 checksum does not match its contents.")
+    return data

@@ -27,13 +27,7 @@ from rl_replay.errors import SetupError
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run import trust
-from rl_replay.run.checkpoint import (
-    check_rng,
-    load_checkpoint,
-    load_latest,
-    non_finite_tensors,
-    remove_stale_temporaries,
-)
+from rl_replay.run.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
     METRICS_NAME,
@@ -46,7 +40,7 @@ from rl_replay.run.logger import (
 from rl_replay.run.run_config import imports_of, read_run_config, write_run_config
 from rl_replay.run.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
 from rl_replay.run.trainer import Trainer
-from rl_replay.run.trainer_checkpoint import load_trainer, read_trainer_state, restore_trainer_rng
+from rl_replay.run.trainer_checkpoint import check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 
 __all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
 

@@ -11,7 +11,7 @@ numbers and JSON only, nothing that runs code when read):
                    from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
 ``collector``      list indexed by rank: each rank's collector state, without its env
                    pickle (that is in ``env_state.pkl``).
-``rng``            list indexed by rank: :func:`~rl_replay.run.checkpoint.capture_rng`
+``rng``            list indexed by rank: :func:`capture_rng`
                    (python, numpy, torch and, on CUDA, the CUDA generator).
 ``recent_returns`` list indexed by rank: each rank's recent episode returns.
 ``env_state``      sha256 of the ``env_state.pkl`` payload written with it (None: no env pickles).
@@ -34,6 +34,8 @@ import contextlib
 import hashlib
 import json
 import numbers
+import os
+import random
 import warnings
 from pathlib import Path
 from typing import Any
@@ -44,20 +46,17 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
-from rl_replay.errors import CheckpointError, SetupError, shown
+from rl_replay.errors import CheckpointError, SetupError, one_line, shown
 from rl_replay.run import trust
 from rl_replay.run.checkpoint import (
-    capture_rng,
     checkpoint_path,
     load_latest,
     non_finite_tensors,
-    read_env_state,
     require,
     require_counts,
-    restore_rng,
     save_checkpoint,
-    save_env_state,
 )
+from rl_replay.run.env_state_file import read_env_state, save_env_state
 
 __all__ = [
     "trainer_state",
@@ -66,6 +65,10 @@ __all__ = [
     "load_trainer",
     "restore_trainer_rng",
     "check_world_size",
+    "capture_rng",
+    "restore_rng",
+    "check_rng",
+    "load_agent_weights",
 ]
 
 
@@ -226,7 +229,7 @@ def read_trainer_state(
     """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
 
     The env pickles are put back into the collector states only where
-    :func:`rl_replay.run.checkpoint.read_env_state` gives them (this user's MAC, or
+    :func:`rl_replay.run.env_state_file.read_env_state` gives them (this user's MAC, or
     ``trust_env_state``), and only if every rank has them; otherwise each collector state says
     why it starts fresh episodes. Returns ``(state, path, warning)`` as
     :func:`rl_replay.run.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
@@ -306,3 +309,76 @@ def load_trainer(trainer, state: dict[str, Any]) -> None:
 def restore_trainer_rng(trainer, state: dict[str, Any]) -> None:
     """Set this rank's RNG streams from ``state`` (call it after everything else is set up)."""
     restore_rng(state["rng"][trainer.info.rank], trainer.device)
+
+
+# ------------------------------------------------------------------------------ RNG state
+def capture_rng(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Python, numpy, torch CPU and (on a CUDA device) CUDA RNG states of this process."""
+    device = torch.device(device)
+    rng: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return rng
+
+
+def restore_rng(rng: dict[str, Any], device: torch.device | str = "cpu") -> None:
+    """Inverse of :func:`capture_rng` (the CUDA state only when both sides have one)."""
+    device = torch.device(device)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and device.type == "cuda":
+        torch.cuda.set_rng_state(rng["cuda"], device)
+
+
+def check_rng(rng: Any, device: torch.device | str = "cpu") -> None:
+    """Raise ValueError (one line) unless :func:`restore_rng` accepts ``rng``; changes nothing.
+
+    A checkpoint's RNG states are checked by restoring them and then this process's own
+    states, before a resume writes anything.
+    """
+    saved = capture_rng(device)
+    try:
+        if not isinstance(rng, dict):
+            raise TypeError(f"a {type(rng).__name__}, not a table of generator states")
+        restore_rng(rng, device)
+    except (TypeError, ValueError, KeyError, IndexError, RuntimeError, OverflowError) as exc:
+        raise ValueError(
+            f"RNG states that cannot be restored ({type(exc).__name__}: {one_line(str(exc))[:160]})"
+        ) from None
+    finally:
+        restore_rng(saved, device)
+
+
+# ---------------------------------------------------------------------------- agent weights
+def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``agent.load_state_dict(weights)``; a mismatch is one CheckpointError line naming ``path``
+    and the keys that are missing, unexpected or of another shape."""
+    own = agent.state_dict()
+    weights = current_agent_keys(weights, own)
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and weights[k].shape != own[k].shape
+    ]
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+
+    problems = (
+        ([f"missing {few(missing)}"] if missing else [])
+        + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+        + ([f"other shapes: {few(shapes)}"] if shapes else [])
+    )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the agent its config.yaml builds "
+            f"({'; '.join(problems)}): the checkpoint is not of this run's agent."
+        )
+    agent.load_state_dict(weights)

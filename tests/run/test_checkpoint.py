@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import rl_replay.run.checkpoint as checkpoint_module
+import rl_replay.run.files as files_module
 from rl_replay.errors import CheckpointError, SetupError
 from rl_replay.run.checkpoint import (
     checkpoint_path,
@@ -197,7 +197,7 @@ def test_a_failed_write_keeps_the_old_checkpoint_and_leaves_no_temporary(tmp_pat
             raise OSError("disk full")  # the rename of the new file fails
         real_replace(src, dst)
 
-    monkeypatch.setattr(checkpoint_module.os, "replace", replace)
+    monkeypatch.setattr(files_module.os, "replace", replace)
     with pytest.raises(OSError, match="disk full"):
         save_checkpoint(_payload(2), path)
     assert path.read_bytes() == before and load_checkpoint(path)["update"] == 1
@@ -253,7 +253,7 @@ def _draws(device):
     ],
 )
 def test_one_rng_helper_restores_every_stream(device):
-    from rl_replay.run.checkpoint import capture_rng, restore_rng
+    from rl_replay.run.trainer_checkpoint import capture_rng, restore_rng
 
     rng = capture_rng(device)
     assert ("cuda" in rng) == (device == "cuda")
@@ -270,7 +270,7 @@ def test_weights_saved_before_the_recurrence_moved_into_cell_still_load(target):
     import gymnasium as gym
 
     from rl_replay.agent import build_agent
-    from rl_replay.run.checkpoint import load_agent_weights
+    from rl_replay.run.trainer_checkpoint import load_agent_weights
 
     space, actions = gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2)
     torch.manual_seed(0)

@@ -166,7 +166,8 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     from rl_replay.agent import Agent
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
-    from rl_replay.run.checkpoint import load_checkpoint, read_env_state
+    from rl_replay.run.checkpoint import load_checkpoint
+    from rl_replay.run.env_state_file import read_env_state
     from rl_replay.run.setup import build
     from rl_replay.run.trust import user_secret
 

@@ -27,8 +27,9 @@ from _checkpoint_files import write_format2
 
 from rl_replay.config import load_config, save_config
 from rl_replay.run import safe_tree, trust
-from rl_replay.run.checkpoint import ENV_STATE_NAME, checkpoint_path, load_checkpoint
+from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import evaluate_main, train_main
+from rl_replay.run.env_state_file import ENV_STATE_NAME
 
 TINY = (
     "env.id=CartPole-v1",
