@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ __all__ = [
     "wrap_fsdp",
     "broadcast_module_states",
     "broadcast_from_main",
+    "on_main",
+    "any_rank",
     "reduce_mean",
     "reduce_sums",
     "barrier",
@@ -179,6 +182,11 @@ def reduce_sums(values: dict[str, float], device: torch.device, info: DistInfo) 
     return dict(zip(keys, x.tolist()))
 
 
+def any_rank(flag: bool, device: torch.device, info: DistInfo) -> bool:
+    """True if ``flag`` is set on some rank (one all-reduce under torchrun)."""
+    return bool(reduce_sums({"flag": float(flag)}, device, info)["flag"])
+
+
 def broadcast_from_main(value: Any, info: DistInfo) -> Any:
     """Rank 0's ``value`` on every rank (``value`` itself in one process); any picklable object."""
     if not info.distributed:
@@ -188,6 +196,27 @@ def broadcast_from_main(value: Any, info: DistInfo) -> Any:
     box = [value if info.is_main else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def on_main(fn: Callable[[], Any], info: DistInfo) -> Any:
+    """Run ``fn`` on rank 0 only and return its result there (None on other ranks).
+
+    A :class:`~rl_replay.errors.SetupError` it raises is raised on every rank, so no rank waits
+    for a failed peer.
+    """
+    result, error = None, None
+    if info.is_main:
+        try:
+            result = fn()
+        except SetupError as exc:
+            if not info.distributed:
+                raise
+            error = str(exc)
+    if info.distributed:
+        error = broadcast_from_main(error, info)
+        if error is not None:
+            raise SetupError(error)
+    return result
 
 
 def barrier(info: DistInfo) -> None:

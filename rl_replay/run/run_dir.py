@@ -17,18 +17,29 @@ Every refusal is a :class:`~rl_replay.errors.RunDirError` (a ``SetupError``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
-from rl_replay.errors import RunDirError
+from rl_replay.errors import RunDirError, RunWriteError
 from rl_replay.run import files
 from rl_replay.run.checkpoint import checkpoint_path, previous_checkpoint_path
 from rl_replay.run.logger import read_metrics
 
-__all__ = ["LOCK_NAME", "RunLock", "claim_fresh", "claim_default", "default_name", "resume_kind", "logged_updates"]
+__all__ = [
+    "LOCK_NAME",
+    "RunLock",
+    "claim_fresh",
+    "claim_default",
+    "default_name",
+    "resume_kind",
+    "logged_updates",
+    "writing",
+]
 
 LOCK_NAME = ".lock"
 
@@ -197,3 +208,13 @@ def claim_default(parent: str | os.PathLike, name: str) -> tuple[Path, RunLock]:
             raise _not_writable(candidate, exc) from None
         return candidate, RunLock(candidate)
     raise RunDirError(f"no free run directory name {parent / name}-N; set run_dir=...")  # pragma: no cover
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, run_dir: str | os.PathLike, last_checkpoint: str | None) -> Iterator[None]:
+    """Turn the ``OSError`` of a write to ``path`` (ENOSPC, EROFS...) into a one-line
+    :class:`~rl_replay.errors.RunWriteError` naming it and the last good checkpoint."""
+    try:
+        yield
+    except OSError as exc:
+        raise RunWriteError(exc, path, last_checkpoint, str(run_dir)) from None

@@ -9,6 +9,7 @@ written to the run directory.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import sys
 from dataclasses import replace
@@ -19,7 +20,10 @@ import numpy as np
 import torch
 
 from rl_replay import distributed as dist_utils
+from rl_replay import guards
 from rl_replay.agent import Agent, build_agent, canonical_agent_target
+from rl_replay.algorithms import make_algorithm
+from rl_replay.algorithms.base import Algorithm
 from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_updates
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
@@ -38,9 +42,17 @@ from rl_replay.run.logger import (
     wandb_preflight,
 )
 from rl_replay.run.run_config import imports_of, read_run_config, write_run_config
-from rl_replay.run.run_dir import RunLock, claim_default, claim_fresh, default_name, logged_updates, resume_kind
+from rl_replay.run.run_dir import (
+    RunLock,
+    claim_default,
+    claim_fresh,
+    default_name,
+    logged_updates,
+    resume_kind,
+    writing,
+)
 from rl_replay.run.trainer import Trainer
-from rl_replay.run.trainer_checkpoint import check_rng, load_trainer, read_trainer_state, restore_trainer_rng
+from rl_replay.run.trainer_checkpoint import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 
 __all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
 
@@ -98,26 +110,6 @@ def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> Non
             )
 
 
-def _on_main(fn, info: dist_utils.DistInfo):
-    """Run ``fn`` on rank 0 only and return its result there (None on other ranks).
-
-    A SetupError it raises is raised on every rank, so no rank waits for a failed peer.
-    """
-    result, error = None, None
-    if info.is_main:
-        try:
-            result = fn()
-        except SetupError as exc:
-            if not info.distributed:
-                raise
-            error = str(exc)
-    if info.distributed:
-        error = dist_utils.broadcast_from_main(error, info)
-        if error is not None:
-            raise SetupError(error)
-    return result
-
-
 def build(
     cfg: Config | None = None,
     *,
@@ -167,20 +159,22 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
         if resume is not None:
             # Refuse a run that is still being written before reading anything; the pid is
             # written into the lock once everything read has been checked.
-            lock = _hold(cleanup, _on_main(lambda: RunLock(resume, record=False), info))
-            _on_main(lambda: _check_metrics(resume), info)
+            lock = _hold(cleanup, dist_utils.on_main(lambda: RunLock(resume, record=False), info))
+            dist_utils.on_main(lambda: _check_metrics(resume), info)
             if not restart:
                 state, ckpt = _read_resume_state(cfg, resume, info, device, trust_env_state)
         # A warm start's weights are read before anything is built or written: a bad path fails first.
         init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
-        trainer = _build_objects(cfg, info, device, lock, cleanup, init_weights=init_weights)
+        algorithm, num_params = _build_objects(cfg, info, device, cleanup, init_weights=init_weights)
+        progress = Progress()
         if state is not None:
-            _load_resume_state(trainer, state, ckpt, resume)  # type: ignore[arg-type]
+            progress = _load_resume_state(algorithm, state, ckpt, resume, info, device)  # type: ignore[arg-type]
         # Nothing has been written yet; from here on the run exists on disk.
         if resume is None:
-            trainer.lock = lock = _hold(cleanup, _on_main(lambda: _claim_new(cfg), info))
-            trainer.run_dir = Path(dist_utils.broadcast_from_main(str(lock.run_dir) if lock else None, info))
+            lock = _hold(cleanup, dist_utils.on_main(lambda: _claim_new(cfg), info))
+            run_dir = Path(dist_utils.broadcast_from_main(str(lock.run_dir) if lock else None, info))
         else:
+            run_dir = resume
             if lock is not None:
                 lock.record_pid()
             if restart and info.is_main:
@@ -190,15 +184,26 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
                     file=sys.stderr,
                     flush=True,
                 )
-        trainer.cfg = replace(cfg, run_dir=str(trainer.run_dir))
+        cfg = replace(cfg, run_dir=str(run_dir))
         cut_to = state["update"] if state is not None else 0 if restart else None
         wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None  # type: ignore[arg-type]
-        with trainer._writing(trainer.run_dir):
-            _write_run_dir(trainer.cfg, trainer.run_dir, cut_to, info)
-            trainer.logger = _open_logger(trainer, state, wandb_mode, wandb_id)
-        cleanup.callback(trainer.logger.close)
+        with writing(run_dir, run_dir, progress.last_checkpoint):
+            _write_run_dir(cfg, run_dir, cut_to, info)
+            logger = _open_logger(cfg, run_dir, info, device, num_params, progress, wandb_mode, wandb_id)
+        cleanup.callback(logger.close)
+        trainer = Trainer(
+            cfg,
+            run_dir=run_dir,
+            algorithm=algorithm,
+            logger=logger,
+            info=info,
+            device=device,
+            num_params=num_params,
+            lock=lock,
+            progress=progress,
+        )
         if state is not None:
-            restore_trainer_rng(trainer, state)  # last: nothing after it draws random numbers
+            restore_trainer_rng(state, info, device)  # last: nothing after it draws random numbers
         cleanup.pop_all()
     return trainer
 
@@ -233,10 +238,17 @@ def _read_resume_state(
     return state, ckpt
 
 
-def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resume: Path) -> None:
+def _load_resume_state(
+    algorithm: Algorithm,
+    state: dict[str, Any],
+    ckpt: Path,
+    resume: Path,
+    info: dist_utils.DistInfo,
+    device: torch.device,
+) -> Progress:
     """Load the checkpoint into the newly built objects (RNG streams come last, in build)."""
     try:
-        load_trainer(trainer, state)
+        progress = load_trainer(algorithm, state, info, device, resume)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SetupError(
@@ -244,7 +256,8 @@ def _load_resume_state(trainer: Trainer, state: dict[str, Any], ckpt: Path, resu
             f"({type(exc).__name__}: {first}). Resume without overrides that change the agent, "
             "optimizer or environments, or start a new run."
         ) from None
-    trainer.last_checkpoint = f"{ckpt} (update {state['update']})"
+    progress.last_checkpoint = f"{ckpt} (update {state['update']})"
+    return progress
 
 
 def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo) -> None:
@@ -258,26 +271,34 @@ def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_ut
     dist_utils.barrier(info)
 
 
-def _open_logger(trainer: Trainer, state: dict[str, Any] | None, wandb_mode: str, wandb_id: str | None) -> RunLogger:
+def _open_logger(
+    cfg: Config,
+    run_dir: Path,
+    info: dist_utils.DistInfo,
+    device: torch.device,
+    num_params: int,
+    progress: Progress,
+    wandb_mode: str,
+    wandb_id: str | None,
+) -> RunLogger:
     """The run's logger, continuing a resumed run's wandb run (``wandb_id``) and progress."""
-    cfg, info = trainer.cfg, trainer.info
     return RunLogger(
-        trainer.run_dir,
+        run_dir,
         config=config_to_dict(cfg),
         is_main=info.is_main,
         wandb_mode=wandb_mode,
         wandb_project=cfg.log.wandb_project,
         wandb_entity=cfg.log.wandb_entity,
-        run_name=cfg.log.run_name or trainer.run_dir.name,
+        run_name=cfg.log.run_name or run_dir.name,
         wandb_id=wandb_id,
         group=cfg.log.group,
         tags=cfg.log.tags,
-        extras=_run_extras(cfg, trainer.num_params, info, trainer.device),
+        extras=_run_extras(cfg, num_params, info, device),
         progress=cfg.log.progress,
         progress_every=cfg.log.progress_every,
         total_env_steps=cfg.total_env_steps,
-        start_env_steps=state["env_steps"] if state else 0,
-        start_update=state["update"] if state else 0,
+        start_env_steps=progress.env_steps,
+        start_update=progress.update,
     )
 
 
@@ -323,11 +344,11 @@ def _build_objects(
     cfg: Config,
     info: dist_utils.DistInfo,
     device: torch.device,
-    lock: RunLock | None,
     cleanup: contextlib.ExitStack,
     init_weights: dict[str, torch.Tensor] | None = None,
-) -> Trainer:
-    """Envs, agent (checked against the Agent contract), optimizer, collector: nothing on disk.
+) -> tuple[Algorithm, int]:
+    """Envs, agent (checked against the Agent contract), optimizer, collector, the non-finite
+    guard and the algorithm that owns them, with the agent's parameter count: nothing on disk.
 
     ``init_weights`` (a warm start, ``cfg.init_from``) are loaded into the agent before FSDP
     wraps it. The envs are closed by ``cleanup`` if building fails.
@@ -385,19 +406,13 @@ def _build_objects(
         reduce_sums=reduce_sums,
     )
     check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
-    run_dir = Path(cfg.run_dir) if cfg.run_dir else None
-    return Trainer(
-        cfg,
-        run_dir=run_dir,  # type: ignore[arg-type]
-        collector=collector,
-        model=model,
-        optimizer=optimizer,
-        logger=None,
-        info=info,
-        device=device,
-        num_params=num_params,
-        lock=lock,
+    # Every optimizer step of the algorithm passes through these non-finite checks.
+    guard = guards.StepGuard(
+        model,
+        guards.SkipBudget(cfg.optim.skip_nonfinite_updates),
+        any_rank=functools.partial(dist_utils.any_rank, device=device, info=info),
     )
+    return make_algorithm(cfg, collector, model, optimizer, info, device, guard=guard), num_params
 
 
 def _claim_new(cfg: Config) -> RunLock:

@@ -18,9 +18,9 @@ import torch
 
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
-from rl_replay.algorithms import make_algorithm
+from rl_replay.algorithms.base import Algorithm
 from rl_replay.config import Config, num_updates
-from rl_replay.errors import RunWriteError, TrainingInterrupted
+from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
 from rl_replay.run.checkpoint import checkpoint_path
 from rl_replay.run.horizon import episode_horizon
@@ -28,17 +28,20 @@ from rl_replay.run.interrupt import StopOnSignal
 from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
-from rl_replay.run.run_dir import RunLock
-from rl_replay.run.trainer_checkpoint import load_trainer, restore_trainer_rng, save_trainer, trainer_state
+from rl_replay.run.run_dir import RunLock, writing
+from rl_replay.run.trainer_checkpoint import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
 
 __all__ = ["Trainer"]
 
 
 class Trainer:
-    """Owns one run: the collector, the (possibly FSDP-wrapped) agent and the optimizer.
+    """The loop of one run, built whole by :func:`rl_replay.run.setup.build` and never patched.
 
-    Training holds the run directory's lock (rank 0) until :meth:`close`. ``num_params`` is
-    the agent's parameter count, taken before FSDP shards it.
+    The algorithm owns the collector, the (possibly FSDP-wrapped) agent and the optimizer
+    (:attr:`collector`, :attr:`model` and :attr:`optimizer` are its); the trainer anneals the
+    learning rate, calls :meth:`Algorithm.update`, logs, checkpoints and holds the run
+    directory's lock (rank 0) until :meth:`close`. ``num_params`` is the agent's parameter count,
+    taken before FSDP shards it; ``progress`` is where a resumed run continues from.
     """
 
     def __init__(
@@ -46,37 +49,53 @@ class Trainer:
         cfg: Config,
         *,
         run_dir: Path,
-        collector: Collector,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        logger: RunLogger | None,
+        algorithm: Algorithm,
+        logger: RunLogger,
         info: dist_utils.DistInfo,
         device: torch.device,
         num_params: int,
         lock: RunLock | None = None,
+        progress: Progress | None = None,
     ) -> None:
+        progress = progress or Progress()
         self.cfg = cfg
         self.run_dir = run_dir
-        self.collector = collector
-        self.model = model
-        self.optimizer = optimizer
+        self.algorithm = algorithm
         self.logger = logger
         self.info = info
         self.device = device
         self.lock = lock
-        self.update = 0
-        self.env_steps = 0  # summed over all ranks
+        self.num_params = num_params
         # Known in advance only in fixed mode; in episode mode an update takes as many steps
         # as its longest episode, so the run goes on until the step budget is reached.
         self.num_updates = num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None
         self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
-        self.last_checkpoint: str | None = None  # "PATH (update N)" of the last checkpoint written or loaded
-        self.num_params = num_params
-        # Every optimizer step of the algorithm passes through these non-finite checks.
-        self.guard = guards.StepGuard(
-            model, guards.SkipBudget(cfg.optim.skip_nonfinite_updates), any_rank=self._any_rank
-        )
-        self.algorithm = make_algorithm(cfg, collector, model, optimizer, info, device, guard=self.guard)
+        self._set_progress(progress)
+
+    def _set_progress(self, progress: Progress) -> None:
+        self.update = progress.update
+        self.env_steps = progress.env_steps  # summed over all ranks
+        self.recent_returns.clear()
+        self.recent_returns.extend(progress.recent_returns)
+        self.last_checkpoint = progress.last_checkpoint  # "PATH (update N)" of the last checkpoint written or loaded
+
+    @property
+    def collector(self) -> Collector:
+        return self.algorithm.collector
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.algorithm.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.algorithm.optimizer
+
+    @property
+    def guard(self) -> guards.StepGuard:
+        """The non-finite checks every optimizer step of the algorithm passes through."""
+        assert self.algorithm.guard is not None
+        return self.algorithm.guard
 
     # ----------------------------------------------------------------- the loop
     def train(self) -> dict[str, float]:
@@ -96,7 +115,7 @@ class Trainer:
                     metrics = self.step()
                     if self.update % self.cfg.log.log_every == 0 or self.finished:
                         with self._writing(self.run_dir / METRICS_NAME):
-                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)  # type: ignore[union-attr]
+                            self.logger.log(metrics, update=self.update, env_steps=self.env_steps)
                     every = self.cfg.checkpoint.every
                     saved = (every and self.update % every == 0) or self.finished
                     if saved:
@@ -202,10 +221,6 @@ class Trainer:
         metrics["time/eval_sec"] = time.perf_counter() - t0
         return metrics
 
-    def _any_rank(self, flag: bool) -> bool:
-        """True if ``flag`` is set on some rank (an all-reduce under torchrun)."""
-        return bool(dist_utils.reduce_sums({"bad": float(flag)}, self.device, self.info)["bad"])
-
     # ----------------------------------------------------------------- checkpoints
     def save(self) -> None:
         """Write the checkpoint (collective under FSDP); refuses non-finite weights.
@@ -217,15 +232,11 @@ class Trainer:
             path = save_trainer(self)
         self.last_checkpoint = f"{path} (update {self.update})"
         with self._writing(self.run_dir):
-            self.logger.checkpointed(self.update)  # type: ignore[union-attr]  # wandb gets only rows a resume would not redo
+            self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
 
-    @contextlib.contextmanager
-    def _writing(self, path: Path):
+    def _writing(self, path: Path) -> contextlib.AbstractContextManager[None]:
         """Turn the ``OSError`` of a write to ``path`` (ENOSPC, EROFS...) into one line naming it."""
-        try:
-            yield
-        except OSError as exc:
-            raise RunWriteError(exc, path, self.last_checkpoint, str(self.run_dir)) from None
+        return writing(path, self.run_dir, self.last_checkpoint)
 
     def state_dict(self) -> dict[str, Any] | None:
         """The whole training state (agent, optimizer, collectors, RNG streams, counters, config).
@@ -237,12 +248,11 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` or a checkpoint (``read_trainer_state``), RNG streams included."""
-        load_trainer(self, state)
-        restore_trainer_rng(self, state)
+        self._set_progress(load_trainer(self.algorithm, state, self.info, self.device, self.run_dir))
+        restore_trainer_rng(state, self.info, self.device)
 
     def close(self) -> None:
         """Close the logger (wandb, metrics file) and release the run directory."""
-        if self.logger is not None:
-            self.logger.close()
+        self.logger.close()
         if self.lock is not None:
             self.lock.release()

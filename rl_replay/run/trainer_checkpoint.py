@@ -24,8 +24,8 @@ then tells every rank whether the write succeeded, so no rank runs ahead of the 
 a failed write fails every rank instead of hanging them. Resuming: each rank reads the
 files itself (:func:`read_trainer_state`: the env pickles only if this user's MAC verifies,
 and every rank then agrees on using them or not), :func:`load_trainer` loads agent, optimizer and
-collector (FSDP through its full-state-dict loaders) and :func:`restore_trainer_rng` sets
-the RNG streams last.
+collector into the algorithm that owns them (FSDP through its full-state-dict loaders) and gives
+back the counters (:class:`Progress`), and :func:`restore_trainer_rng` sets the RNG streams last.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numbers
 import os
 import random
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ __all__ = [
     "save_trainer",
     "read_trainer_state",
     "load_trainer",
+    "Progress",
     "restore_trainer_rng",
     "check_world_size",
     "capture_rng",
@@ -281,34 +283,42 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def load_trainer(trainer, state: dict[str, Any]) -> None:
-    """Load agent, optimizer, collector and counters of ``state`` into ``trainer`` (collective).
+@dataclass
+class Progress:
+    """How far a run got: what a checkpoint gives back besides weights, optimizer and collectors."""
+
+    update: int = 0
+    env_steps: int = 0  # summed over all ranks
+    recent_returns: list[float] = field(default_factory=list)  # this rank's
+    last_checkpoint: str | None = None  # "PATH (update N)" of the checkpoint written or loaded last
+
+
+def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, where: str | Path) -> Progress:
+    """Load the agent, optimizer and collector of ``state`` into ``algorithm`` (their owner;
+    collective under FSDP) and return its counters; ``where`` names the run in errors.
 
     The RNG streams are restored separately (:func:`restore_trainer_rng`), last.
     """
-    info, model = trainer.info, trainer.model
-    check_world_size(state, info.world_size, trainer.run_dir)
+    model, optimizer = algorithm.model, algorithm.optimizer
+    check_world_size(state, info.world_size, where)
     if _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         # Every rank holds the full state (it read the file), so no rank0_only broadcast.
-        with _full_state_dict_type(model, trainer.device, rank0_only=False):
+        with _full_state_dict_type(model, device, rank0_only=False):
             model.load_state_dict(state["agent"])
-            optim_state = FSDP.optim_state_dict_to_load(model, trainer.optimizer, state["optimizer"])
+            optim_state = FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"])
     else:
         model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
         optim_state = state["optimizer"]
-    trainer.optimizer.load_state_dict(optim_state)
-    trainer.collector.load_state_dict(_map_tensors(state["collector"][info.rank], trainer.device))
-    trainer.update = state["update"]
-    trainer.env_steps = state["env_steps"]
-    trainer.recent_returns.clear()
-    trainer.recent_returns.extend(state["recent_returns"][info.rank])
+    optimizer.load_state_dict(optim_state)
+    algorithm.collector.load_state_dict(_map_tensors(state["collector"][info.rank], device))
+    return Progress(state["update"], state["env_steps"], list(state["recent_returns"][info.rank]))
 
 
-def restore_trainer_rng(trainer, state: dict[str, Any]) -> None:
+def restore_trainer_rng(state: dict[str, Any], info, device: torch.device) -> None:
     """Set this rank's RNG streams from ``state`` (call it after everything else is set up)."""
-    restore_rng(state["rng"][trainer.info.rank], trainer.device)
+    restore_rng(state["rng"][info.rank], device)
 
 
 # ------------------------------------------------------------------------------ RNG state

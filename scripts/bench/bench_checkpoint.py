@@ -72,7 +72,7 @@ def main() -> int:
             for _ in range(args.repeats):
                 start = time.perf_counter()
                 state, _, _ = read_trainer_state(run_dir, trainer.info)
-                load_trainer(trainer, state)
+                load_trainer(trainer.algorithm, state, trainer.info, trainer.device, run_dir)
                 loads.append(time.perf_counter() - start)
         finally:
             trainer.close()
