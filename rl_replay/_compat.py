@@ -1,4 +1,6 @@
-"""Old names that still resolve, gathered in one place with the version that drops them.
+"""What rl_replay keeps for compatibility: old names that still resolve, gathered in one place
+with the version that drops them, and (NOTE [ Private APIs ] below) what it relies on that its
+dependencies do not promise.
 
 The one migration story (docs/checkpoints.md, "Migration from format 1"):
 
@@ -6,16 +8,43 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   command that converts a trusted file (``scripts/convert_checkpoint.py --trust``), which is
   the only code that knows the old layouts (:func:`rl_replay.run.legacy.convert_legacy`).
 * **Module names inside pickled environments** (``env_state.pkl``, and the env pickles of a
-  converted format-1 checkpoint) and **import paths in an older run's config.yaml**: the
-  reference agents and envs were the top-level packages ``agents`` / ``envs`` before 0.1.0, and
-  the flat modules of ``rl_replay`` moved into ``rl_replay.rollout`` / ``rl_replay.run`` in
-  0.2.0. :func:`current_module_name` maps the old names. Removed in 0.3.0.
+  converted format-1 checkpoint) and **import paths in an older run's config.yaml**: while 0.1.0
+  was developed the reference agents and envs were first the top-level packages ``agents`` /
+  ``envs``, and the flat modules of ``rl_replay`` (``rl_replay.collector``...) then moved into
+  ``rl_replay.rollout`` / ``rl_replay.run``. :func:`current_module_name` maps the old names.
 * **Parameter names of the LRU and minGRU agents**: their recurrence moved into ``cell`` (the
-  core of the agent skeleton) in 0.2.0, so ``nu_log`` is now ``cell.nu_log`` and ``gate.weight``
-  ``cell.gate.weight``. :func:`current_agent_keys` maps an older checkpoint's names where
-  weights are loaded (evaluate, ``init_from``, a single-process resume). Removed in 0.3.0.
+  core of the agent skeleton) during 0.1.0, so ``nu_log`` is now ``cell.nu_log`` and
+  ``gate.weight`` ``cell.gate.weight``. :func:`current_agent_keys` maps an older checkpoint's
+  names where weights are loaded (evaluate, ``init_from``, a single-process resume).
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
-  (:func:`translate_norm_adv`, called by ``rl_replay.config``); removed in 0.3.0.
+  (:func:`translate_norm_adv`, called by ``rl_replay.config``).
+
+All of them are removed in :data:`REMOVED_IN`, the first release after 0.1.0: a test fails once
+the package's version reaches it (``tests/test_packaging.py``), so they cannot outlive it.
+
+NOTE [ Private APIs ]
+---------------------
+Private names of torch, tensordict and gymnasium this package uses, each at the listed place and
+why; tested with torch 2.13.0, tensordict 0.15.3 and gymnasium 1.4.0. ``tests/test_packaging.py``
+checks that the list and the code agree; a new use is listed here or it fails.
+
+* ``torch.autograd.graph._engine_run_backward`` (``rl_replay/engine/replay.py``): the replay
+  block's nested backward, as ``torch.utils.checkpoint`` runs it.
+* ``torch.autograd._is_checkpoint_valid`` (``rl_replay/engine/replay.py``): refuses
+  ``autograd.grad`` / ``backward(inputs=...)`` through a block, as ``torch.utils.checkpoint`` does.
+* ``Tensor._version`` (``rl_replay/engine/saving.py``, ``rl_replay/engine/plan.py``): the version
+  counter that tells a saved input was changed in place before the backward.
+* ``torch.utils._pytree`` (``rl_replay/engine/layouts.py``, ``rl_replay/engine/fsdp_forward.py``):
+  flattening keyword inputs as ``torch.utils.checkpoint`` does.
+* ``torch.nn.modules.batchnorm._BatchNorm`` (``rl_replay/engine/plan.py``): the base class that
+  names every BatchNorm's running statistics.
+* ``torch.distributed.fsdp._runtime_utils._pre_backward_hook`` and ``FSDP._handle``
+  (``rl_replay/engine/fsdp.py``): FSDP1's pre-backward unshard for outputs inside a TensorDict,
+  which FSDP's own output hooks do not see.
+* ``TensorDict._tensordict`` (``rl_replay/engine/steps.py``, ``rl_replay/engine/layouts.py``): the
+  dict of a TensorDict's entries, read without the per-key checks of ``items()`` on the hot path.
+* ``SyncVectorEnv._autoreset_envs`` (``rl_replay/rollout/collector.py``): gymnasium's autoreset
+  flags, saved with the sub-envs so a resume continues exactly.
 """
 
 from __future__ import annotations
@@ -31,9 +60,27 @@ __all__ = [
     "current_agent_keys",
     "translate_norm_adv",
     "REMOVED_IN",
+    "PRIVATE_APIS",
 ]
 
-REMOVED_IN = "0.3.0"
+#: NOTE [ Private APIs ] as data: (private name, file that uses it), checked by the tests.
+PRIVATE_APIS = (
+    ("_engine_run_backward", "rl_replay/engine/replay.py"),
+    ("_is_checkpoint_valid", "rl_replay/engine/replay.py"),
+    ("._version", "rl_replay/engine/saving.py"),
+    ("._version", "rl_replay/engine/plan.py"),
+    ("torch.utils._pytree", "rl_replay/engine/layouts.py"),
+    ("torch.utils._pytree", "rl_replay/engine/fsdp_forward.py"),
+    ("_BatchNorm", "rl_replay/engine/plan.py"),
+    ("_runtime_utils._pre_backward_hook", "rl_replay/engine/fsdp.py"),
+    ("._handle", "rl_replay/engine/fsdp.py"),
+    ("._tensordict", "rl_replay/engine/steps.py"),
+    ("._tensordict", "rl_replay/engine/layouts.py"),
+    ("._autoreset_envs", "rl_replay/rollout/collector.py"),
+)
+
+#: The version that drops every old name above (the first release after 0.1.0).
+REMOVED_IN = "0.2.0"
 
 # old top-level package -> where it lives now (a prefix: its submodules follow)
 RENAMED_PACKAGES = {"agents": "rl_replay.agents", "envs": "rl_replay.envs"}

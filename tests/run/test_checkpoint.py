@@ -265,7 +265,7 @@ def test_one_rng_helper_restores_every_stream(device):
 
 @pytest.mark.parametrize("target", ["lru", "mingru"])
 def test_weights_saved_before_the_recurrence_moved_into_cell_still_load(target):
-    """LRU and minGRU weights named as before 0.2.0 (``nu_log``, ``gate.weight``) load under
+    """LRU and minGRU weights named as older checkpoints name them (``nu_log``, ``gate.weight``) load under
     the skeleton's names (``cell.nu_log``, ``cell.gate.weight``), values unchanged."""
     import gymnasium as gym
 
