@@ -18,6 +18,8 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   names where weights are loaded (evaluate, ``init_from``, a single-process resume).
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
   (:func:`translate_norm_adv`, called by ``rl_replay.config``).
+* **``collector.block_steps`` and ``ppo.block_steps``** (A2C / REINFORCE's and PPO's) are read as
+  the one ``replay.block_steps`` (:func:`translate_block_steps`).
 
 All of them are removed in :data:`REMOVED_IN`, the first release after 0.1.0: a test fails once
 the package's version reaches it (``tests/test_packaging.py``), so they cannot outlive it.
@@ -59,6 +61,7 @@ __all__ = [
     "current_module_name",
     "current_agent_keys",
     "translate_norm_adv",
+    "translate_block_steps",
     "REMOVED_IN",
     "PRIVATE_APIS",
 ]
@@ -146,6 +149,46 @@ def translate_norm_adv(loaded: Mapping[str, Any], algorithm: str, path: str) -> 
         )
     loss["normalize_advantages"] = norm_adv
     return {**loaded, "loss": loss}
+
+
+def translate_block_steps(loaded: Mapping[str, Any], algorithm: str, path: str) -> Mapping[str, Any]:
+    """``loaded`` with the retired ``collector.block_steps`` / ``ppo.block_steps`` turned into
+    ``replay.block_steps``.
+
+    Each old key was read by its own algorithms only, and a saved run config holds both (one of
+    them a default nobody read): under ``loss.algorithm: ppo`` (this source's own, else
+    ``algorithm``, the one loaded so far) ``ppo.block_steps`` becomes the new key, under a2c /
+    reinforce ``collector.block_steps``; the other is dropped. A source that also sets
+    ``replay.block_steps`` to another value is refused.
+    """
+    sections = {name: loaded.get(name) for name in ("collector", "ppo")}
+    if not any(isinstance(sec, Mapping) and "block_steps" in sec for sec in sections.values()):
+        return loaded
+    loss = loaded.get("loss")
+    own = loss.get("algorithm", algorithm) if isinstance(loss, Mapping) else algorithm
+    read_by = "ppo" if own == "ppo" else "collector"
+    out = dict(loaded)
+    value = None
+    for name, sec in sections.items():
+        if isinstance(sec, Mapping) and "block_steps" in sec:
+            if name == read_by:
+                value = sec["block_steps"]
+            out[name] = {k: v for k, v in sec.items() if k != "block_steps"}
+    if value is None:
+        return out
+    replay = loaded.get("replay")
+    if replay is not None and not isinstance(replay, Mapping):
+        return out  # the loader names the malformed section
+    replay = dict(replay or {})
+    if "block_steps" in replay and replay["block_steps"] != value:
+        raise ValueError(
+            f"Config {path!r} sets '{read_by}.block_steps: {value}' and 'replay.block_steps: "
+            f"{replay['block_steps']}'. {read_by}.block_steps is now replay.block_steps (one key for every "
+            "algorithm): remove it and keep the value you mean in replay.block_steps"
+        )
+    replay["block_steps"] = value
+    out["replay"] = replay
+    return out
 
 
 def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:

@@ -99,7 +99,7 @@ def assert_grads_match(
 
 def collect_replayed(collector):
     """One rollout of ``collector`` with one replay block per step (what A2C and REINFORCE do
-    with ``collector.block_steps`` 1): ``(rollout, accumulator)``, the outputs attached."""
+    with ``replay.block_steps`` 1): ``(rollout, accumulator)``, the outputs attached."""
     from rl_replay.engine import GradientAccumulator, replay
 
     accumulator = GradientAccumulator()

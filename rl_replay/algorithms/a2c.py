@@ -6,7 +6,7 @@ from tensordict import TensorDict
 
 from rl_replay.algorithms.losses import a2c_loss
 from rl_replay.algorithms.policy_gradient import PolicyGradient
-from rl_replay.config import LossConfig
+from rl_replay.config import Config
 
 __all__ = ["A2C"]
 
@@ -15,7 +15,8 @@ class A2C(PolicyGradient):
     """Advantage actor-critic (:func:`rl_replay.algorithms.losses.a2c_loss`); no advantage normalisation by default."""
 
     @classmethod
-    def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
+    def loss(cls, data: TensorDict, cfg: Config) -> TensorDict:
+        loss = cfg.loss
         return a2c_loss(
             data,
             gamma=loss.gamma,

@@ -6,6 +6,7 @@ from abc import ABC, abstractmethod
 from typing import ClassVar
 
 import torch
+from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
 from rl_replay.algorithms.common import UpdateResult
@@ -61,9 +62,16 @@ class Algorithm(ABC):
 
     @property
     def replay_block_steps(self) -> int:
-        """Steps per replay block when this algorithm re-runs a stored sequence (the horizon
-        diagnostic replays with the same size)."""
-        return self.cfg.collector.block_steps
+        """Steps per replay block when this algorithm re-runs a stored sequence
+        (``replay.block_steps``; the horizon diagnostic replays with the same size)."""
+        return self.cfg.replay.block_steps
+
+    @classmethod
+    @abstractmethod
+    def loss(cls, data: TensorDict, cfg: Config) -> TensorDict:
+        """The named loss terms (:mod:`rl_replay.algorithms.losses`) of ``data`` (the collected
+        (T, N) rollout; PPO: one minibatch) under the run's settings ``cfg``, the same signature
+        for every algorithm."""
 
     @abstractmethod
     def update(self) -> UpdateResult:

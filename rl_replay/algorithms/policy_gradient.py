@@ -5,13 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from abc import abstractmethod
-
-from tensordict import TensorDict
 
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
-from rl_replay.config import LossConfig
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.rollout.collector import Rollout
 from rl_replay.rollout.sequence import replay_sequence
@@ -22,7 +18,7 @@ __all__ = ["PolicyGradient"]
 class PolicyGradient(Algorithm):
     """An on-policy update whose rollout outputs carry the graph; subclasses give :meth:`loss`.
 
-    With ``collector.block_steps`` 1 collection records one replay block per step. With k > 1
+    With ``replay.block_steps`` 1 collection records one replay block per step. With k > 1
     the rollout is collected under ``no_grad`` and its stored rows are replayed from the
     rollout's start state in blocks of k steps (:func:`rl_replay.rollout.sequence.replay_sequence`,
     PPO's path): the same outputs and gradients for a deterministic agent, an extra forward
@@ -31,17 +27,12 @@ class PolicyGradient(Algorithm):
     block newest-first.
     """
 
-    @classmethod
-    @abstractmethod
-    def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
-        """The named loss terms (see :mod:`rl_replay.algorithms.losses`) of a collected (T, N) rollout."""
-
     def collect(self) -> tuple[Rollout, GradientAccumulator]:
         """One rollout whose ``log_prob``, ``entropy`` and ``value`` are attached to autograd
-        through replay blocks, by ``collector.block_steps``, and the accumulator those blocks
+        through replay blocks, by ``replay.block_steps``, and the accumulator those blocks
         share."""
         accumulator = GradientAccumulator()
-        block_steps = self.cfg.collector.block_steps
+        block_steps = self.cfg.replay.block_steps
         if block_steps == 1:
             return self.collector.collect(functools.partial(replay, self.model, accumulator)), accumulator
         stored = self.collector.collect()
@@ -62,7 +53,7 @@ class PolicyGradient(Algorithm):
         t0 = time.perf_counter()
         rollout, acc = self.collect()
         t1 = time.perf_counter()
-        terms = self.loss(rollout.data, self.cfg.loss)
+        terms = self.loss(rollout.data, self.cfg)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
         metrics = {

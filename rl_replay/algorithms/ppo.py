@@ -56,10 +56,6 @@ class PPO(Algorithm):
             normalize_advantages=cls.normalize_advantages(cfg.loss),
         )
 
-    @property
-    def replay_block_steps(self) -> int:
-        return self.cfg.ppo.block_steps
-
     def update(self) -> UpdateResult:
         t0 = time.perf_counter()
         rollout = self.collector.collect()
@@ -132,7 +128,7 @@ class PPO(Algorithm):
             start_state,
             acc,
             self.bptt_truncate,
-            block_steps=self.cfg.ppo.block_steps,
+            block_steps=self.cfg.replay.block_steps,
         )
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
         terms = self.loss(batch, self.cfg)

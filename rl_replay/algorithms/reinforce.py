@@ -6,7 +6,7 @@ from tensordict import TensorDict
 
 from rl_replay.algorithms.losses import reinforce_loss
 from rl_replay.algorithms.policy_gradient import PolicyGradient
-from rl_replay.config import LossConfig
+from rl_replay.config import Config
 
 __all__ = ["REINFORCE"]
 
@@ -15,7 +15,8 @@ class REINFORCE(PolicyGradient):
     """REINFORCE (:func:`rl_replay.algorithms.losses.reinforce_loss`); no advantage normalisation by default."""
 
     @classmethod
-    def loss(cls, data: TensorDict, loss: LossConfig) -> TensorDict:
+    def loss(cls, data: TensorDict, cfg: Config) -> TensorDict:
+        loss = cfg.loss
         return reinforce_loss(
             data,
             gamma=loss.gamma,

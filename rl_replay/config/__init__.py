@@ -29,6 +29,7 @@ from rl_replay.config.schema import (
     LossConfig,
     OptimConfig,
     PPOConfig,
+    ReplayConfig,
     batch_size_per_rank,
     num_updates,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "LossConfig",
     "OptimConfig",
     "PPOConfig",
+    "ReplayConfig",
     "batch_size_per_rank",
     "config_from_dict",
     "config_to_dict",

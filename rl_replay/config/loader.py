@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from rl_replay._compat import translate_norm_adv
+from rl_replay._compat import translate_block_steps, translate_norm_adv
 from rl_replay.config.schema import ALGORITHM_NAMES, Config
 from rl_replay.errors import one_line, shown
 from rl_replay.targets import canonical_target, is_short_name, parse_target
@@ -71,14 +71,13 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "env.max_episode_steps": (1, True, None, False),
     "collector.num_steps": (1, True, None, False),
     "collector.bptt_truncate": (1, True, None, False),
-    "collector.block_steps": (1, True, None, False),
+    "replay.block_steps": (1, True, None, False),
     "loss.gamma": (0, True, 1, True),
     "loss.gae_lambda": (0, True, 1, True),
     "ppo.epochs": (1, True, None, False),
     "ppo.num_minibatches": (1, True, None, False),
     "ppo.clip_coef": (0, False, None, False),
     "ppo.target_kl": (0, False, None, False),
-    "ppo.block_steps": (1, True, None, False),
     "optim.lr": (0, False, None, False),
     "optim.max_grad_norm": (0, False, None, False),
     "optim.skip_nonfinite_updates": (0, True, None, False),
@@ -380,6 +379,7 @@ def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
     if not isinstance(loaded, Mapping):
         raise ValueError(f"Config file {path!r} must contain a mapping at top level, got {type(loaded).__name__}")
     loaded = translate_norm_adv(loaded, data["loss"]["algorithm"], path)
+    loaded = translate_block_steps(loaded, data["loss"]["algorithm"], path)
     hints = _hints(Config)
     for k, v in loaded.items():
         if k not in hints:
@@ -418,8 +418,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     except yaml.YAMLError as e:
         raise ValueError(f"Cannot parse value of override {shown(override)} as YAML: {_yaml_problem(e)}") from None
 
-    if key == "ppo.norm_adv":  # retired: read as in a file (see rl_replay._compat.translate_norm_adv)
-        _merge_file(data, {"ppo": {"norm_adv": value}}, f"override {shown(override)}")
+    if key in ("ppo.norm_adv", "ppo.block_steps", "collector.block_steps"):  # retired: read as in a file
+        section, _, name = key.partition(".")  # (rl_replay._compat.translate_norm_adv / translate_block_steps)
+        _merge_file(data, {section: {name: value}}, f"override {shown(override)}")
         return
     root = _hints(Config)
     head = parts[0]

@@ -20,6 +20,7 @@ __all__ = [
     "CollectorConfig",
     "LossConfig",
     "PPOConfig",
+    "ReplayConfig",
     "OptimConfig",
     "LogConfig",
     "CheckpointConfig",
@@ -76,16 +77,6 @@ class CollectorConfig:
     """steps T per env per rollout (the per-episode step cap in episode mode)"""
     bptt_truncate: int | None = None
     """cut the recurrent gradient every K steps (None = full backprop through the rollout)"""
-    block_steps: int = 16
-    """A2C and REINFORCE (PPO: ppo.block_steps): 1 = each step is a replay block as the envs are
-    stepped (the graph is built during collection); k > 1 = the rollout is collected under
-    no_grad and its stored rows are replayed in blocks of k steps before the loss (one extra
-    forward per step, the per-block machinery once per k steps; a stateless agent runs a
-    block's k steps as one batched call, an agent with its own forward_steps as one sequence
-    call). The same gradients, up to float rounding where a block is one call, for an agent
-    whose forward draws no random numbers; with dropout the loss sees other masks than the
-    ones that sampled the actions (use 1 for exactly on-policy dropout). Speed:
-    docs/benchmarks.md. Under FSDP an agent called step by step is recomputed once more: use 1"""
 
 
 #: The values of ``loss.algorithm`` (:data:`rl_replay.registry.ALGORITHMS`).
@@ -126,13 +117,24 @@ class PPOConfig:
     """clip the value update around the collected value"""
     target_kl: float | None = None
     """stop the epochs of an update once a minibatch's approx_kl exceeds this (None = never)"""
+
+
+@dataclass
+class ReplayConfig:
     block_steps: int = 16
-    """steps of a minibatch sequence per replay block (rl_replay.engine.replay_steps): the
-    per-block machinery is paid once per block, and one block's steps of activations are alive
-    at the backward's peak. An agent with its own forward_steps (the shipped recurrent agents)
-    runs a block as one call, its encoder and heads over all the block's rows at once (speed:
-    docs/benchmarks.md); other agents are called step by step, with the same gradients for
-    every value (under FSDP then recomputed once more per step: use 1 there)"""
+    """steps of a stored sequence per replay block (rl_replay.engine.replay_steps), for every
+    algorithm: PPO replays each minibatch's sequences in blocks of k steps; A2C and REINFORCE
+    collect under no_grad and replay the stored rollout in blocks of k steps before the loss (1 =
+    each step is a replay block as the envs are stepped, the graph built during collection). The
+    per-block machinery is paid once per block, and one block's steps of activations are alive at
+    the backward's peak. An agent with its own forward_steps (the shipped recurrent agents) runs a
+    block as one call, its encoder and heads over all the block's rows at once; other agents are
+    called step by step, with the same gradients (under FSDP then recomputed once more per step:
+    use 1 there). The same gradients up to float rounding where a block is one call, for an agent
+    whose forward draws no random numbers; with dropout under A2C / REINFORCE the loss sees other
+    masks than the ones that sampled the actions (use 1 for exactly on-policy dropout). Speed:
+    docs/benchmarks.md. (Was collector.block_steps for A2C / REINFORCE and ppo.block_steps for PPO;
+    both are still read.)"""
 
 
 @dataclass
@@ -237,6 +239,8 @@ class Config:
     """policy-gradient loss"""
     ppo: PPOConfig = field(default_factory=PPOConfig)
     """PPO update (loss.algorithm: ppo)"""
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    """replaying stored sequences in blocks (every algorithm)"""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """optimizer"""
     log: LogConfig = field(default_factory=LogConfig)

@@ -62,7 +62,7 @@ def episode_horizon(
         policy: the :class:`~rl_replay.agent.Agent` (for ``initial_state`` and ``distribution``).
         data: a rollout's (T, N) data with ``observation``, ``is_first``, ``action`` and ``valid``.
         bptt_truncate: detach the recurrent state every K steps, as the update does.
-        block_steps: steps per replay block, as the update (``ppo.block_steps``); the
+        block_steps: steps per replay block, as the update (``replay.block_steps``); the
             gradient does not depend on it, only the time it takes.
 
     Returns:

@@ -1,9 +1,9 @@
 """Training throughput on CartPole-v1 (MLP agent): rl_replay's trainer vs the usual recipe.
 
 * ``rl_replay``: ``rl_replay.run.setup.build(load_config('configs/default.yaml', overrides))``
-  and ``trainer.step()`` -- the rollout's policy calls as replay blocks (``collector.block_steps``:
+  and ``trainer.step()`` -- the rollout's policy calls as replay blocks (``replay.block_steps``:
   16 by default, the stored rollout replayed in 16-step blocks, one batched call each for this
-  stateless MLP; 1, a block per collected step: ``--set collector.block_steps=1``), one backward.
+  stateless MLP; 1, a block per collected step: ``--set replay.block_steps=1``), one backward.
 * ``batched``: what most PPO/A2C code does -- collect the rollout under ``torch.no_grad``,
   then one batched forward of the policy over the ``T * N`` stored observations for
   ``log_prob`` / ``value`` / ``entropy``, the same A2C loss (the trainer's algorithm's ``loss``),
@@ -19,7 +19,7 @@ Usage::
     python scripts/bench/bench_learning.py                 # N = 8, T = 32 (configs/default.yaml)
     python scripts/bench/bench_learning.py --write-docs    # the same, and update docs/benchmarks.md
     python scripts/bench/bench_learning.py --smoke
-    python scripts/bench/bench_learning.py --set collector.block_steps=1   # a replay block per collected step
+    python scripts/bench/bench_learning.py --set replay.block_steps=1   # a replay block per collected step
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ def gradient_check(trainer) -> tuple[float, float]:
     loss = trainer.algorithm.loss
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    rollout, _ = trainer.algorithm.collect()  # as the trainer's update attaches it (collector.block_steps)
+    rollout, _ = trainer.algorithm.collect()  # as the trainer's update attaches it (replay.block_steps)
     total_loss(loss(rollout.data, trainer.cfg.loss)).backward()
     replayed = grad_snapshot(model)
     model.zero_grad(set_to_none=True)
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="config override for both methods, e.g. --set collector.block_steps=1 (repeatable)",
+        help="config override for both methods, e.g. --set replay.block_steps=1 (repeatable)",
     )
     add_worker_arguments(ap, "bench_learning")
     args = ap.parse_args(argv)

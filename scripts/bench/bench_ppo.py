@@ -28,7 +28,7 @@ Usage::
     python scripts/bench/bench_ppo.py --T 128 512 --write-docs
     python scripts/bench/bench_ppo.py --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
     python scripts/bench/bench_ppo.py --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
-    python scripts/bench/bench_ppo.py --config configs/memory_1024.yaml --epochs 1 --set ppo.block_steps=16
+    python scripts/bench/bench_ppo.py --config configs/memory_1024.yaml --epochs 1 --set replay.block_steps=16
 
 ``--config CONFIG`` takes the agent, ``env.num_envs``, the PPO and loss settings and T
 (``collector.num_steps``, unless ``--T`` is given) from a shipped config, and the observation
@@ -185,7 +185,7 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
     The same minibatches, sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence` without an
     accumulator: plain autograd) and loss (``PPO.loss``) as the replay path, so only the replay
     blocks differ. An agent with its own ``forward_steps`` makes the same calls as the replay path
-    (one per ``ppo.block_steps`` steps), so the gradients compare bit for bit.
+    (one per ``replay.block_steps`` steps), so the gradients compare bit for bit.
     """
     from rl_replay.algorithms.common import optimizer_step
     from rl_replay.algorithms.losses import gae_targets
@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         nargs="+",
         default=[],
         metavar="KEY=VALUE",
-        help="with --config: config overrides, e.g. ppo.block_steps=16",
+        help="with --config: config overrides, e.g. replay.block_steps=16",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
     add_write_docs_argument(parser, "bench_ppo")

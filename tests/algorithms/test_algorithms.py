@@ -173,11 +173,11 @@ def test_contradicting_ppo_norm_adv_and_loss_normalize_advantages_are_refused(tm
     assert load_config(path).loss.normalize_advantages is True
 
 
-# ------------------------------------------------- A2C / REINFORCE: collector.block_steps
+# ------------------------------------------------- A2C / REINFORCE: replay.block_steps
 def _one_update(name: str, block_steps: int, extra: list[str]):
     """One A2C / REINFORCE update on CartPole collected with ``block_steps``: its result, the
     gradients it stepped with and the accumulator its replay blocks shared."""
-    cfg = load_config(None, [*TINY, f"loss.algorithm={name}", f"collector.block_steps={block_steps}", *extra])
+    cfg = load_config(None, [*TINY, f"loss.algorithm={name}", f"replay.block_steps={block_steps}", *extra])
     envs = make_vector_env("CartPole-v1", cfg.env.num_envs)
     torch.manual_seed(0)
     model = build_agent(cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space)

@@ -99,7 +99,7 @@ def plain_ppo_grads(agent, rollout, cfg) -> list[torch.Tensor]:
 def test_ppo_gradient_equals_plain_autograd_over_the_stored_rollout(agent, block_steps):
     # block_steps 7: 60 rows in blocks of 7 (the last of 4), episode starts inside blocks.
     cfg, envs, model, collector = make_setup(
-        agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1", f"ppo.block_steps={block_steps}")
+        agent, extra=("ppo.epochs=1", "ppo.num_minibatches=1", f"replay.block_steps={block_steps}")
     )
     reference = copy.deepcopy(model)
     recorder = GradRecorder(model.parameters())
@@ -223,7 +223,7 @@ def test_saved_bytes_grow_linearly_in_T_and_no_graph_outlives_a_minibatch(monkey
     saved = {}
     for T in (16, 32, 64):
         cfg, envs, model, collector = make_setup(
-            num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2", f"ppo.block_steps={block_steps}")
+            num_steps=T, extra=("ppo.epochs=2", "ppo.num_minibatches=2", f"replay.block_steps={block_steps}")
         )
         algo = PPO(cfg, collector, model, torch.optim.Adam(model.parameters(), lr=1e-3))
         saved[T] = algo.update().metrics["memory/replay_saved_bytes"]
@@ -345,7 +345,7 @@ def _fsdp_ppo_worker(rank: int, world_size: int, out_dir: str) -> None:
     # The same rollout in multi-step blocks (7 steps, the last of 5): FSDP's stepwise path.
     recorder7 = GradRecorder(model.parameters(), fsdp_model=model)
     PPO(
-        ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1", "ppo.block_steps=7"),
+        ppo_cfg(4, 40, "ppo.epochs=1", "ppo.num_minibatches=1", "replay.block_steps=7"),
         collector,
         model,
         recorder7,

@@ -490,3 +490,28 @@ def test_pocartpole_yaml_wrappers_rescale_observations_and_keep_raw_returns():
         assert raw and all(r == int(r) and r >= 8 for r in raw)  # episodes' own returns
     finally:
         vec.close()
+
+
+# ------------------------------------------- collector.block_steps / ppo.block_steps in old configs
+def test_the_old_block_steps_keys_are_read_as_replay_block_steps(tmp_path):
+    """Each old key was read by its own algorithms only, and a saved run config holds both."""
+    from rl_replay.config import config_to_dict
+
+    for algorithm, read in (("ppo", 7), ("a2c", 3), ("reinforce", 3)):
+        data = config_to_dict(load_config(None, [f"loss.algorithm={algorithm}"]))
+        del data["replay"]
+        data["collector"]["block_steps"], data["ppo"]["block_steps"] = 3, 7  # an old RUN_DIR/config.yaml
+        path = tmp_path / f"old_{algorithm}.yaml"
+        path.write_text(yaml.safe_dump(data))
+        cfg = load_config(path)
+        assert cfg.replay.block_steps == read, algorithm
+        assert not hasattr(cfg.collector, "block_steps") and not hasattr(cfg.ppo, "block_steps")
+    assert load_config(None, ["loss.algorithm=ppo", "ppo.block_steps=5"]).replay.block_steps == 5
+    assert load_config(None, ["collector.block_steps=1"]).replay.block_steps == 1
+    assert load_config(None, ["loss.algorithm=ppo", "collector.block_steps=1"]).replay.block_steps == 16  # PPO never read it
+    path = tmp_path / "both.yaml"
+    path.write_text("loss: {algorithm: ppo}\nppo: {block_steps: 8}\nreplay: {block_steps: 4}\n")
+    with pytest.raises(ValueError, match=r"'ppo\.block_steps: 8' and 'replay\.block_steps: 4'.*keep the value you mean"):
+        load_config(path)
+    path.write_text("loss: {algorithm: ppo}\nppo: {block_steps: 8}\nreplay: {block_steps: 8}\n")
+    assert load_config(path).replay.block_steps == 8

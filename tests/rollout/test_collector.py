@@ -23,7 +23,7 @@ from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.a2c import A2C
 from rl_replay.algorithms.losses import a2c_loss, total_loss
-from rl_replay.config import LossConfig
+from rl_replay.config import Config
 from rl_replay.envs.chain import ChainEnv
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import make_vector_env
@@ -264,7 +264,7 @@ def test_recurrent_state_reset_at_episode_start():
 
 
 # --------------------------------------------------------------------- replay parity
-def plain_autograd_update(agent, data, initial_state, loss_cfg):
+def plain_autograd_update(agent, data, initial_state, cfg):
     """The same A2C update with ordinary autograd over the stored rollout."""
     heads, state = plain_sequence(agent, data, initial_state)
     value = heads["value"]
@@ -279,7 +279,7 @@ def plain_autograd_update(agent, data, initial_state, loss_cfg):
         next_value=torch.cat([value[1:].detach(), data["next_value"][-1:]]),
         batch_size=data.batch_size,
     )
-    terms = A2C.loss(td, loss_cfg)
+    terms = A2C.loss(td, cfg)
     total_loss(terms).backward()
     return td, terms, state
 
@@ -295,7 +295,7 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
         agent = GRUAgent(*spaces, hidden_size=32, encoder_sizes=(32,))
     else:
         agent = LSTMAgent(*spaces, hidden_size=32, encoder_sizes=(32,))
-    loss_cfg = LossConfig()
+    cfg = Config()
     collector = Collector(envs, agent, num_steps=16, seed=1)
 
     collector.collect()  # a second rollout starts mid-episode with a carried state
@@ -309,14 +309,14 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
     assert d["truncated"].any() and d["terminated"].any() and (~d["valid"]).any()
     assert d["is_first"][1:].any()
     agent.zero_grad(set_to_none=True)
-    terms = A2C.loss(d, loss_cfg)
+    terms = A2C.loss(d, cfg)
     total_loss(terms).backward()
     assert accumulator.blocks_replayed == 16
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
     final_state = collector._state
 
     agent.zero_grad(set_to_none=True)
-    td, plain_terms, plain_state = plain_autograd_update(agent, d.detach(), start_state, loss_cfg)
+    td, plain_terms, plain_state = plain_autograd_update(agent, d.detach(), start_state, cfg)
     for key in ("log_prob", "entropy", "value"):
         torch.testing.assert_close(d[key].detach(), td[key].detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(d["next_value"][:-1], td["next_value"][:-1], rtol=1e-6, atol=1e-6)

@@ -18,7 +18,7 @@ from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.a2c import A2C
 from rl_replay.algorithms.losses import total_loss
-from rl_replay.config import LossConfig, load_config
+from rl_replay.config import Config, load_config
 from rl_replay.errors import SetupError
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import make_vector_env
@@ -248,11 +248,11 @@ def test_replay_parity_with_dict_observation():
     assert isinstance(d["observation"], TensorDict) and d["observation"].batch_size == torch.Size([8, 3])
     assert d["observation", "nested", "code"].shape == (8, 3, 5)
     assert d["is_first"][1:].any()
-    loss_cfg = LossConfig()
-    total_loss(A2C.loss(d, loss_cfg)).backward()
+    cfg = Config()
+    total_loss(A2C.loss(d, cfg)).backward()
     replay_grads = {n: p.grad.clone() for n, p in agent.named_parameters()}
     agent.zero_grad(set_to_none=True)
-    plain_autograd_update(agent, d.detach(), start_state, loss_cfg)
+    plain_autograd_update(agent, d.detach(), start_state, cfg)
     assert_grads_match(
         replay_grads, {n: p.grad for n, p in agent.named_parameters()}, "parity_dict_obs", rtol=1e-5, atol=1e-6
     )

@@ -39,7 +39,7 @@ def offload_parity_worker(
     from rl_replay.agent import build_agent
     from rl_replay.algorithms.a2c import A2C
     from rl_replay.algorithms.losses import total_loss
-    from rl_replay.config import LossConfig
+    from rl_replay.config import Config
     from rl_replay.distributed import init_from_env, wrap_fsdp
     from rl_replay.rollout.collector import Collector
     from rl_replay.rollout.environment import make_vector_env
@@ -49,7 +49,7 @@ def offload_parity_worker(
     assert info.world_size == 1
     if not torch.distributed.is_initialized():  # init_from_env joins a group only for > 1 rank
         torch.distributed.init_process_group(backend)
-    loss_cfg = LossConfig()
+    cfg = Config()
     results = {}
     for name, (target, kwargs, wrap) in AGENTS.items():
         envs = make_vector_env("CartPole-v1", ENVS)
@@ -62,7 +62,7 @@ def offload_parity_worker(
         torch.manual_seed(1)
         collector = Collector(envs, model, num_steps=STEPS, device=device, seed=100)
         rollout, accumulator = collect_replayed(collector)
-        total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
+        total_loss(A2C.loss(rollout.data, cfg)).backward()
         assert accumulator.blocks_replayed == STEPS
         # One rank (NO_SHARD): the original parameters' .grad hold the full gradients
         # (in host memory under CPU offload).
@@ -74,7 +74,7 @@ def offload_parity_worker(
             with FSDP.summon_full_params(model, with_grads=True):
                 fsdp = {clean_name(n): p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
         data = rollout.data.detach()
-        plain = plain_rollout_grads(reference, data, collector._obs, collector._is_first, loss_cfg)
+        plain = plain_rollout_grads(reference, data, collector._obs, collector._is_first, cfg)
         results[name] = {"fsdp": fsdp, "plain": {k: v.cpu() for k, v in plain.items()}}
         envs.close()
     torch.save(results, Path(out_dir) / "offload_parity.pt")

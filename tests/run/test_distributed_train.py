@@ -37,7 +37,7 @@ if not torch.distributed.is_available():  # pragma: no cover
 
 # --------------------------------------------------------------- plain-autograd reference
 def plain_rollout_grads(
-    agent: torch.nn.Module, data: TensorDict, final_obs: torch.Tensor, final_is_first: torch.Tensor, loss_cfg
+    agent: torch.nn.Module, data: TensorDict, final_obs: torch.Tensor, final_is_first: torch.Tensor, cfg
 ) -> dict[str, torch.Tensor]:
     """Gradients of the collector's loss recomputed with plain autograd on ``agent``.
 
@@ -58,7 +58,7 @@ def plain_rollout_grads(
         bootstrap = agent(observation=final_obs, state=state, is_first=final_is_first)["value"]
     plain = data.exclude("next_value").update(heads)
     plain.set("next_value", torch.cat([heads["value"][1:].detach(), bootstrap.unsqueeze(0)]))
-    total_loss(A2C.loss(plain, loss_cfg)).backward()
+    total_loss(A2C.loss(plain, cfg)).backward()
     return {name: p.grad.detach().clone() for name, p in agent.named_parameters()}
 
 
@@ -87,14 +87,14 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from rl_replay.agent import build_agent
     from rl_replay.algorithms.a2c import A2C
     from rl_replay.algorithms.losses import total_loss
-    from rl_replay.config import LossConfig
+    from rl_replay.config import Config
     from rl_replay.distributed import init_from_env, wrap_fsdp
     from rl_replay.rollout.collector import Collector
     from rl_replay.rollout.environment import make_vector_env
 
     info, device = init_from_env("cpu", "gloo")
     assert (info.rank, info.world_size) == (rank, world_size)
-    loss_cfg = LossConfig()
+    cfg = Config()
     results = {}
     for name, (target, kwargs, wrap) in PARITY_AGENTS.items():
         envs = make_vector_env("CartPole-v1", PARITY_ENVS)
@@ -108,13 +108,13 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         torch.manual_seed(1 + rank)  # action sampling differs per rank
         collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank)
         rollout, accumulator = collect_replayed(collector)
-        total_loss(A2C.loss(rollout.data, loss_cfg)).backward()
+        total_loss(A2C.loss(rollout.data, cfg)).backward()
         assert accumulator.blocks_replayed == PARITY_STEPS
         with FSDP.summon_full_params(model, with_grads=True):
             fsdp = {clean_name(n): p.grad.detach().clone() for n, p in model.named_parameters()}
         data = rollout.data.detach()
         # The collector's state after the rollout: what it bootstrapped next_value from.
-        local = plain_rollout_grads(reference, data, collector._obs, collector._is_first, loss_cfg)
+        local = plain_rollout_grads(reference, data, collector._obs, collector._is_first, cfg)
         mean = {}
         per_rank = {}
         for key, grad in local.items():
