@@ -2,7 +2,7 @@
 
 :func:`plain_sequence` steps an agent over a stored (T, n) sequence from a start state with
 ordinary autograd, one graph over all T steps. It is written independently of
-:mod:`rl_replay.rollout.sequence` (its own loop, its own truncation rule), so a mistake in the
+:mod:`rl_replay.algorithms.stored` (its own loop, its own truncation rule), so a mistake in the
 code under test is not repeated in the reference.
 """
 

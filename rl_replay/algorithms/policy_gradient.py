@@ -8,9 +8,9 @@ import time
 
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
+from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.rollout.collector import Rollout
-from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["PolicyGradient"]
 
@@ -20,7 +20,7 @@ class PolicyGradient(Algorithm):
 
     With ``replay.block_steps`` 1 collection records one replay block per step. With k > 1
     the rollout is collected under ``no_grad`` and its stored rows are replayed from the
-    rollout's start state in blocks of k steps (:func:`rl_replay.rollout.sequence.replay_sequence`,
+    rollout's start state in blocks of k steps (:func:`rl_replay.algorithms.stored.replay_sequence`,
     PPO's path): the same outputs and gradients for a deterministic agent, an extra forward
     per step, and the per-block machinery paid once per k steps instead of every step.
     Either way the loss over the whole rollout is back-propagated once, which replays every

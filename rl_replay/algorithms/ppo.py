@@ -5,7 +5,7 @@ Collection runs the policy without a graph and keeps what the update needs (see
 per rollout. Each epoch shuffles the environments and splits them into
 ``num_minibatches`` groups; a minibatch is the whole T-step sequence of its envs. Its
 steps are re-run as replay blocks from the envs' stored start state
-(:func:`rl_replay.rollout.sequence.replay_sequence`), the recurrent state
+(:func:`rl_replay.algorithms.stored.replay_sequence`), the recurrent state
 flowing from block to block (agents reset it inside the block at ``is_first``, exactly as
 in collection), so the gradient spans the whole sequence while only the blocks' inputs
 are kept: peak memory is the minibatch's saved block inputs plus one block's activations.
@@ -26,10 +26,10 @@ from rl_replay import distributed as dist_utils
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.common import UpdateResult, optimizer_step
 from rl_replay.algorithms.losses import gae_targets, ppo_loss
+from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.config import Config
 from rl_replay.engine import GradientAccumulator
 from rl_replay.rollout.collector import Rollout
-from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["PPO"]
 

@@ -22,8 +22,8 @@ import math
 import torch
 from tensordict import TensorDict
 
+from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator
-from rl_replay.rollout.sequence import replay_sequence
 
 __all__ = ["episode_horizon"]
 

@@ -139,7 +139,7 @@ class BatchedA2C:
 
         data = self.attach(*self.collect())
         optimizer_step(
-            self.trainer.algorithm.loss(data, self.cfg.loss),
+            self.trainer.algorithm.loss(data, self.cfg),
             self.trainer.model,
             self.optimizer,
             self.cfg.optim.max_grad_norm,
@@ -155,14 +155,14 @@ def gradient_check(trainer) -> tuple[float, float]:
     model = trainer.model
     model.zero_grad(set_to_none=True)
     rollout, _ = trainer.algorithm.collect()  # as the trainer's update attaches it (replay.block_steps)
-    total_loss(loss(rollout.data, trainer.cfg.loss)).backward()
+    total_loss(loss(rollout.data, trainer.cfg)).backward()
     replayed = grad_snapshot(model)
     model.zero_grad(set_to_none=True)
     data = rollout.data.exclude("log_prob", "entropy", "value", "next_value").detach()
     bootstrap = rollout.data["next_value"][-1].detach()
     batched = BatchedA2C.__new__(BatchedA2C)
     batched.agent = model
-    total_loss(loss(batched.attach(data, bootstrap), trainer.cfg.loss)).backward()
+    total_loss(loss(batched.attach(data, bootstrap), trainer.cfg)).backward()
     result = grad_diff(replayed, grad_snapshot(model))
     model.zero_grad(set_to_none=True)
     return result

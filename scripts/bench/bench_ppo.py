@@ -8,7 +8,7 @@ steps x N envs; each minibatch holds the whole T-step sequences of N / M envs. T
 2. ``rl_replay``  :meth:`rl_replay.algorithms.ppo.PPO.optimize`, the trainer's code path:
                   each step of the sequence is a replay block.
 
-Both run the same sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence`, without and
+Both run the same sequence loop (:func:`rl_replay.algorithms.stored.replay_sequence`, without and
 with a gradient accumulator) and use the same loss (``PPO.loss``), the same minibatch order
 and ``optimizer_step``. The policy is the ``gru`` agent with a 3 x 1024 tanh encoder
 (hidden 512, 64-dim observations, 8 actions), 16 envs, 4 epochs, 4 minibatches; the
@@ -179,18 +179,42 @@ def stored_rollout(agent, observation: torch.Tensor, g: torch.Generator, device:
     return Rollout(data, start_state, T * N)
 
 
+def plain_calls(agent, data: TensorDict, start_state: TensorDict, block_steps: int) -> TensorDict:
+    """``log_prob``, ``entropy``, ``value`` of ``agent`` over a stored (T, n) minibatch with plain
+    autograd, every call's graph kept: the calls the replay path makes (one per block of
+    ``block_steps`` rows for an agent with ``forward_steps``, one per step for the others)."""
+    from rl_replay.agent import has_sequence_forward
+    from rl_replay.algorithms.stored import block_spans
+
+    T, n = data.batch_size
+    state, heads = start_state, []
+    sequence = block_steps > 1 and has_sequence_forward(agent)
+    for start, stop in block_spans(T, block_steps if sequence else 1):
+        if sequence:
+            out = agent(observation=data["observation"][start:stop], state=state, is_first=data["is_first"][start:stop])
+            heads.append(out["heads"])
+        else:
+            out = agent(observation=data["observation"][start], state=state, is_first=data["is_first"][start])
+            heads.append(out.exclude("state").unsqueeze(0))
+        state = out["state"]
+    stacked = torch.cat(heads)
+    dist = agent.distribution(stacked)
+    return TensorDict(
+        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"], batch_size=[T, n]
+    )
+
+
 def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
     """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph.
 
-    The same minibatches, sequence loop (:func:`rl_replay.rollout.sequence.replay_sequence` without an
-    accumulator: plain autograd) and loss (``PPO.loss``) as the replay path, so only the replay
-    blocks differ. An agent with its own ``forward_steps`` makes the same calls as the replay path
-    (one per ``replay.block_steps`` steps), so the gradients compare bit for bit.
+    The same minibatches, calls (:func:`plain_calls`) and loss (``PPO.loss``) as the replay path
+    (:func:`rl_replay.algorithms.stored.replay_sequence`), so only the replay blocks differ. An agent
+    with its own ``forward_steps`` makes one call per ``replay.block_steps`` steps, as the replay
+    path does, so the gradients compare bit for bit.
     """
     from rl_replay.algorithms.common import optimizer_step
     from rl_replay.algorithms.losses import gae_targets
     from rl_replay.algorithms.ppo import PPO
-    from rl_replay.rollout.sequence import replay_sequence
 
     p = cfg.ppo
     data = rollout.data
@@ -202,7 +226,7 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
         for k in range(p.num_minibatches):
             envs = order[k * per_mb : (k + 1) * per_mb]
             mb = data[:, envs]
-            batch = replay_sequence(agent, agent, mb, rollout.start_state[envs], None, None, p.block_steps).update(
+            batch = plain_calls(agent, mb, rollout.start_state[envs], cfg.replay.block_steps).update(
                 TensorDict(
                     old_log_prob=mb["log_prob"],
                     old_value=mb["value"],

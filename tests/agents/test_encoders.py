@@ -15,9 +15,10 @@ from rl_replay.agents.encoders import ConvEncoder, image_layout
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
+from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import SetupError
-from rl_replay.rollout.sequence import block_inputs, replay_sequence
+from rl_replay.rollout.sequence import block_inputs
 from rl_replay.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)

@@ -25,8 +25,8 @@ from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mingru import MinGRUAgent
 from rl_replay.agents.mlp import MLPAgent
+from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator, replay_steps
-from rl_replay.rollout.sequence import replay_sequence
 from rl_replay.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)

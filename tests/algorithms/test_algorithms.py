@@ -16,11 +16,11 @@ from tensordict import TensorDict
 from rl_replay import config as config_module
 from rl_replay.agent import build_agent
 from rl_replay.algorithms import A2C, PPO, REGISTRY, REINFORCE, Algorithm, UpdateResult, make_algorithm
+from rl_replay.algorithms.stored import block_spans
 from rl_replay.config import Config, LossConfig, load_config
 from rl_replay.distributed import DistInfo
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import make_vector_env
-from rl_replay.rollout.sequence import block_spans
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = [

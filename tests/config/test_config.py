@@ -508,10 +508,14 @@ def test_the_old_block_steps_keys_are_read_as_replay_block_steps(tmp_path):
         assert not hasattr(cfg.collector, "block_steps") and not hasattr(cfg.ppo, "block_steps")
     assert load_config(None, ["loss.algorithm=ppo", "ppo.block_steps=5"]).replay.block_steps == 5
     assert load_config(None, ["collector.block_steps=1"]).replay.block_steps == 1
-    assert load_config(None, ["loss.algorithm=ppo", "collector.block_steps=1"]).replay.block_steps == 16  # PPO never read it
+    assert (
+        load_config(None, ["loss.algorithm=ppo", "collector.block_steps=1"]).replay.block_steps == 16
+    )  # PPO never read it
     path = tmp_path / "both.yaml"
     path.write_text("loss: {algorithm: ppo}\nppo: {block_steps: 8}\nreplay: {block_steps: 4}\n")
-    with pytest.raises(ValueError, match=r"'ppo\.block_steps: 8' and 'replay\.block_steps: 4'.*keep the value you mean"):
+    with pytest.raises(
+        ValueError, match=r"'ppo\.block_steps: 8' and 'replay\.block_steps: 4'.*keep the value you mean"
+    ):
         load_config(path)
     path.write_text("loss: {algorithm: ppo}\nppo: {block_steps: 8}\nreplay: {block_steps: 8}\n")
     assert load_config(path).replay.block_steps == 8

@@ -1,4 +1,4 @@
-"""rl_replay.rollout.sequence: a stored (T, n) sequence re-run as replay blocks from a start state,
+"""rl_replay.algorithms.stored: a stored (T, n) sequence re-run as replay blocks from a start state,
 against the plain-autograd reference (recurrence, bptt_truncate, episode starts inside the
 sequence), and the stacked-outputs distribution the collector and the replay share."""
 
@@ -16,8 +16,9 @@ from rl_replay.agent import ActionHead, has_sequence_forward
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
+from rl_replay.algorithms.stored import block_spans, replay_sequence
 from rl_replay.engine import GradientAccumulator
-from rl_replay.rollout.sequence import append_heads, block_spans, replay_sequence, stack_heads, truncate
+from rl_replay.rollout.sequence import append_heads, stack_heads, truncate
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -153,17 +154,16 @@ def test_bptt_truncate_cuts_the_gradient_to_earlier_rows():
         assert reached[first_reached:].all() and not reached[:first_reached].any()
 
 
-def test_plain_mode_is_the_same_loop_without_replay_blocks():
-    # accumulator=None (what scripts/bench/bench_ppo.py measures as plain autograd) gives the
-    # replayed numbers.
+def test_sequence_blocks_equal_plain_autograd_over_the_same_calls_bit_for_bit():
+    # One forward_steps call per 4-step block, with and without replay blocks (what
+    # scripts/bench/bench_ppo.py measures as plain autograd).
     torch.manual_seed(0)
     agent = AGENTS["gru"]()
     data = sequence()
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
-    replayed, got = gradients(
-        agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, GradientAccumulator(), 4)
-    )
-    plain, want = gradients(agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, None, 4))
+    acc = GradientAccumulator()
+    replayed, got = gradients(agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc, None, 4))
+    plain, want = gradients(agent, data, start_state, lambda d, s: plain_blocks(agent, d, s, 4))
     assert (replayed == plain).all()
     assert_grads_match(got, want, "sequence-plain-mode", rtol=0, atol=0)
 
