@@ -9,8 +9,9 @@ one object), :class:`TreeLayout` for any other TensorDict (pytree), :class:`Kwar
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -20,6 +21,7 @@ from rl_replay.engine.errors import _PREFIX
 
 __all__ = [
     "Layout",
+    "Recompute",
     "TDSpec",
     "TreeLayout",
     "KwargsLayout",
@@ -31,20 +33,34 @@ __all__ = [
 ]
 
 
+class Recompute(enum.Enum):
+    """How a block's backward recomputes its forward: every layout names one."""
+
+    ONE_CALL = "one call"
+    """the block's one model call, recomputed with grad and back-propagated by one nested
+    backward (:func:`rl_replay.engine.replay.recompute_and_backward`)"""
+    ONE_CALL_CONTINUING_SUMS = "one call, continuing the running sums"
+    """the same, with each parameter's gradient so far fed into the nested backward, so a
+    parameter used at every step of a k-step call sums in plain autograd's order"""
+    STEPS = "the layout's own steps"
+    """k model calls, one nested backward per step newest first: the layout's own
+    ``recompute_and_backward(block, saved, requires_grad, grads)`` (engine/steps.py)"""
+
+
 class Layout:
     """How a block's saved tensors become its model call (the protocol every layout follows).
 
     ``call(model, tensors)`` runs the block's forward (and its recompute) from the flat list
     of tensors the block saved. The one-step layouts below rebuild the keyword arguments
-    (:meth:`rebuild`) and call the model once; a multi-step layout (engine/steps.py)
-    overrides :meth:`call` and brings its own :attr:`recompute_and_backward`, which the
-    engine uses instead of the one-step recompute when it is set.
+    (:meth:`rebuild`) and call the model once. :attr:`recompute` says how the block's
+    backward recomputes it; a layout whose recompute is :attr:`Recompute.STEPS` (a multi-step
+    layout, engine/steps.py) overrides :meth:`call` and defines ``recompute_and_backward``.
     """
 
     __slots__ = ()
 
-    #: ``(block, saved, requires_grad, grads) -> input grads``, or None for the one-step recompute.
-    recompute_and_backward: Callable | None = None
+    #: How the block's backward recomputes this layout's call.
+    recompute: ClassVar[Recompute] = Recompute.ONE_CALL
 
     def call(self, model: Callable, tensors: Sequence[torch.Tensor]) -> Any:
         return model(**self.rebuild(tensors))

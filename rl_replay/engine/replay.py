@@ -19,7 +19,7 @@ from torch.autograd.graph import _engine_run_backward
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.layouts import flatten_inputs, flatten_outputs, unflatten_outputs
+from rl_replay.engine.layouts import Recompute, flatten_inputs, flatten_outputs, unflatten_outputs
 from rl_replay.engine.plan import ModelPlan, StateWatch, plan_for
 from rl_replay.engine.saving import (
     check_inputs_unchanged,
@@ -272,8 +272,12 @@ class ReplayFunction(torch.autograd.Function):
         plan.check_versions(ctx.versions, "something between the forward and the backward", ctx.index)
         start = accumulator._begin_block(plan.params, plan.absorb)
         try:
-            own = site.layout.recompute_and_backward  # a multi-step layout's (Layout protocol)
-            input_grads = (recompute_and_backward if own is None else own)(ctx, saved, requires_grad, grads)
+            how = site.layout.recompute  # each layout names its recompute (layouts.Recompute)
+            if how is Recompute.STEPS:
+                input_grads = site.layout.recompute_and_backward(ctx, saved, requires_grad, grads)
+            else:
+                continuing = how is Recompute.ONE_CALL_CONTINUING_SUMS
+                input_grads = recompute_and_backward(ctx, saved, requires_grad, grads, continue_sums=continuing)
         except BaseException:
             # The engine drops queued callbacks when a backward fails: put the gradients
             # already moved out of .grad (FSDP path) back now, so none is lost.

@@ -26,8 +26,8 @@ from tensordict import TensorDict, TensorDictBase
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.layouts import Layout, TDSpec, flatten_inputs, flatten_td, intern_spec
-from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from, recompute_and_backward
+from rl_replay.engine.layouts import Layout, Recompute, TDSpec, flatten_inputs, flatten_td, intern_spec
+from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from
 
 __all__ = ["replay_steps"]
 
@@ -95,6 +95,8 @@ class _StepsLayout(Layout):
     """How a multi-step block calls its model (the :class:`~rl_replay.engine.layouts.Layout`
     protocol, with its own backward): the input structure ``{steps, state}``, the number of
     steps and the per-step structure (interned, shared by blocks)."""
+
+    recompute = Recompute.STEPS
 
     __slots__ = (
         "spec",
@@ -350,6 +352,8 @@ class _SequenceLayout(Layout):
 
     __slots__ = ("spec", "__weakref__")
 
+    recompute = Recompute.ONE_CALL_CONTINUING_SUMS
+
     def __init__(self, spec: Layout) -> None:
         self.spec = spec
 
@@ -364,11 +368,6 @@ class _SequenceLayout(Layout):
 
     def rebuild(self, tensors: Sequence[torch.Tensor]) -> dict:
         return self.spec.rebuild(tensors)
-
-    def recompute_and_backward(
-        self, block: ReplayCtx, saved: Sequence[torch.Tensor], requires_grad: Sequence[bool], grads
-    ) -> tuple:
-        return recompute_and_backward(block, saved, requires_grad, grads, continue_sums=True)
 
 
 _SEQUENCE_LAYOUTS: weakref.WeakValueDictionary[Any, _SequenceLayout] = weakref.WeakValueDictionary()
