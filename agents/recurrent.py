@@ -135,11 +135,8 @@ class RecurrentAgent(Agent):
         return self.head(self.actor_mlp(actor_in)), self.value(self.critic_mlp(critic_in)).squeeze(-1)
 
     def forward(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        """One step (``is_first`` of shape ``(N,)``), or a block of steps as
-        :meth:`forward_steps` when ``is_first`` is ``(k, N)``: the replay engine calls the
-        module itself (under FSDP, its wrapper), so a block goes through ``forward`` too."""
-        if is_first.dim() == 2:
-            return self.forward_steps(observation, state, is_first)
+        """One step (``is_first`` of shape ``(N,)``); a block of k steps goes to
+        :meth:`forward_steps` (:class:`rl_replay.Agent` routes it)."""
         actor_in, critic_in, next_state = self._features(observation.unsqueeze(0), state, is_first.unsqueeze(0))
         dist, value = self._heads(actor_in[0], critic_in[0])
         return TensorDict(dist=dist, value=value, state=next_state, batch_size=is_first.shape)

@@ -23,6 +23,7 @@ object, since a replay block's outputs must be tensors), ``value`` ``(N,)`` and 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -172,6 +173,12 @@ class Agent(nn.Module):
     #: The block-input keys this agent's forward takes as keyword arguments.
     in_keys: tuple[str, ...] = ("observation", "state", "is_first")
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        step = cls.__dict__.get("forward")
+        if step is not None and not getattr(step, "_routes_blocks", False):
+            cls.forward = _routed(step)  # type: ignore[method-assign]
+
     def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
         super().__init__()
         check_observation_space(observation_space, type(self).__name__)
@@ -239,13 +246,10 @@ class Agent(nn.Module):
         recurrence once over the ``k * N`` rows (the skeleton of the shipped recurrent
         agents, :class:`rl_replay.agents.recurrent.RecurrentAgent`, does); it must agree
         with the loop of :meth:`forward` to float rounding, resets inside the block
-        included. The engine calls the module itself (under FSDP, its wrapper), so
-        :meth:`forward` must route a call whose ``is_first`` is ``(k, N)`` here::
-
-            def forward(self, observation, state, is_first):
-                if is_first.dim() == 2:
-                    return self.forward_steps(observation, state, is_first)
-                ...
+        included. The engine calls the module itself (under FSDP, its wrapper, whose hooks
+        gather the parameters) with ``(k, N)`` inputs; :class:`Agent` routes such a call to
+        :meth:`forward_steps` (NOTE [ One call over k steps ] in this module), so
+        :meth:`forward` only ever sees one step.
         """
         steps = []
         for t in range(is_first.shape[0]):
@@ -266,6 +270,28 @@ class Agent(nn.Module):
         """
         keep = (~is_first).to(state.dtype)
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
+
+
+# NOTE [ One call over k steps ]
+# Whether a replay block of k stored steps is one model call is decided here and nowhere else.
+# The engine calls the module itself (under FSDP its wrapper, whose hooks gather the parameters)
+# with (k, N) inputs when the agent's class overrides Agent.forward_steps (has_sequence_forward;
+# rl_replay.algorithms.stored chooses the block layout from it). Every subclass's forward is
+# wrapped once, when the class is made (Agent.__init_subclass__), so that such a call, told
+# apart by its (k, N) is_first, reaches forward_steps: an agent writes forward for one step and
+# forward_steps for k, and copies no test of its own.
+def _routed(step_forward: Any) -> Any:
+    """``step_forward`` (a class's own ``forward``) that hands a ``(k, N)`` call to ``forward_steps``."""
+
+    @functools.wraps(step_forward)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        is_first = kwargs["is_first"] if "is_first" in kwargs else args[2] if len(args) > 2 else None
+        if isinstance(is_first, torch.Tensor) and is_first.dim() == 2 and has_sequence_forward(self):
+            return self.forward_steps(*args, **kwargs)
+        return step_forward(self, *args, **kwargs)
+
+    forward._routes_blocks = True  # type: ignore[attr-defined]
+    return forward
 
 
 def has_sequence_forward(policy: Any) -> bool:

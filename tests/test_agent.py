@@ -332,3 +332,52 @@ def test_gru_skip_heads_read_the_present_observation():
         agent.actor_mlp[0].weight[:, :8].zero_()
     out2 = agent(obs + 1.0, state, first)
     assert not torch.allclose(out["dist", "logits"], out2["dist", "logits"])
+
+
+def test_a_call_over_k_steps_reaches_forward_steps_without_a_test_in_the_agent():
+    """NOTE [ One call over k steps ] (rl_replay/agent.py): an agent writes ``forward`` for one step and
+    ``forward_steps`` for k; a module call with (k, N) inputs (what the engine makes) reaches
+    ``forward_steps``, a one-step call ``forward``, and an agent without ``forward_steps`` is
+    never routed."""
+    import gymnasium as gym
+
+    from rl_replay.agent import ActionHead, Agent
+
+    calls = []
+
+    class Counting(Agent):
+        def __init__(self, observation_space, action_space):
+            super().__init__(observation_space, action_space)
+            self.head = ActionHead(action_space, self.obs_dim)
+            self.critic = torch.nn.Linear(self.obs_dim, 1)
+
+        def forward(self, observation, state, is_first):
+            calls.append(("forward", tuple(is_first.shape)))
+            x = self.flatten_observation(observation)
+            return TensorDict(
+                dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=is_first.shape
+            )
+
+    class Sequenced(Counting):
+        def forward_steps(self, observation, state, is_first):
+            calls.append(("forward_steps", tuple(is_first.shape)))
+            return super().forward_steps(observation, state, is_first)  # Agent's loop of forward
+
+    space, actions = gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Discrete(2)
+    k, n = 4, 2
+    agent = Sequenced(space, actions)
+    out = agent(
+        observation=torch.zeros(k, n, 3), state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool)
+    )
+    assert calls == [("forward_steps", (k, n))] + [("forward", (n,))] * k and out["heads"].batch_size == (k, n)
+    for cls in (Sequenced, Counting):
+        agent, calls[:] = cls(space, actions), []
+        agent(torch.zeros(n, 3), agent.initial_state(n), torch.zeros(n, dtype=torch.bool))  # positional, one step
+        assert calls == [("forward", (n,))]
+    # Without forward_steps nothing is routed: the class's own forward gets whatever it is called with.
+    agent, calls[:] = Counting(space, actions), []
+    with pytest.raises(RuntimeError):  # (its one-step forward cannot take k steps)
+        agent(
+            observation=torch.zeros(k, n, 3), state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool)
+        )
+    assert calls == [("forward", (k, n))]
