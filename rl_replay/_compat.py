@@ -22,12 +22,12 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   the one ``replay.block_steps`` (:func:`translate_block_steps`).
 
 All of them are removed in :data:`REMOVED_IN`, the first release after 0.1.0: a test fails once
-the package's version reaches it (``tests/test_packaging.py``), so they cannot outlive it.
+the package's version reaches it (``tests/project/test_packaging.py``), so they cannot outlive it.
 
 NOTE [ Private APIs ]
 ---------------------
 Private names of torch, tensordict and gymnasium this package uses, each at the listed place and
-why; tested with torch 2.13.0, tensordict 0.15.3 and gymnasium 1.4.0. ``tests/test_packaging.py``
+why; tested with torch 2.13.0, tensordict 0.15.3 and gymnasium 1.4.0. ``tests/project/test_packaging.py``
 checks that the list and the code agree; a new use is listed here or it fails.
 
 * ``torch.autograd.graph._engine_run_backward`` (``rl_replay/engine/replay.py``): the replay

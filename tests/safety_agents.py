@@ -1,4 +1,4 @@
-"""Agents that break the Agent contract (tests/test_contract_errors.py) and a deliberately slow one.
+"""Agents that break the Agent contract (tests/agents/test_contract_errors.py) and a deliberately slow one.
 
 Loaded through ``agent.target=safety_agents:<Name>`` with tests/ on the path.
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # What the imports below report: where each module came from, and whether the old names exist.
 PROBE = """
 import json, sys

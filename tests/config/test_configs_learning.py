@@ -15,7 +15,7 @@ import torch
 from rl_replay.config import load_config
 from rl_replay.run.setup import build
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
 POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
 TMAZE = sorted(CONFIGS.glob("tmaze_*.yaml"))

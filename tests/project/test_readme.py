@@ -11,8 +11,8 @@ import torch
 from rl_replay.config import load_config
 from rl_replay.run.setup import build
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_readme_engine_example_runs_and_its_gradients_are_plain_autograds():

@@ -7,7 +7,7 @@ forward did not return, logits wider or narrower than the action space, samples 
 not fit it, a ``log_prob`` not of shape ``(N,)``, and a forward that changes a buffer or a
 parameter. A conforming agent passes for each action-space kind, and the check leaves the
 RNG streams as they were. (Through ``build()``, before a run directory exists:
-tests/test_contract_errors.py.)
+tests/agents/test_contract_errors.py.)
 """
 
 from __future__ import annotations
