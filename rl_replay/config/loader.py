@@ -373,7 +373,9 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------
 
 
-def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
+def _merge_file(data: dict[str, Any], loaded: Any, path: str, *, deep: bool = False) -> None:
+    """Merge one source's sections into ``data``. ``deep`` (a file over its ``base:``): a dict
+    value (``env.kwargs``) is merged key by key into the base's instead of replacing it."""
     if loaded is None:  # empty file
         return
     if not isinstance(loaded, Mapping):
@@ -397,9 +399,21 @@ def _merge_file(data: dict[str, Any], loaded: Any, path: str) -> None:
             for sk, sv in v.items():
                 if sk not in section_names:
                     raise _unknown_key(f"{k}.{sk}", k, section_names)
-                data[k][sk] = sv
+                if deep and isinstance(sv, Mapping) and isinstance(data[k].get(sk), Mapping):
+                    data[k][sk] = _deep_merge(data[k][sk], sv)
+                else:
+                    data[k][sk] = sv
         else:
             data[k] = v
+
+
+def _deep_merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = (
+            _deep_merge(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+        )
+    return out
 
 
 _OVERRIDE_FORM = "expected 'section.key=value' (or 'key=value' for a top-level key), e.g. 'optim.lr=3e-4'"
@@ -482,16 +496,30 @@ MAX_CONFIG_BYTES = 1 << 20
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a Config: dataclass defaults, then the YAML file (if any), then overrides.
 
+    A file may start from another: ``base: other.yaml`` (a path relative to the file) loads that
+    file first, and this one then says only the keys that differ (a dict value such as
+    ``env.kwargs`` merges key by key into the base's; a list such as ``env.wrappers`` replaces
+    it). Bases may have bases, at most :data:`MAX_BASE_DEPTH` deep, without a cycle.
+
     An override of ``agent.target`` (to another class) drops the file's ``agent.kwargs``:
     they were written for the file's target. ``agent.kwargs`` overrides still apply.
 
-    Raises FileNotFoundError if ``path`` does not exist and ValueError for unknown keys,
-    wrong types, invalid values, malformed overrides, a key given twice in one mapping, YAML
-    anchors or aliases, and a path that is not a regular file of at most 1 MiB.
+    Raises FileNotFoundError if ``path`` (or a base) does not exist and ValueError for unknown
+    keys, wrong types, invalid values, malformed overrides, a key given twice in one mapping,
+    YAML anchors or aliases, a ``base:`` cycle, and a path that is not a regular file of at
+    most 1 MiB.
     """
     if path is None:
         return loads_config(None, overrides)
-    path = os.fspath(path)
+    layers = _file_layers(os.fspath(path), ())
+    return _config_from_layers(layers, overrides)
+
+
+#: How many ``base:`` files a config may stand on.
+MAX_BASE_DEPTH = 8
+
+
+def _read_file(path: str) -> bytes:
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -501,29 +529,65 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     if info.st_size > MAX_CONFIG_BYTES:
         raise ValueError(f"Config file {path!r} is {info.st_size} bytes; a config holds at most {MAX_CONFIG_BYTES}")
     with open(path, "rb") as fh:
-        raw = fh.read(MAX_CONFIG_BYTES + 1)
-    return loads_config(raw, overrides, source=path)
+        return fh.read(MAX_CONFIG_BYTES + 1)
+
+
+def _parse(text: str | bytes, source: str) -> Any:
+    if len(text) > MAX_CONFIG_BYTES:
+        raise ValueError(f"Config {source!r} is over {MAX_CONFIG_BYTES} bytes; a config holds at most that")
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return _yaml_load(text)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"Config file {source!r} is not UTF-8 text (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"Cannot parse config file {source!r} as YAML: {_yaml_problem(e)}") from None
+    except RecursionError:
+        raise ValueError(f"Cannot parse config file {source!r} as YAML: it is nested too deeply") from None
+
+
+def _file_layers(path: str, below: tuple[str, ...]) -> list[tuple[Any, str]]:
+    """``[(mapping, path), ...]`` of ``path`` and its ``base:`` files, the deepest base first."""
+    loaded = _parse(_read_file(path), path)
+    if not (isinstance(loaded, Mapping) and "base" in loaded):
+        return [(loaded, path)]
+    base = loaded["base"]
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"Config key 'base' in {path!r} must be the path of another config file, got {shown(base)}")
+    base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
+    chain = (*below, os.path.realpath(path))
+    if os.path.realpath(base_path) in chain:
+        raise ValueError(f"Config {path!r} has base {base!r}, which is already below it: a base: cycle")
+    if len(chain) > MAX_BASE_DEPTH:
+        raise ValueError(f"Config {path!r}: more than {MAX_BASE_DEPTH} base: files below each other")
+    rest = {k: v for k, v in loaded.items() if k != "base"}
+    return [*_file_layers(base_path, chain), (rest, path)]
 
 
 def loads_config(text: str | bytes | None, overrides: Sequence[str] = (), *, source: str = "<config>") -> Config:
-    """:func:`load_config` of the YAML ``text`` (None: no file); ``source`` names it in errors."""
+    """:func:`load_config` of the YAML ``text`` (None: no file); ``source`` names it in errors.
+
+    Text has no place to resolve a ``base:`` from: a run's ``config.yaml`` holds every key.
+    """
+    layers = []
+    if text is not None:
+        loaded = _parse(text, source)
+        if isinstance(loaded, Mapping) and "base" in loaded:
+            raise ValueError(
+                f"Config {source!r} has a 'base' key, which only a config file given by its path may use "
+                "(a run's config.yaml holds every key itself)"
+            )
+        layers.append((loaded, source))
+    return _config_from_layers(layers, overrides)
+
+
+def _config_from_layers(layers: list[tuple[Any, str]], overrides: Sequence[str]) -> Config:
     if isinstance(overrides, str):  # a single override passed by mistake
         overrides = [overrides]
     data = config_to_dict(Config())
-    if text is not None:
-        if len(text) > MAX_CONFIG_BYTES:
-            raise ValueError(f"Config {source!r} is over {MAX_CONFIG_BYTES} bytes; a config holds at most that")
-        try:
-            if isinstance(text, bytes):
-                text = text.decode("utf-8")
-            loaded = _yaml_load(text)
-        except UnicodeDecodeError as e:
-            raise ValueError(f"Config file {source!r} is not UTF-8 text (byte {e.start})") from None
-        except yaml.YAMLError as e:
-            raise ValueError(f"Cannot parse config file {source!r} as YAML: {_yaml_problem(e)}") from None
-        except RecursionError:
-            raise ValueError(f"Cannot parse config file {source!r} as YAML: it is nested too deeply") from None
-        _merge_file(data, loaded, source)
+    for i, (loaded, source) in enumerate(layers):
+        _merge_file(data, loaded, source, deep=i > 0)
     loaded = copy.deepcopy(data)
     for ov in overrides:
         _apply_override(data, ov)

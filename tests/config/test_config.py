@@ -120,13 +120,39 @@ def test_every_yaml_in_configs_loads(path):
     assert validate(cfg) is cfg
     raw = yaml.safe_load(path.read_text())
     assert isinstance(raw, dict)
-    # every explicitly set scalar leaf is what we loaded (1.0e-3 style floats included)
+    # every explicitly set scalar leaf is what we loaded (1.0e-3 style floats included); a file on
+    # a base: says only what differs, and a dict it gives merges into the base's
+    base = load_config(CONFIG_DIR / raw.pop("base")) if "base" in raw else None
     for section, body in raw.items():
         if isinstance(body, dict):
             for key, value in body.items():
-                assert getattr(getattr(cfg, section), key) == value, f"{section}.{key}"
+                got = getattr(getattr(cfg, section), key)
+                if base is not None and isinstance(value, dict):
+                    assert got == {**getattr(getattr(base, section), key), **value}, f"{section}.{key}"
+                else:
+                    assert got == value, f"{section}.{key}"
         else:
             assert getattr(cfg, section) == body, section
+
+
+def test_a_config_on_a_base_says_only_what_differs(tmp_path):
+    (tmp_path / "a.yaml").write_text(
+        "seed: 3\nenv: {id: CartPole-v1, num_envs: 4, kwargs: {x: 1, y: 2}}\noptim: {lr: 0.1}\n"
+    )
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nenv: {num_envs: 8, kwargs: {y: 3}}\n")
+    cfg = load_config(tmp_path / "sub" / "b.yaml", ["optim.lr=0.2"])
+    assert (cfg.seed, cfg.env.num_envs, cfg.env.kwargs, cfg.optim.lr) == (3, 8, {"x": 1, "y": 3}, 0.2)
+    (tmp_path / "a.yaml").write_text("base: sub/b.yaml\n")
+    with pytest.raises(ValueError, match=r"a base: cycle"):
+        load_config(tmp_path / "sub" / "b.yaml")
+    (tmp_path / "c.yaml").write_text("base: missing.yaml\n")
+    with pytest.raises(FileNotFoundError, match=r"missing\.yaml"):
+        load_config(tmp_path / "c.yaml")
+    from rl_replay.config import loads_config
+
+    with pytest.raises(ValueError, match=r"only a config file given by its path may use"):
+        loads_config("base: a.yaml\n")  # a run's config.yaml holds every key: no base to read
 
 
 def test_default_yaml_matches_dataclass_defaults():
