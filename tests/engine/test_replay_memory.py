@@ -8,7 +8,9 @@ configuration in a fresh interpreter (scripts/bench/bench_rss.py's worker, small
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -228,13 +230,20 @@ def test_per_block_c_heap_is_one_node():
 
 
 # ------------------------------------------------------------------- the RSS probe
-def _probe(setting: str, T: int) -> dict:
-    sys.path.insert(0, str(ROOT / "scripts" / "bench"))
-    try:
-        import bench_rss
-    finally:
-        sys.path.pop(0)
-    return bench_rss.measure(setting, T, timeout=300)
+def _probe(setting: str, T_lo: int, T_hi: int, tmp_path) -> tuple[dict, dict]:
+    """The RSS probe as a user runs it (``scripts/bench/bench_rss.py``, each T in a fresh process)."""
+    out = tmp_path / f"rss_{setting}.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_rss.py"), "--T", str(T_lo), str(T_hi)]
+        + ["--settings", setting, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = sorted(json.loads(out.read_text())["results"], key=lambda r: r["T"])
+    return results[0], results[-1]
 
 
 @pytest.mark.slow
@@ -243,7 +252,7 @@ def _probe(setting: str, T: int) -> dict:
     reason="needs Linux's VmHWM reset",
 )
 @pytest.mark.parametrize("setting", ["mmap64k", "default+keep"])
-def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting):
+def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting, tmp_path):
     """RSS growth per step, T = 64 -> 512, against the copied bytes per step (the
     recurrent state, 32 KiB: observations are views of a preallocated buffer).
 
@@ -257,7 +266,7 @@ def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting):
     2.92x after the forward, 2.22x / 3.12x at the peak; before the per-block bookkeeping
     was cut: 1.3-1.5x after the forward.
     """
-    lo, hi = _probe(setting, 64), _probe(setting, 512)
+    lo, hi = _probe(setting, 64, 512, tmp_path)
 
     def ratio(key):
         return (hi[key] - lo[key]) / (512 - 64) / hi["state_bytes_per_step"]
