@@ -7,7 +7,7 @@ logging or the trainer, so it can be used alone::
 
 ==========================  ================================================================
 :func:`replay`              run ``model(**inputs)`` (a TensorDict) as one replay block
-:func:`checkpoint_fsdp_forward`  the same with keyword inputs (the seed helper's API)
+:func:`checkpoint_fsdp_forward`  the same with keyword inputs (the API of the reference helper the project started from)
 :func:`replay_steps`        k consecutive steps of a recurrent model as one block
 :class:`GradientAccumulator`  one rollout's parameter-gradient sum, counters and slabs
 :class:`StateWatch`         the "a block must not change its module" check, for reuse
@@ -19,7 +19,7 @@ Modules: ``replay`` (the autograd Function, the block driver and :func:`replay`;
 [ Replay blocks ] states the rules), ``steps`` (multi-step blocks), ``layouts`` (saved tensors
 back into a model call; the ``Layout`` protocol), ``saving`` (what a block saves of its inputs),
 ``plan`` (what the engine knows about a model), ``fsdp`` (FSDP1 checks and hooks),
-``fsdp_forward`` (the seed's ``checkpoint_fsdp_forward``), ``accumulator``, ``storage`` (the
+``fsdp_forward`` (the reference helper's ``checkpoint_fsdp_forward``), ``accumulator``, ``storage`` (the
 slabs that hold saved inputs), ``allocator``, ``errors``.
 """
 

@@ -1,4 +1,4 @@
-"""``checkpoint_fsdp_forward``: the seed helper's entry point, keyword tensors in, the same engine.
+"""``checkpoint_fsdp_forward``: the reference helper's entry point, keyword tensors in, the same engine.
 
 The reference API this project started from (``checkpoint_fsdp_forward(model, accumulated,
 **kwargs)`` with ``accumulated`` a plain dict or a :class:`~rl_replay.engine.GradientAccumulator`);
