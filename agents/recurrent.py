@@ -145,5 +145,5 @@ class RecurrentAgent(Agent):
         actor_in, critic_in, next_state = self._features(observation, state, is_first)
         dist, value = self._heads(actor_in, critic_in)
         return TensorDict(
-            heads=TensorDict(dist=dist, value=value, batch_size=is_first.shape), state=next_state, batch_size=[]
+            outputs=TensorDict(dist=dist, value=value, batch_size=is_first.shape), state=next_state, batch_size=[]
         )

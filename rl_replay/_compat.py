@@ -18,6 +18,9 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   names where weights are loaded (evaluate, ``init_from``, a single-process resume).
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
   (:func:`translate_norm_adv`, called by ``rl_replay.config``).
+* **``heads``**, the key under which an agent's :meth:`~rl_replay.Agent.forward_steps` returned its
+  k steps' outputs, is read as ``outputs`` (by ``rl_replay.engine.steps``, which cannot import this
+  module: the engine stands alone).
 * **``collector.block_steps`` and ``ppo.block_steps``** (A2C / REINFORCE's and PPO's) are read as
   the one ``replay.block_steps`` (:func:`translate_block_steps`).
 

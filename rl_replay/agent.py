@@ -237,7 +237,7 @@ class Agent(nn.Module):
                 ``is_first[t]`` is set.
 
         Returns:
-            TensorDict ``[]`` with ``heads``: a TensorDict ``[k, N]`` of every output of
+            TensorDict ``[]`` with ``outputs``: a TensorDict ``[k, N]`` of every output of
             :meth:`forward` but ``state`` (``dist``, ``value``), step ``t`` in row ``t``; and
             ``state``: the state after the last step (TensorDict ``[N]``).
 
@@ -256,7 +256,7 @@ class Agent(nn.Module):
             out = self(observation=observation[t], state=state, is_first=is_first[t])
             steps.append(out.exclude("state"))
             state = out["state"]
-        return TensorDict(heads=torch.stack(steps), state=state, batch_size=[])
+        return TensorDict(outputs=torch.stack(steps), state=state, batch_size=[])
 
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
         """The action distribution for the outputs of :meth:`forward`."""

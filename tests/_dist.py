@@ -389,7 +389,7 @@ def _fsdp_agent_sequence(rank: int, world: int) -> dict:
             t1 = min(T, t0 + k)
             o = ref(observation=obs[r][t0:t1], state=state, is_first=first[t0:t1])
             state = o["state"]
-            ref_loss = ref_loss + loss_of(o["heads"], state)
+            ref_loss = ref_loss + loss_of(o["outputs"], state)
         ((ref_loss + state["h"].square().sum()) / world).backward()
     out["expected"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
     return out

@@ -84,7 +84,7 @@ def plain_blocks(
         if bptt_truncate is not None:
             stop = min(stop, t - t % bptt_truncate + bptt_truncate)
         out = agent(observation=data["observation"][t:stop], state=state, is_first=data["is_first"][t:stop])
-        heads.append(out["heads"])
+        heads.append(out["outputs"])
         state = out["state"]
         if bptt_truncate is not None and stop % bptt_truncate == 0:
             state = state.detach()

@@ -24,7 +24,7 @@ from tensordict import TensorDict
 
 from rl_replay.agent import has_sequence_forward
 from rl_replay.engine import GradientAccumulator, replay, replay_steps
-from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
+from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
 
 __all__ = ["block_spans", "replay_sequence"]
 
@@ -92,20 +92,20 @@ def replay_sequence(
                 batch_size=[stop - start, n],
                 device=None,
             )
-            heads, state = replay_steps(model, accumulator, steps, state, sequence=sequence)
+            outputs, state = replay_steps(model, accumulator, steps, state, sequence=sequence)
             state = truncate(state, stop - 1, bptt_truncate)
-            blocks.append(heads)
+            blocks.append(outputs)
         return _sequence_outputs(policy, blocks, data)
     columns: dict = {}
     for t in range(T):
         inputs = block_inputs(observation[t], state, is_first[t], n)
         out = replay(model, accumulator, inputs)
-        append_heads(columns, out)
+        append_outputs(columns, out)
         state = truncate(out["state"], t, bptt_truncate)
         del out
-    heads = stack_heads(columns, T, n)
+    outputs = stack_outputs(columns, T, n)
     del columns
-    return _sequence_outputs(policy, [heads], data)
+    return _sequence_outputs(policy, [outputs], data)
 
 
 def _replay_stateless(
@@ -132,14 +132,14 @@ def _replay_stateless(
 
 
 def _sequence_outputs(policy, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
-    """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked heads, in order:
-    one distribution over all T rows. Empties ``blocks``, so only ``heads`` holds them."""
-    heads = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # type: ignore[arg-type]
+    """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked outputs, in order:
+    one distribution over all T rows. Empties ``blocks``, so only ``outputs`` holds them."""
+    outputs = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # type: ignore[arg-type]
     blocks.clear()
-    dist = policy.distribution(heads)
+    dist = policy.distribution(outputs)
     return TensorDict(
         log_prob=dist.log_prob(data["action"]),
         entropy=dist.entropy(),
-        value=heads["value"],  # type: ignore[index]
+        value=outputs["value"],  # type: ignore[index]
         batch_size=data.batch_size,
     )

@@ -49,7 +49,7 @@ def _count(spec: TDSpec) -> int:
 
 
 def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
-    """One step's outputs as (head leaves, state leaves, heads spec, state spec)."""
+    """One step's outputs as (output leaves, state leaves, outputs spec, state spec)."""
     if type(out) is not TensorDict or "state" not in out.keys():
         raise TypeError(
             _PREFIX
@@ -58,7 +58,7 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
             + "; each step must return a TensorDict with a 'state' entry (the next step's state) "
             "besides its other outputs."
         )
-    heads: list = []
+    outputs: list = []
     states: list = []
     entries = []
     state_spec = None
@@ -69,10 +69,10 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
                 break
             continue
         if type(value) is torch.Tensor:
-            heads.append(value)
+            outputs.append(value)
             entries.append((key, None))
         else:
-            child = flatten_td(value, heads)
+            child = flatten_td(value, outputs)
             if child is None:
                 state_spec = None
                 break
@@ -84,7 +84,7 @@ def _split_step(out: Any, model: Callable) -> tuple[list, list, TDSpec, TDSpec]:
             "multi-step blocks take plain TensorDicts only. Use one-step blocks (rl_replay.replay)."
         )
     return (
-        heads,
+        outputs,
         states,
         intern_spec(tuple(entries), out.batch_size, out.device),
         state_spec,
@@ -125,22 +125,22 @@ class _StepsLayout(Layout):
         return kwargs
 
     def call(self, model: Callable, tensors: Sequence[torch.Tensor]) -> TensorDict:
-        """The block's forward: k steps, the heads stacked, the last state."""
+        """The block's forward: k steps, the outputs stacked, the last state."""
         step_leaves, state_leaves = self._states(tensors)
         state = self.state_spec.build(iter(state_leaves))
         columns: list[list[torch.Tensor]] | None = None
-        heads_spec = None
+        outputs_spec = None
         for i in range(self.k):
             out = model(**self._step_kwargs(step_leaves, i, state))
-            heads, _, heads_spec, _ = _split_step(out, model)
+            outputs, _, outputs_spec, _ = _split_step(out, model)
             state = out["state"]
             if columns is None:
-                columns = [[h] for h in heads]
+                columns = [[h] for h in outputs]
             else:
-                for column, h in zip(columns, heads):
+                for column, h in zip(columns, outputs):
                     column.append(h)
-        stacked = _stacked(heads_spec, self.k).build(iter([torch.stack(c) for c in columns]))  # type: ignore[arg-type, union-attr]
-        return TensorDict._new_unsafe({"heads": stacked, "state": state}, batch_size=torch.Size([]))
+        stacked = _stacked(outputs_spec, self.k).build(iter([torch.stack(c) for c in columns]))  # type: ignore[arg-type, union-attr]
+        return TensorDict._new_unsafe({"outputs": stacked, "state": state}, batch_size=torch.Size([]))
 
     def recompute_and_backward(
         self,
@@ -156,31 +156,31 @@ class _StepsLayout(Layout):
         site = block.site
         if site.plan.fsdp_units:
             return self._stepwise(block, inputs, step_leaves, state_in, requires_grad, grads)
-        steps = []  # per step: (head outputs, state outputs, the state leaves it read)
+        steps = []  # per step: (step outputs, state outputs, the state leaves it read)
         with torch.enable_grad(), block.recompute_state(), block.recompute_context:
             state = self.state_spec.build(iter(state_in))
             for i in range(self.k):
                 out = site.model(**self._step_kwargs(step_leaves, i, state))
-                heads, state_out, _, state_spec = _split_step(out, site.model)
-                steps.append((heads, state_out, state_in))
+                outputs, state_out, _, state_spec = _split_step(out, site.model)
+                steps.append((outputs, state_out, state_in))
                 if i + 1 < self.k:
                     state_in = [t.detach().requires_grad_(t.requires_grad) for t in state_out]
                     state = state_spec.build(iter(state_in))
         site.plan.check_versions(block.versions, "the recompute", block.index)
-        num_heads = len(steps[0][0])
-        if num_heads + len(steps[-1][1]) != block.num_outputs:
+        num_step_outputs = len(steps[0][0])
+        if num_step_outputs + len(steps[-1][1]) != block.num_outputs:
             raise ReplayError(
-                _PREFIX + f"block {block.index} returned {num_heads + len(steps[-1][1])} tensors per step when "
+                _PREFIX + f"block {block.index} returned {num_step_outputs + len(steps[-1][1])} tensors per step when "
                 f"recomputed but {block.num_outputs} in the forward; the model must be deterministic given "
                 "its inputs, RNG and autocast state." + DEBUG_TIP
             )
-        head_grads, state_grads = list(grads[:num_heads]), list(grads[num_heads:])
+        output_grads, state_grads = list(grads[:num_step_outputs]), list(grads[num_step_outputs:])
         for i in range(self.k - 1, -1, -1):
-            heads, state_out, state_in = steps.pop()
+            outputs, state_out, state_in = steps.pop()
             backward_from(
                 block,
-                heads + state_out,
-                [None if g is None else g[i] for g in head_grads] + state_grads,
+                outputs + state_out,
+                [None if g is None else g[i] for g in output_grads] + state_grads,
             )
             state_grads = [t.grad if t.requires_grad else None for t in state_in]
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
@@ -210,8 +210,8 @@ class _StepsLayout(Layout):
                     _, state_out, _, state_spec = _split_step(out, model)
                     starts.append(state_out)
                     state = out["state"]
-            num_heads = block.num_outputs - len(starts[0])
-            head_grads, state_grads = list(grads[:num_heads]), list(grads[num_heads:])
+            num_step_outputs = block.num_outputs - len(starts[0])
+            output_grads, state_grads = list(grads[:num_step_outputs]), list(grads[num_step_outputs:])
             for i in range(k - 1, -1, -1):
                 leaves = (
                     inputs[self.num_step_leaves :]
@@ -222,12 +222,12 @@ class _StepsLayout(Layout):
                     if uses_rng:
                         block.set_rng(rngs[i])
                     out = model(**self._step_kwargs(step_leaves, i, self.state_spec.build(iter(leaves))))
-                heads, state_out, _, _ = _split_step(out, model)
+                outputs, state_out, _, _ = _split_step(out, model)
                 del out
                 backward_from(
                     block,
-                    heads + state_out,
-                    [None if g is None else g[i] for g in head_grads] + state_grads,
+                    outputs + state_out,
+                    [None if g is None else g[i] for g in output_grads] + state_grads,
                 )
                 state_grads = [t.grad if t.requires_grad else None for t in leaves]
         site.plan.check_versions(block.versions, "the recompute", block.index)
@@ -272,7 +272,7 @@ def replay_steps(
     Keyword args:
         context_fn: as for :func:`~rl_replay.engine.replay`.
         sequence: the model runs the k steps in one call: ``model(**steps, state=state)``
-            with the ``(k, *batch)`` inputs returns a TensorDict with ``heads`` (batch
+            with the ``(k, *batch)`` inputs returns a TensorDict with ``outputs`` (batch
             ``(k, *batch)``) and the last ``state`` (an agent's
             :meth:`~rl_replay.Agent.forward_steps`, routed through its ``forward``). The
             block saves the same tensors (the k steps' inputs and the starting state) and its
@@ -281,7 +281,7 @@ def replay_steps(
             once per block instead of once per step.
 
     Returns:
-        ``(heads, state)``: every output but ``state``, stacked over the k steps (batch
+        ``(outputs, state)``: every output but ``state``, stacked over the k steps (batch
         ``(k, *batch)``), and the last step's state, both attached to autograd.
     """
     if not isinstance(steps, TensorDictBase) or steps.batch_dims < 1 or steps.batch_size[0] < 1:
@@ -301,11 +301,11 @@ def replay_steps(
             state = out["state"]
             for key, value in out.exclude("state").items(include_nested=True, leaves_only=True):
                 columns.setdefault(key, []).append(value)
-        heads = TensorDict(
+        outputs = TensorDict(
             {key: torch.stack(v) for key, v in columns.items()},
             batch_size=[k, *steps.batch_size[1:]],
         )
-        return heads, state
+        return outputs, state
     leaves: list[torch.Tensor] = []
     spec = flatten_td(
         TensorDict._new_unsafe({"steps": steps, "state": state}, batch_size=torch.Size([])),
@@ -334,7 +334,7 @@ def replay_steps(
         return f"input {paths[i]!r}"
 
     out = apply_block(model, accumulator, leaves, _layout_for(spec, k), context_fn, what)
-    return out["heads"], out["state"]
+    return out["outputs"], out["state"]
 
 
 class _SequenceLayout(Layout):
@@ -392,17 +392,20 @@ def _replay_sequence_call(model, accumulator, steps: TensorDictBase, state: Tens
             return f"input {paths[i]!r}"
 
         out = apply_block(model, accumulator, leaves, layout, context_fn, what)
-    if not isinstance(out, TensorDictBase) or "heads" not in out.keys() or "state" not in out.keys():
+    keys = set(out.keys()) if isinstance(out, TensorDictBase) else set()
+    # "heads" is what forward_steps returned before it was named "outputs" (rl_replay/_compat.py).
+    name = "outputs" if "outputs" in keys else "heads"
+    if name not in keys or "state" not in keys:
         got = f"a TensorDict with keys {sorted(out.keys())}" if isinstance(out, TensorDictBase) else type(out).__name__
         raise TypeError(
             _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned {got}; a call over k "
-            "steps must return TensorDict(heads=<(k, ...) outputs>, state=<the last state>, batch_size=[]) "
+            "steps must return TensorDict(outputs=<(k, ...) outputs>, state=<the last state>, batch_size=[]) "
             "(Agent.forward_steps)."
         )
-    heads = out["heads"]
-    if heads.batch_size[:1] != steps.batch_size[:1]:
+    outputs = out[name]
+    if outputs.batch_size[:1] != steps.batch_size[:1]:
         raise ValueError(
-            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned heads of batch size "
-            f"{list(heads.batch_size)} for {steps.batch_size[0]} steps; row t of the heads is step t."
+            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned outputs of batch size "
+            f"{list(outputs.batch_size)} for {steps.batch_size[0]} steps; row t of the outputs is step t."
         )
-    return heads, out["state"]
+    return outputs, out["state"]

@@ -25,7 +25,7 @@ from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.rollout.episodes import EpisodeTracker, env_action
-from rl_replay.rollout.sequence import append_heads, block_inputs, stack_heads, truncate
+from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
 from rl_replay.spaces import obs_converter
 from rl_replay.targets import unpickle
 
@@ -171,7 +171,7 @@ class Collector:
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
         cols: dict[str, list] = {k: [] for k in ("observation", "is_first", "action")}
-        heads: dict = {}  # the agent's outputs but the state, key by key
+        outputs: dict = {}  # the agent's outputs but the state, key by key
         flags: dict[str, list[np.ndarray]] = {k: [] for k in ("reward", "terminated", "truncated", "valid")}
         finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
         returns, lengths, successes = [], [], []
@@ -181,7 +181,7 @@ class Collector:
             out = forward(inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
                 action = self.policy.distribution(out).sample()
-            append_heads(heads, out)
+            append_outputs(outputs, out)
             valid_np = self.episodes.real_steps(skip=finished)
             obs, reward, terminated, truncated, info = self.envs.step(env_action(action, self.envs.single_action_space))
             problem = non_finite_env_step(self._env_id, obs, reward)
@@ -233,8 +233,8 @@ class Collector:
         T = data["action"].shape[0]
         # One distribution over the stacked (T, N) outputs: the loss's graph gets a few
         # nodes in all instead of a few per step (each kept until the backward).
-        stacked = stack_heads(heads, T, N)
-        del heads
+        stacked = stack_outputs(outputs, T, N)
+        del outputs
         dist = self.policy.distribution(stacked)
         data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"])
         for key, column in flags.items():

@@ -2,7 +2,7 @@
 
 Each step's inputs are :func:`block_inputs`, the recurrent state flows from step to step and is
 cut by :func:`truncate` every ``bptt_truncate`` steps, and the outputs other than the state are
-gathered with :func:`append_heads` / :func:`stack_heads` so the action distribution is built once
+gathered with :func:`append_outputs` / :func:`stack_outputs` so the action distribution is built once
 on the stacked (T, n) outputs (the loss's graph then has a few nodes in all instead of a few per
 step, each kept until the backward). Re-running a stored sequence as replay blocks is the
 algorithms' business (:mod:`rl_replay.algorithms.stored`): nothing here imports the engine.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-__all__ = ["append_heads", "block_inputs", "stack_heads", "truncate"]
+__all__ = ["append_outputs", "block_inputs", "stack_outputs", "truncate"]
 
 
 def block_inputs(
@@ -38,17 +38,17 @@ def truncate(state: TensorDict, t: int, k: int | None) -> TensorDict:
     return state
 
 
-def append_heads(columns: dict, out: TensorDict) -> None:
+def append_outputs(columns: dict, out: TensorDict) -> None:
     """Append one step's agent outputs except ``state`` to ``columns`` (key -> list)."""
     for key, value in out.items(include_nested=True, leaves_only=True):
         if key != "state" and not (isinstance(key, tuple) and key[0] == "state"):
             columns.setdefault(key, []).append(value)
 
 
-def stack_heads(columns: dict, T: int, N: int) -> TensorDict:
-    """The (T, N) TensorDict of the steps' outputs collected by :func:`append_heads`,
+def stack_outputs(columns: dict, T: int, N: int) -> TensorDict:
+    """The (T, N) TensorDict of the steps' outputs collected by :func:`append_outputs`,
     for :meth:`~rl_replay.Agent.distribution` and the values."""
-    heads = TensorDict({}, batch_size=[T, N])
+    outputs = TensorDict({}, batch_size=[T, N])
     for key, values in columns.items():
-        heads.set(key, torch.stack(values))
-    return heads
+        outputs.set(key, torch.stack(values))
+    return outputs

@@ -145,14 +145,14 @@ def run_plain_blocks(agent, obs, B, k):
 
     def call(steps, state):
         out = agent(**steps, state=state)
-        return out["heads"], out["state"]
+        return out["outputs"], out["state"]
 
     _blocks(agent, obs, B, k, call).backward()
 
 
 @torch.no_grad()
 def run_nograd_blocks(agent, obs, B, k):
-    _blocks(agent, obs, B, k, lambda steps, state: (lambda o: (o["heads"], o["state"]))(agent(**steps, state=state)))
+    _blocks(agent, obs, B, k, lambda steps, state: (lambda o: (o["outputs"], o["state"]))(agent(**steps, state=state)))
 
 
 def run_replay_steps(agent, obs, B, k, sequence=False):

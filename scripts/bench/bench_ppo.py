@@ -192,7 +192,7 @@ def plain_calls(agent, data: TensorDict, start_state: TensorDict, block_steps: i
     for start, stop in block_spans(T, block_steps if sequence else 1):
         if sequence:
             out = agent(observation=data["observation"][start:stop], state=state, is_first=data["is_first"][start:stop])
-            heads.append(out["heads"])
+            heads.append(out["outputs"])
         else:
             out = agent(observation=data["observation"][start], state=state, is_first=data["is_first"][start])
             heads.append(out.exclude("state").unsqueeze(0))

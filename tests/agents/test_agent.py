@@ -369,7 +369,7 @@ def test_a_call_over_k_steps_reaches_forward_steps_without_a_test_in_the_agent()
     out = agent(
         observation=torch.zeros(k, n, 3), state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool)
     )
-    assert calls == [("forward_steps", (k, n))] + [("forward", (n,))] * k and out["heads"].batch_size == (k, n)
+    assert calls == [("forward_steps", (k, n))] + [("forward", (n,))] * k and out["outputs"].batch_size == (k, n)
     for cls in (Sequenced, Counting):
         agent, calls[:] = cls(space, actions), []
         agent(torch.zeros(n, 3), agent.initial_state(n), torch.zeros(n, dtype=torch.bool))  # positional, one step

@@ -90,7 +90,7 @@ def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
     state = agent.initial_state(N).apply(torch.randn_like)
     with torch.no_grad():
         whole = agent.forward_steps(data["observation"], state, data["is_first"])
-        assert whole.batch_size == torch.Size([]) and whole["heads"].batch_size == torch.Size([T, N])
+        assert whole.batch_size == torch.Size([]) and whole["outputs"].batch_size == torch.Size([T, N])
         assert set(whole["state"].keys()) == set(state.keys())
         through_forward = agent(observation=data["observation"], state=state, is_first=data["is_first"])
         s, steps = state, []
@@ -102,16 +102,16 @@ def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
     loop = torch.stack(steps)
     # float rounding only: the encoder, readout and heads see the T * N rows in one product
     for key, value in loop.items(include_nested=True, leaves_only=True):
-        torch.testing.assert_close(whole["heads"][key], value, rtol=1e-5, atol=1e-5, msg=str(key))
-        assert torch.equal(through_forward["heads"][key], whole["heads"][key])
+        torch.testing.assert_close(whole["outputs"][key], value, rtol=1e-5, atol=1e-5, msg=str(key))
+        assert torch.equal(through_forward["outputs"][key], whole["outputs"][key])
     for key in state.keys():
         torch.testing.assert_close(whole["state"][key], s[key], rtol=1e-5, atol=1e-5)
     # a reset inside the sequence: what came before it does not reach the outputs after it
     other = state.apply(torch.randn_like)
     with torch.no_grad():
         again = agent.forward_steps(data["observation"], other, data["is_first"])
-    assert torch.equal(again["heads", "value"][2:, 0], whole["heads", "value"][2:, 0])
-    assert not torch.equal(again["heads", "value"][:2, 0], whole["heads", "value"][:2, 0])
+    assert torch.equal(again["outputs", "value"][2:, 0], whole["outputs", "value"][2:, 0])
+    assert not torch.equal(again["outputs", "value"][:2, 0], whole["outputs", "value"][:2, 0])
 
 
 def _gradients(agent, data, start_state, run):
@@ -215,5 +215,5 @@ def test_an_agent_without_forward_steps_is_called_step_by_step():
     # the base class's forward_steps is the loop of forward
     with torch.no_grad():
         whole = agent.forward_steps(data["observation"], agent.initial_state(N), data["is_first"])
-    assert whole["heads"].batch_size == torch.Size([T, N])
-    torch.testing.assert_close(whole["heads", "value"], out["value"].detach(), rtol=0, atol=0)
+    assert whole["outputs"].batch_size == torch.Size([T, N])
+    torch.testing.assert_close(whole["outputs", "value"], out["value"].detach(), rtol=0, atol=0)

@@ -18,7 +18,7 @@ from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.stored import block_spans, replay_sequence
 from rl_replay.engine import GradientAccumulator
-from rl_replay.rollout.sequence import append_heads, stack_heads, truncate
+from rl_replay.rollout.sequence import append_outputs, stack_outputs, truncate
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -198,9 +198,9 @@ def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
     ent_ref = torch.stack([d.entropy() for d in per_step])
     columns: dict = {}
     for o in outs:
-        append_heads(columns, o)
+        append_outputs(columns, o)
     assert not any(k == "state" or (isinstance(k, tuple) and k[0] == "state") for k in columns)
-    heads = stack_heads(columns, T, N)
+    heads = stack_outputs(columns, T, N)
     dist = head.distribution(heads["dist"])
     logp, ent = dist.log_prob(actions), dist.entropy()
     assert torch.equal(logp, logp_ref) and torch.equal(ent, ent_ref)
@@ -216,3 +216,28 @@ def test_block_spans_end_at_the_cuts():
     assert block_spans(12, 5, 4) == [(0, 4), (4, 8), (8, 12)]
     assert block_spans(10, 3, 4) == [(0, 3), (3, 4), (4, 7), (7, 8), (8, 10)]
     assert block_spans(3, 8) == [(0, 3)]
+
+
+def test_a_forward_steps_that_returns_heads_the_old_name_still_replays():
+    """``heads`` was forward_steps' key for the k steps' outputs before it was named ``outputs``
+    (rl_replay/_compat.py): a user's agent that still returns it replays to the same gradients."""
+
+    class OldNames(GRUAgent):
+        def forward_steps(self, observation, state, is_first):
+            out = super().forward_steps(observation, state, is_first)
+            return TensorDict(heads=out["outputs"], state=out["state"], batch_size=[])
+
+    torch.manual_seed(0)
+    new = AGENTS["gru"]()
+    old = OldNames(OBS, ACT, hidden_size=8, encoder_sizes=(8,))
+    old.load_state_dict(new.state_dict())
+    data, start = sequence(), new.initial_state(N)
+    results = []
+    for agent in (new, old):
+        acc = GradientAccumulator()
+        results.append(
+            gradients(agent, data, start, lambda d, s, a=agent, c=acc: replay_sequence(a, a, d, s, c, None, 4))
+        )
+    (out_new, g_new), (out_old, g_old) = results
+    assert (out_new == out_old).all()
+    assert all(torch.equal(g_new[k], g_old[k]) for k in g_new)
