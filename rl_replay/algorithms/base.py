@@ -10,6 +10,7 @@ from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
 from rl_replay.algorithms.common import UpdateResult
+from rl_replay.algorithms.horizon import episode_horizon
 from rl_replay.config import Config, LossConfig
 from rl_replay.guards import StepGuard
 from rl_replay.rollout.collector import Collector
@@ -65,6 +66,11 @@ class Algorithm(ABC):
         """Steps per replay block when this algorithm re-runs a stored sequence
         (``replay.block_steps``; the horizon diagnostic replays with the same size)."""
         return self.cfg.replay.block_steps
+
+    def horizon(self, data: TensorDict) -> dict[str, float]:
+        """``horizon/*`` metrics of a collected (T, N) rollout: how far back this algorithm's
+        gradient reaches, replayed as its update replays (:func:`rl_replay.algorithms.horizon.episode_horizon`)."""
+        return episode_horizon(self.model, self.policy, data, self.bptt_truncate, block_steps=self.replay_block_steps)
 
     @classmethod
     @abstractmethod

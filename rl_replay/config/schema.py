@@ -170,7 +170,7 @@ class LogConfig:
     log_every: int = 1
     """log metrics every N updates"""
     horizon_every: int = 0
-    """every N updates, log horizon/grad_first_obs: the norm of the gradient of an episode's last decision with respect to its first observation, through replay blocks (rl_replay.run.horizon; 0 = never; one process only)"""
+    """every N updates, log horizon/grad_first_obs: the norm of the gradient of an episode's last decision with respect to its first observation, through replay blocks (rl_replay.algorithms.horizon; 0 = never; one process only)"""
     group: str | None = None
     """wandb run group (e.g. one experiment's seeds)"""
     tags: list[str] = field(default_factory=list)

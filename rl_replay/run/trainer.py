@@ -23,7 +23,6 @@ from rl_replay.config import Config, num_updates
 from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
 from rl_replay.run.checkpoint import checkpoint_path
-from rl_replay.run.horizon import episode_horizon
 from rl_replay.run.interrupt import StopOnSignal
 from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
@@ -168,15 +167,7 @@ class Trainer:
         every = cfg.log.horizon_every
         if every and self.update % every == 0:
             t0 = time.perf_counter()
-            metrics.update(
-                episode_horizon(
-                    self.model,
-                    self.algorithm.policy,
-                    result.rollout.data,
-                    self.algorithm.bptt_truncate,
-                    block_steps=self.algorithm.replay_block_steps,
-                )
-            )
+            metrics.update(self.algorithm.horizon(result.rollout.data))
             metrics["time/horizon_sec"] = time.perf_counter() - t0
         every = cfg.eval.every
         if every and (self.update % every == 0 or self.finished):

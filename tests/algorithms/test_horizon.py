@@ -1,4 +1,4 @@
-"""rl_replay.run.horizon: the first-observation gradient of an episode, through replay blocks,
+"""rl_replay.algorithms.horizon: the first-observation gradient of an episode, through replay blocks,
 and the trainer's ``log.horizon_every`` metric."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from tensordict import TensorDict
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.mlp import MLPAgent
+from rl_replay.algorithms.horizon import episode_horizon
 from rl_replay.config import load_config
-from rl_replay.run.horizon import episode_horizon
 from rl_replay.run.setup import build
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)

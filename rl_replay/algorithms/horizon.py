@@ -9,7 +9,8 @@ a dashboard can show whether the gradient that could teach the agent to store th
 reaches it at all: 0 when ``bptt_truncate`` cuts it, a float32 underflow when the agent's
 recurrence forgets faster than the episode is long.
 
-The trainer logs it every ``log.horizon_every`` updates (``horizon/*`` metrics). It costs
+The trainer logs it every ``log.horizon_every`` updates (``horizon/*`` metrics) through
+:meth:`rl_replay.algorithms.base.Algorithm.horizon`, which replays as its update does. It costs
 one extra replay of one episode (forward, recompute, backward) at batch size 1, about
 ``1 / (epochs * num_minibatches)`` of a PPO update's replay time, and leaves the training
 RNG streams and the parameters' ``.grad`` as it found them.
