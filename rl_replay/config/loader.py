@@ -1,6 +1,7 @@
 """Loading a config: YAML files, command-line overrides, type checks and validation.
 
-Precedence when loading: dataclass defaults < YAML file < command-line overrides.
+Precedence when loading: dataclass defaults < YAML file (on its ``base:`` files) < command-line
+overrides. Reading and parsing the files is :mod:`rl_replay.config.yaml_files`'s job.
 
     cfg = load_config("configs/memory_gru.yaml", ["optim.lr=3e-4", "env.kwargs.delay=32"])
 
@@ -20,8 +21,6 @@ import copy
 import dataclasses
 import math
 import os
-import re
-import stat
 import tempfile
 import types
 import typing
@@ -32,7 +31,14 @@ import yaml
 
 from rl_replay._compat import translate_block_steps, translate_norm_adv
 from rl_replay.config.schema import ALGORITHM_NAMES, Config
-from rl_replay.errors import one_line, shown
+from rl_replay.config.yaml_files import (
+    file_layers,
+    key_text,
+    parse,
+    yaml_load,
+    yaml_problem,
+)
+from rl_replay.errors import shown
 from rl_replay.targets import canonical_target, is_short_name, parse_target
 
 __all__ = [
@@ -88,80 +94,6 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "eval.every": (0, True, None, False),
     "distributed.min_num_params": (1, True, None, False),
 }
-
-
-# --------------------------------------------------------------------------------------
-# YAML: a safe loader that also reads 1e-3 as a float (PyYAML's YAML 1.1 resolver needs a
-# dot), refuses a key given twice in one mapping (YAML would keep the last silently) and
-# refuses anchors and aliases (a config has no use for them, and a few of them nest into a
-# structure that grows exponentially when printed).
-# --------------------------------------------------------------------------------------
-
-
-class ConfigYAMLError(yaml.YAMLError):
-    """A config's YAML is well-formed but not accepted (a duplicate key, an anchor or alias)."""
-
-
-class _Loader(yaml.SafeLoader):
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise ConfigYAMLError(
-                f"line {event.start_mark.line + 1}: YAML anchors and aliases (&name, *name) are not "
-                "accepted in a config; write the value out"
-            )
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict[Any, str] = {}
-            for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=True)
-                mark = key_node.start_mark
-                where = f"{mark.line + 1}"
-                try:
-                    first = seen.get(key)
-                except TypeError:  # an unhashable key: the constructor below names it
-                    continue
-                if first is not None:
-                    both = f"lines {first} and {where}"
-                    if first == where:  # both on one line: {a: 1, a: 2}
-                        both = f"line {where}, columns {seen[key, 'column']} and {mark.column + 1}"
-                    raise ConfigYAMLError(
-                        f"key {shown(key)} is given twice in one mapping ({both}); "
-                        "keep one (YAML would silently use the last)"
-                    )
-                seen[key], seen[key, "column"] = where, str(mark.column + 1)
-        return super().construct_mapping(node, deep)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(
-        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-        |[-+]?\.(?:inf|Inf|INF)
-        |\.(?:nan|NaN|NAN))$""",
-        re.X,
-    ),
-    list("-+0123456789."),
-)
-
-
-def _yaml_load(text: str) -> Any:
-    return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader
-
-
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """A YAML error on one line: what is wrong and where (PyYAML's own text spans several lines
-    and quotes the source)."""
-    if isinstance(exc, ConfigYAMLError):
-        return str(exc)
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    where = f"line {mark.line + 1} column {mark.column + 1}: " if mark is not None else ""
-    return where + one_line(" ".join(str(problem).split()))[:200]
 
 
 # --------------------------------------------------------------------------------------
@@ -223,20 +155,15 @@ def _check_value(key: str, value: Any, tp: Any) -> Any:
     )
 
 
-def _key_text(key: Any) -> str:
-    """A key as it appears in a message: a file's key may be anything (long, odd characters)."""
-    return one_line(key) if isinstance(key, str) and len(key) <= 80 else shown(key)
-
-
 def _unknown_key(key: str, section: str | None, valid: Sequence[str]) -> ValueError:
     where = f"in '{section}'" if section else "at top level"
-    return ValueError(f"Unknown config key '{_key_text(key)}'. Valid keys {where}: {', '.join(valid)}")
+    return ValueError(f"Unknown config key '{key_text(key)}'. Valid keys {where}: {', '.join(valid)}")
 
 
 def _unknown_section(name: str, key: str) -> ValueError:
     sections = [k for k, tp in _hints(Config).items() if _is_section(tp)]
     return ValueError(
-        f"Unknown config section '{_key_text(name)}' (in '{_key_text(key)}'). Valid sections: {', '.join(sections)}"
+        f"Unknown config section '{key_text(name)}' (in '{key_text(key)}'). Valid sections: {', '.join(sections)}"
     )
 
 
@@ -428,9 +355,9 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
     if not key or any(not p for p in parts):
         raise ValueError(f"Malformed override {shown(override)}: {_OVERRIDE_FORM}")
     try:
-        value = _yaml_load(raw)
+        value = yaml_load(raw)
     except yaml.YAMLError as e:
-        raise ValueError(f"Cannot parse value of override {shown(override)} as YAML: {_yaml_problem(e)}") from None
+        raise ValueError(f"Cannot parse value of override {shown(override)} as YAML: {yaml_problem(e)}") from None
 
     if key in ("ppo.norm_adv", "ppo.block_steps", "collector.block_steps"):  # retired: read as in a file
         section, _, name = key.partition(".")  # (rl_replay._compat.translate_norm_adv / translate_block_steps)
@@ -490,9 +417,6 @@ def _apply_override(data: dict[str, Any], override: str) -> None:
 
 
 # A config is a page of YAML; a file far larger is not one (and is not read whole).
-MAX_CONFIG_BYTES = 1 << 20
-
-
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[str] = ()) -> Config:
     """Load a Config: dataclass defaults, then the YAML file (if any), then overrides.
 
@@ -511,60 +435,11 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     """
     if path is None:
         return loads_config(None, overrides)
-    layers = _file_layers(os.fspath(path), ())
+    layers = file_layers(os.fspath(path), ())
     return _config_from_layers(layers, overrides)
 
 
 #: How many ``base:`` files a config may stand on.
-MAX_BASE_DEPTH = 8
-
-
-def _read_file(path: str) -> bytes:
-    try:
-        info = os.stat(path)
-    except FileNotFoundError:
-        raise FileNotFoundError(f"Config file not found: {path}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise ValueError(f"Config file {path!r} is not a regular file; give the path of a YAML file")
-    if info.st_size > MAX_CONFIG_BYTES:
-        raise ValueError(f"Config file {path!r} is {info.st_size} bytes; a config holds at most {MAX_CONFIG_BYTES}")
-    with open(path, "rb") as fh:
-        return fh.read(MAX_CONFIG_BYTES + 1)
-
-
-def _parse(text: str | bytes, source: str) -> Any:
-    if len(text) > MAX_CONFIG_BYTES:
-        raise ValueError(f"Config {source!r} is over {MAX_CONFIG_BYTES} bytes; a config holds at most that")
-    try:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8")
-        return _yaml_load(text)
-    except UnicodeDecodeError as e:
-        raise ValueError(f"Config file {source!r} is not UTF-8 text (byte {e.start})") from None
-    except yaml.YAMLError as e:
-        raise ValueError(f"Cannot parse config file {source!r} as YAML: {_yaml_problem(e)}") from None
-    except RecursionError:
-        raise ValueError(f"Cannot parse config file {source!r} as YAML: it is nested too deeply") from None
-
-
-def _file_layers(path: str, below: tuple[str, ...]) -> list[tuple[Any, str]]:
-    """``[(mapping, path), ...]`` of ``path`` and its ``base:`` files, the deepest base first."""
-    loaded = _parse(_read_file(path), path)
-    if not (isinstance(loaded, Mapping) and "base" in loaded):
-        return [(loaded, path)]
-    base = loaded["base"]
-    if not isinstance(base, str) or not base:
-        raise ValueError(f"Config key 'base' in {path!r} must be the path of another config file, got {shown(base)}")
-    base_path = os.path.normpath(os.path.join(os.path.dirname(path), base))
-    chain = (*below, os.path.realpath(path))
-    if os.path.realpath(base_path) in chain:
-        raise ValueError(f"Config {path!r} has base {base!r}, which is already below it: a base: cycle")
-    if len(chain) > MAX_BASE_DEPTH:
-        raise ValueError(f"Config {path!r}: more than {MAX_BASE_DEPTH} base: files below each other")
-    rest = {k: v for k, v in loaded.items() if k != "base"}
-    return [*_file_layers(base_path, chain), (rest, path)]
-
-
 def loads_config(text: str | bytes | None, overrides: Sequence[str] = (), *, source: str = "<config>") -> Config:
     """:func:`load_config` of the YAML ``text`` (None: no file); ``source`` names it in errors.
 
@@ -572,7 +447,7 @@ def loads_config(text: str | bytes | None, overrides: Sequence[str] = (), *, sou
     """
     layers = []
     if text is not None:
-        loaded = _parse(text, source)
+        loaded = parse(text, source)
         if isinstance(loaded, Mapping) and "base" in loaded:
             raise ValueError(
                 f"Config {source!r} has a 'base' key, which only a config file given by its path may use "

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl_replay.config import Config, dump_config, loads_config
-from rl_replay.config.loader import MAX_CONFIG_BYTES
+from rl_replay.config.yaml_files import MAX_CONFIG_BYTES
 from rl_replay.errors import shown
 from rl_replay.registry import AGENTS
 from rl_replay.run import files, trust
