@@ -350,7 +350,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
     from rl_replay.rollout.environment import envs_from_config
     from rl_replay.run.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
     from rl_replay.run.evaluate import evaluate
-    from rl_replay.run.trainer_checkpoint import load_agent_weights
+    from rl_replay.run.trainer_state import load_agent_weights
 
     if cfg.torch_threads is not None:
         # As in training: a small policy on an oversubscribed thread pool is many times slower.

@@ -52,7 +52,7 @@ from rl_replay.run.run_dir import (
     writing,
 )
 from rl_replay.run.trainer import Trainer
-from rl_replay.run.trainer_checkpoint import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
+from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 
 __all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
 

@@ -28,7 +28,7 @@ from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
 from rl_replay.run.run_dir import RunLock, writing
-from rl_replay.run.trainer_checkpoint import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
+from rl_replay.run.trainer_state import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
 
 __all__ = ["Trainer"]
 

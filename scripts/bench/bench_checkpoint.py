@@ -35,7 +35,7 @@ def main() -> int:
 
     from rl_replay.config import load_config
     from rl_replay.run.setup import build
-    from rl_replay.run.trainer_checkpoint import load_trainer, read_trainer_state, save_trainer
+    from rl_replay.run.trainer_state import load_trainer, read_trainer_state, save_trainer
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -253,7 +253,7 @@ def _draws(device):
     ],
 )
 def test_one_rng_helper_restores_every_stream(device):
-    from rl_replay.run.trainer_checkpoint import capture_rng, restore_rng
+    from rl_replay.run.trainer_state import capture_rng, restore_rng
 
     rng = capture_rng(device)
     assert ("cuda" in rng) == (device == "cuda")
@@ -270,7 +270,7 @@ def test_weights_saved_before_the_recurrence_moved_into_cell_still_load(target):
     import gymnasium as gym
 
     from rl_replay.agent import build_agent
-    from rl_replay.run.trainer_checkpoint import load_agent_weights
+    from rl_replay.run.trainer_state import load_agent_weights
 
     space, actions = gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2)
     torch.manual_seed(0)

@@ -1,4 +1,8 @@
-"""A trainer's checkpoint: one code path for single-process and FSDP1 runs.
+"""A trainer's state: what its checkpoint holds, one code path for single-process and FSDP1 runs.
+
+Three things are called "checkpoint" in this project; this module is the trainer's state that goes
+into one. The file format is :mod:`rl_replay.run.checkpoint`, and ``checkpoint_fsdp_forward`` is the
+reference helper's name for a replay block (activation checkpointing's sense of the word).
 
 Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.run.checkpoint.save_checkpoint`:
 numbers and JSON only, nothing that runs code when read):
