@@ -29,6 +29,12 @@ Usage::
     python scripts/bench/bench_ppo.py --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
     python scripts/bench/bench_ppo.py --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
     python scripts/bench/bench_ppo.py --config configs/memory_1024.yaml --epochs 1 --set replay.block_steps=16
+    python scripts/bench/bench_ppo.py --pixels --smoke          # the pixel workload (_bench_pixels.py)
+    python scripts/bench/bench_ppo.py --pixels --device cuda    # T = 512, 2048, 8192 on a GPU
+
+``--pixels`` runs the workload where flat memory is decisive instead: a CNN + GRU agent on 84x84x3
+uint8 frames (``scripts/bench/_bench_pixels.py`` says what, and what its summary lines report), on the
+CPU or a CUDA device (``--device``).
 
 ``--config CONFIG`` takes the agent, ``env.num_envs``, the PPO and loss settings and T
 (``collector.num_steps``, unless ``--T`` is given) from a shipped config, and the observation
@@ -280,6 +286,14 @@ def _record_minibatch_forwards(records: list) -> None:
 
 
 def worker(spec: dict) -> dict:
+    if spec.get("pixels"):
+        from _bench_pixels import worker as pixel_worker
+
+        return pixel_worker(spec)
+    return _worker(spec)
+
+
+def _worker(spec: dict) -> dict:
     set_threads(spec.get("threads", 1))
     torch.manual_seed(0)
     cfg, agent, optimizer, rollout = build(spec, spec["T"])
@@ -423,12 +437,21 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="with --config: config overrides, e.g. replay.block_steps=16",
     )
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per configuration")
+    parser.add_argument("--timeout", type=float, help="seconds per configuration (default 1800; --pixels 7200)")
+    parser.add_argument(
+        "--pixels", action="store_true", help="the pixel workload: CNN + GRU on 84x84x3 uint8 frames (see above)"
+    )
+    parser.add_argument("--device", default="cpu", help="with --pixels: cpu or cuda")
     add_write_docs_argument(parser, "bench_ppo")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker_cli(worker, args.worker)
+    if args.pixels:
+        return pixels_main(parser, args)
+    if args.device != "cpu":
+        parser.error("--device applies to --pixels (the GRU workload runs on the CPU)")
+    args.timeout = args.timeout or 1800
     if args.write_docs and args.config:
         parser.error("--write-docs updates the GRU table of docs/benchmarks.md; it does not take --config")
     refuse_smoke_docs(parser, args)
@@ -487,6 +510,43 @@ def main(argv=None) -> int:
     print(GLIBC_NOTE)
     if args.write_docs and rows:
         write_section(args.write_docs, "bench_ppo", docs_section(rows, check_T, worst))
+    return 0 if all("error" not in r for r in results.values()) else 1
+
+
+def pixels_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``--pixels``: the CNN + GRU update on uint8 frames, T = 512, 2048, 8192 by default."""
+    import _bench_pixels as pixels
+
+    if args.config or args.set or args.write_docs:
+        parser.error("--pixels runs its own agent and frames: it takes no --config, --set or --write-docs")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here")
+    Ts = [8, 16] if args.smoke else (args.T or [512, 2048, 8192])
+    spec = {
+        "pixels": True,
+        "policy": pixels.SMOKE if args.smoke else pixels.FULL,
+        "threads": 1,
+        "device": args.device,
+        "epochs": args.epochs,
+    }
+    memory = "peak device memory growth" if args.device.startswith("cuda") else "peak RSS growth"
+    set_threads(1)
+    print(describe_machine())
+    worst = grad_check(spec, 8, build=pixels.build, run_update=run_update)
+    print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
+    results = sweep(
+        worker,
+        spec,
+        Ts,
+        args.methods,
+        script=os.path.abspath(__file__),
+        timeout=args.timeout or 7200,
+        preload=pixels.PRELOAD,
+        memory=memory,
+        memory_key="peak_growth",
+    )
+    for line in pixels.summarize(results, Ts, memory):
+        print(line)
     return 0 if all("error" not in r for r in results.values()) else 1
 
 

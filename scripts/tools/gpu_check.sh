@@ -13,7 +13,7 @@
 #   2. tests/engine/test_replay_cuda.py and tests/run/test_distributed_cuda.py (FSDP1 CPUOffload at
 #      world size 1, gradients against plain autograd);
 #   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
-#   4. scripts/bench/bench_pixels.py --device cuda --epochs 1: the decisive pixel benchmark
+#   4. scripts/bench/bench_ppo.py --pixels --device cuda --epochs 1: the decisive pixel benchmark
 #      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
 #   5. scripts/bench/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
 #   6. one update of configs/memory_4096.yaml on CUDA and on the CPU: env steps/s, optimisation time;
@@ -132,14 +132,14 @@ TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
 } > "$RESULTS"
 # 4. the pixel benchmark (one epoch: an update's peak memory is one minibatch's) -----------
 export PIXELS_MD="$OUTDIR/bench_pixels.txt"
-PIXELS=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_pixels.py "$@" | tee "$PIXELS_MD"' "$PY")
+PIXELS=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_ppo.py --pixels "$@" | tee "$PIXELS_MD"' "$PY")
 if [ $DRY -eq 1 ]; then
-    step "bench_pixels (CPU, smoke)" 180 "${PIXELS[@]}" --smoke
+    step "bench_ppo --pixels (CPU, smoke)" 180 "${PIXELS[@]}" --smoke
 else
-    step "bench_pixels (CUDA)" 150 "${PIXELS[@]}" --device cuda --T 512 2048 8192 --epochs 1 --timeout 60
+    step "bench_ppo --pixels (CUDA)" 150 "${PIXELS[@]}" --device cuda --T 512 2048 8192 --epochs 1 --timeout 60
 fi
 if [ -s "$PIXELS_MD" ]; then
-    { echo; echo "Pixel PPO update (scripts/bench/bench_pixels.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
+    { echo; echo "Pixel PPO update (scripts/bench/bench_ppo.py --pixels, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
       echo; echo '```'; cat "$PIXELS_MD"; echo '```'; } >> "$RESULTS"
 fi
 # 5. per-block overhead of replay against plain autograd ------------------------------------

@@ -229,3 +229,17 @@ def test_bench_configs_prints_a_row_per_config(tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())[0]
     assert result["updates"] == 2 and result["env_steps_per_sec"] > 0
     assert result["collect_sec"] > 0 and result["optimize_sec"] > 0
+
+
+def test_bench_ppo_pixels_refuses_cuda_without_a_gpu_and_other_workloads_options():
+    """``bench_ppo.py --pixels``' refusals. Its --smoke run (the CNN + GRU update on uint8 frames both
+    ways, gradients against plain autograd, the summary lines) is checked in test_gpu_check.py's dry
+    run, which runs it as one of the GPU validation's steps."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        with pytest.raises(AssertionError, match="no CUDA device here"):
+            run_script("bench_ppo.py", "--pixels", "--smoke", "--device", "cuda")
+    with pytest.raises(AssertionError, match="takes no --config"):
+        run_script("bench_ppo.py", "--pixels", "--smoke", "--config", "configs/memory_4096.yaml")
+    with pytest.raises(AssertionError, match="--device applies to --pixels"):
+        run_script("bench_ppo.py", "--smoke", "--device", "cuda")

@@ -3,7 +3,7 @@
 The dry run exercises every step of the GPU validation except CUDA itself: installing
 wheels from a folder into a temporary site directory, collecting the CUDA tests, a
 training run through scripts/train.py under torchrun (FSDP1 at one rank, gloo),
-bench_pixels --smoke (its checks live here: one run of it serves both), bench_memory at a
+bench_ppo --pixels --smoke (its checks live here: one run of it serves both), bench_memory at a
 tiny size, and the results file those steps write.
 """
 
@@ -109,7 +109,7 @@ def test_dry_run(tmp_path):
     ):
         assert step in results, results
     assert (out / "bench_memory.json").exists()
-    # bench_pixels --smoke (the CNN + GRU update on uint8 frames) ran both ways, bit-identical to plain
+    # bench_ppo --pixels --smoke (the CNN + GRU update on uint8 frames) ran both ways, bit-identical to plain
     # autograd, and printed its summary lines (no timing or memory assertions).
     pixels = (out / "bench_pixels.txt").read_text()
     assert "gradient check: worst abs diff 0.000e+00, worst rel diff 0.000e+00" in pixels, pixels

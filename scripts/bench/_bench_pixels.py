@@ -1,4 +1,4 @@
-"""Peak memory and time of one recurrent PPO update on pixels: rl_replay vs plain autograd.
+"""``bench_ppo.py --pixels``: one recurrent PPO update on pixels, rl_replay vs plain autograd.
 
 The workload where flat memory is decisive: a CNN + GRU agent (``gru`` with ``encoder:
 nature_cnn``, ``encoder_sizes: [512]``, ReLU, hidden 256, 4 actions) on 84x84x3 uint8 frames,
@@ -18,29 +18,26 @@ Then rl_replay's memory slope per step against its block-input bytes per step (t
 if a measured T passes it, else extrapolated from its slope (and said so). The gradient of every
 minibatch of one epoch is compared between the two methods at T = 8 first.
 
-Usage::
+Usage (the workload of ``bench_ppo.py``, the one PPO benchmark)::
 
-    python scripts/bench/bench_pixels.py --smoke                    # 36x36 frames, narrow CNN, T = 8, 16
-    python scripts/bench/bench_pixels.py                            # T = 512, 2048, 8192 (long: see docs)
-    python scripts/bench/bench_pixels.py --T 512 2048 --epochs 1    # memory is one minibatch's: 1/4 the time
-    python scripts/bench/bench_pixels.py --device cuda              # the same on a GPU
+    python scripts/bench/bench_ppo.py --pixels --smoke                    # 36x36 frames, narrow CNN, T = 8, 16
+    python scripts/bench/bench_ppo.py --pixels                            # T = 512, 2048, 8192 (long: see docs)
+    python scripts/bench/bench_ppo.py --pixels --T 512 2048 --epochs 1    # memory is one minibatch's: 1/4 the time
+    python scripts/bench/bench_ppo.py --pixels --device cuda              # the same on a GPU
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
 import gymnasium as gym
 import numpy as np
 import torch
-from _bench_common import MemoryMeter, describe_machine, set_threads, worker_cli
+from _bench_common import MemoryMeter, set_threads
 from _bench_report import fmt_bytes
-from bench_ppo import bench_config, grad_check, run_update, stored_rollout, sweep
+from bench_ppo import bench_config, run_update, stored_rollout
 
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo"]
+PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo", "_bench_pixels"]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
 SMOKE = dict(frame=(36, 36, 3), channels=[4, 8, 8], linear=[16], hidden=16, actions=4, envs=4, epochs=1, minibatches=2)
 LIMIT = 16 * 2**30  # the plain-autograd budget asked about
@@ -141,45 +138,3 @@ def summarize(results: dict, Ts: list[int], memory: str) -> list[str]:
                 f"16 GiB at T={T16:.0f} (extrapolated from T={plain[0][0]}..{plain[-1][0]}, not measured)"
             )
     return lines
-
-
-# ============================================================================ main
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="36x36 frames, narrow CNN, T = 8 and 16 (for tests)")
-    parser.add_argument("--T", type=int, nargs="+", help="default: 512 2048 8192")
-    parser.add_argument("--methods", nargs="+", default=["plain", "rl_replay"], choices=["plain", "rl_replay"])
-    parser.add_argument("--epochs", type=int, help="override the 4 epochs (peak memory is one minibatch's)")
-    parser.add_argument("--device", default="cpu", help="cpu or cuda")
-    parser.add_argument("--timeout", type=float, default=7200, help="seconds per configuration")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        return worker_cli(worker, args.worker)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here")
-    Ts = [8, 16] if args.smoke else (args.T or [512, 2048, 8192])
-    spec = {"policy": SMOKE if args.smoke else FULL, "threads": 1, "device": args.device, "epochs": args.epochs}
-    memory = "peak device memory growth" if args.device.startswith("cuda") else "peak RSS growth"
-    set_threads(1)
-    print(describe_machine())
-    worst = grad_check(spec, 8, build=build, run_update=run_update)
-    print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
-    results = sweep(
-        worker,
-        spec,
-        Ts,
-        args.methods,
-        script=os.path.abspath(__file__),
-        timeout=args.timeout,
-        preload=PRELOAD,
-        memory=memory,
-        memory_key="peak_growth",
-    )
-    for line in summarize(results, Ts, memory):
-        print(line)
-    return 0 if all("error" not in r for r in results.values()) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
