@@ -379,7 +379,7 @@ def sweep(
 def grad_check(spec: dict, T: int, build=None, run_update=None) -> tuple[float, float]:
     """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods.
 
-    ``build`` / ``run_update``: this script's by default; ``bench_pixels.py`` passes its own.
+    ``build`` / ``run_update``: this script's by default; ``--pixels`` passes its own (``_bench_pixels.build``).
     """
     build = build or globals()["build"]
     run_update = run_update or globals()["run_update"]
