@@ -29,6 +29,10 @@ methods run in the order plain, rl_replay, checkpoint_cpu, checkpoint, so a budg
 drops the baselines first. ``--json`` keeps every result; ``--merge`` adds a later run to
 them and ``--render-only`` redraws tables, plots and the docs section from them.
 
+``--rss`` runs the other memory measure instead, with its own options: peak RSS growth per rollout
+step against the bytes a block saves per step, over two T and four allocator settings
+(``scripts/bench/_bench_rss.py``; ``python scripts/bench/bench_memory.py --rss --help``).
+
 A run prints its tables and writes no committed file: ``--write-docs [PATH]`` updates the
 marked section of PATH (default docs/benchmarks.md) and draws the plots next to it (or
 into ``--plot-dir``). Measuring one configuration is ``_bench_memory_worker.py``, the
@@ -210,6 +214,11 @@ def profile_replay(args) -> None:
 
 # ============================================================================ main
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--rss" in argv:  # the per-step RSS probe (scripts/bench/_bench_rss.py), its own options
+        import _bench_rss
+
+        return _bench_rss.main([a for a in argv if a != "--rss"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", nargs="+", default=["gru"], choices=sorted(POLICIES))
     ap.add_argument("--T", type=int, nargs="+", help=f"rollout lengths (default {DEFAULT_TS})")

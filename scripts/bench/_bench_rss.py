@@ -1,4 +1,4 @@
-"""Peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
+"""``bench_memory.py --rss``: peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
 
 The policy: observation (64) -> 3 x (Linear 1024 + ReLU) -> GRUCell 256 -> actor (8) and
 critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, one
@@ -25,9 +25,9 @@ trainer's default).
 
 Usage::
 
-    python scripts/bench/bench_rss.py                       # T = 64 and 1024, all four settings
-    python scripts/bench/bench_rss.py --T 16 128 --json r.json
-    python scripts/bench/bench_rss.py --repeats 3 --loss a2c
+    python scripts/bench/bench_memory.py --rss                       # T = 64 and 1024, all four settings
+    python scripts/bench/bench_memory.py --rss --T 16 128 --json r.json
+    python scripts/bench/bench_memory.py --rss --repeats 3 --loss a2c
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+BENCH_MEMORY = os.path.join(HERE, "bench_memory.py")  # the entry point: bench_memory.py --rss
 PREFIX = "RSS_RESULT "
 SETTINGS = {
     # name: (environment additions, keep_freed_memory)
@@ -169,7 +170,7 @@ def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -
     env_add, keep = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", str(T), str(int(keep)), loss]
+    cmd = [sys.executable, BENCH_MEMORY, "--rss", "--worker", str(T), str(int(keep)), loss]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
@@ -203,7 +204,9 @@ def median(xs: list[float]) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="bench_memory.py --rss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument(
@@ -268,7 +271,3 @@ def main(argv=None) -> int:
         with open(args.json, "w") as fh:
             json.dump({"loss": args.loss, "results": results, "slopes": slopes, "summary": summary}, fh, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
