@@ -23,6 +23,7 @@ from rl_replay.engine import (
 
 __all__ = [
     "Agent",
+    "Policy",
     "GradientAccumulator",
     "ReplayError",
     "StateWatch",
@@ -74,8 +75,8 @@ _find_source_tree_packages()
 def __getattr__(name: str):
     # rl_replay.Agent is imported on first use, so taking the engine alone does not pull
     # in gymnasium and the trainer side.
-    if name == "Agent":
-        from rl_replay.agent import Agent
+    if name in ("Agent", "Policy"):
+        from rl_replay import agent
 
-        return Agent
+        return getattr(agent, name)
     raise AttributeError(f"module 'rl_replay' has no attribute {name!r}")

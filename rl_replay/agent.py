@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import gymnasium as gym
@@ -292,6 +293,30 @@ def _routed(step_forward: Any) -> Any:
 
     forward._routes_blocks = True  # type: ignore[attr-defined]
     return forward
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One handle on a policy: the :class:`Agent` and the module that runs it.
+
+    ``module`` is what the engine and the collector call (under FSDP the wrapper, whose hooks
+    gather the parameters; otherwise the agent itself); ``agent`` is the :class:`Agent` inside it,
+    asked for what is not a forward (``initial_state``, ``distribution``). Code that needs both
+    passes one ``Policy`` instead of the pair.
+    """
+
+    module: nn.Module
+    agent: Agent
+
+    @classmethod
+    def of(cls, module: nn.Module | Policy) -> Policy:
+        """The handle of ``module`` (an agent, or a wrapper holding it as ``.module``)."""
+        if isinstance(module, Policy):
+            return module
+        agent = getattr(module, "module", module)
+        if not isinstance(agent, Agent):
+            raise TypeError(f"{type(agent).__name__} is not an rl_replay.Agent (nor a wrapper holding one as .module)")
+        return cls(module, agent)
 
 
 def has_sequence_forward(policy: Any) -> bool:

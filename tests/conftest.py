@@ -103,7 +103,7 @@ def collect_replayed(collector):
     from rl_replay.engine import GradientAccumulator, replay
 
     accumulator = GradientAccumulator()
-    return collector.collect(lambda inputs: replay(collector.agent, accumulator, inputs)), accumulator
+    return collector.collect(lambda inputs: replay(collector.policy.module, accumulator, inputs)), accumulator
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001

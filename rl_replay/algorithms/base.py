@@ -9,6 +9,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay import distributed as dist_utils
+from rl_replay.agent import Policy
 from rl_replay.algorithms.common import UpdateResult
 from rl_replay.algorithms.horizon import episode_horizon
 from rl_replay.config import Config, LossConfig
@@ -52,14 +53,18 @@ class Algorithm(ABC):
     ) -> None:
         self.cfg = cfg
         self.collector = collector
-        self.model = model
-        # What re-running a stored rollout needs, held from setup rather than read off the collector.
-        self.policy = getattr(model, "module", model)  # the Agent under an FSDP wrapper
+        #: The agent and the module that runs it (under FSDP the wrapper): one handle.
+        self.policy = Policy.of(model)
         self.bptt_truncate = cfg.collector.bptt_truncate
         self.optimizer = optimizer
         self.info = info or dist_utils.DistInfo()
         self.device = torch.device(device)
         self.guard = guard
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """What the collector and the replay blocks call, and the optimizer steps (``policy.module``)."""
+        return self.policy.module
 
     @property
     def replay_block_steps(self) -> int:
@@ -70,7 +75,7 @@ class Algorithm(ABC):
     def horizon(self, data: TensorDict) -> dict[str, float]:
         """``horizon/*`` metrics of a collected (T, N) rollout: how far back this algorithm's
         gradient reaches, replayed as its update replays (:func:`rl_replay.algorithms.horizon.episode_horizon`)."""
-        return episode_horizon(self.model, self.policy, data, self.bptt_truncate, block_steps=self.replay_block_steps)
+        return episode_horizon(self.policy, data, self.bptt_truncate, block_steps=self.replay_block_steps)
 
     @classmethod
     @abstractmethod

@@ -23,6 +23,7 @@ import math
 import torch
 from tensordict import TensorDict
 
+from rl_replay.agent import Policy
 from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator
 
@@ -54,13 +55,13 @@ def _float_leaves(observation) -> list[torch.Tensor]:
 
 
 def episode_horizon(
-    model: torch.nn.Module, policy, data: TensorDict, bptt_truncate: int | None = None, block_steps: int = 1
+    policy: Policy, data: TensorDict, bptt_truncate: int | None = None, block_steps: int = 1
 ) -> dict[str, float]:
     """Gradient of an episode's last decision with respect to its first observation.
 
     Args:
-        model: what the collector calls (the agent).
-        policy: the :class:`~rl_replay.agent.Agent` (for ``initial_state`` and ``distribution``).
+        policy: the :class:`~rl_replay.agent.Policy` the update replays (its module is called,
+            its agent gives ``initial_state`` and ``distribution``).
         data: a rollout's (T, N) data with ``observation``, ``is_first``, ``action`` and ``valid``.
         bptt_truncate: detach the recurrent state every K steps, as the update does.
         block_steps: steps per replay block, as the update (``replay.block_steps``); the
@@ -88,7 +89,7 @@ def episode_horizon(
         return {}
     # The first row becomes the leaf; the rest stay the stored rows.
     episode["observation"] = torch.cat([obs0.unsqueeze(0), episode["observation"][1:]])
-    params = list(model.parameters())
+    params = list(policy.module.parameters())
     # The blocks' backward accumulates into .grad in place: set whatever is there aside
     # (None between updates) and put it back afterwards.
     held = [p.grad for p in params]
@@ -99,10 +100,9 @@ def episode_horizon(
         # (dropout in the blocks must not move the training RNG streams). The first row's
         # block resets the state (is_first), so any start state will do.
         replayed = replay_sequence(
-            model,
             policy,
             episode,
-            policy.initial_state(1, device),
+            policy.agent.initial_state(1, device),
             GradientAccumulator(),
             bptt_truncate,
             block_steps=block_steps,

@@ -37,7 +37,6 @@ class PolicyGradient(Algorithm):
             return self.collector.collect(functools.partial(replay, self.model, accumulator)), accumulator
         stored = self.collector.collect()
         outputs = replay_sequence(
-            self.model,
             self.policy,
             stored.data,
             stored.start_state,

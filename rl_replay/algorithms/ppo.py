@@ -122,7 +122,6 @@ class PPO(Algorithm):
         """
         acc = GradientAccumulator()
         new = replay_sequence(
-            self.model,
             self.policy,
             mb,
             start_state,

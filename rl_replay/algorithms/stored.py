@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rl_replay.agent import has_sequence_forward
+from rl_replay.agent import Policy, has_sequence_forward
 from rl_replay.engine import GradientAccumulator, replay, replay_steps
 from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
 
@@ -44,8 +44,7 @@ def block_spans(T: int, block_steps: int, bptt_truncate: int | None = None) -> l
 
 
 def replay_sequence(
-    model: torch.nn.Module,
-    policy,
+    policy: Policy,
     data: TensorDict,
     start_state: TensorDict,
     accumulator: GradientAccumulator,
@@ -55,8 +54,8 @@ def replay_sequence(
     """Re-run a stored (T, n) sequence as replay blocks; returns ``log_prob``, ``entropy``, ``value``.
 
     Args:
-        model: what the collector called (the FSDP-wrapped root under FSDP).
-        policy: the :class:`~rl_replay.agent.Agent` (for ``distribution``).
+        policy: the :class:`~rl_replay.agent.Policy`: its ``module`` is called (the FSDP-wrapped
+            root under FSDP), its ``agent`` builds the distribution.
         data: (T, n) with ``observation``, ``is_first`` and ``action``.
         start_state: the n envs' recurrent state before row 0.
         accumulator: a fresh GradientAccumulator shared by the blocks: only their inputs are
@@ -79,11 +78,12 @@ def replay_sequence(
     """
     T, n = data.batch_size
     observation, is_first = data["observation"], data["is_first"]
+    model, agent = policy.module, policy.agent
     state = start_state
     if block_steps > 1 and start_state.is_empty():
-        return _replay_stateless(model, policy, data, accumulator, block_steps)
+        return _replay_stateless(model, agent, data, accumulator, block_steps)
     if block_steps > 1:
-        sequence = has_sequence_forward(policy)
+        sequence = has_sequence_forward(agent)
         blocks = []
         for start, stop in block_spans(T, block_steps, bptt_truncate):
             steps = TensorDict(
@@ -95,7 +95,7 @@ def replay_sequence(
             outputs, state = replay_steps(model, accumulator, steps, state, sequence=sequence)
             state = truncate(state, stop - 1, bptt_truncate)
             blocks.append(outputs)
-        return _sequence_outputs(policy, blocks, data)
+        return _sequence_outputs(agent, blocks, data)
     columns: dict = {}
     for t in range(T):
         inputs = block_inputs(observation[t], state, is_first[t], n)
@@ -105,11 +105,11 @@ def replay_sequence(
         del out
     outputs = stack_outputs(columns, T, n)
     del columns
-    return _sequence_outputs(policy, [outputs], data)
+    return _sequence_outputs(agent, [outputs], data)
 
 
 def _replay_stateless(
-    model: torch.nn.Module, policy, data: TensorDict, accumulator: GradientAccumulator, block_steps: int
+    model: torch.nn.Module, agent, data: TensorDict, accumulator: GradientAccumulator, block_steps: int
 ) -> TensorDict:
     """:func:`replay_sequence` for a stateless agent: each block of ``block_steps`` rows is one
     replay block, the agent called once on the block's ``k * n`` rows (``is_first`` only resets
@@ -128,15 +128,15 @@ def _replay_stateless(
         )
         out = replay(model, accumulator, inputs)
         blocks.append(out.exclude("state").unflatten(0, (k, n)))
-    return _sequence_outputs(policy, blocks, data)
+    return _sequence_outputs(agent, blocks, data)
 
 
-def _sequence_outputs(policy, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
+def _sequence_outputs(agent, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
     """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked outputs, in order:
     one distribution over all T rows. Empties ``blocks``, so only ``outputs`` holds them."""
     outputs = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # type: ignore[arg-type]
     blocks.clear()
-    dist = policy.distribution(outputs)
+    dist = agent.distribution(outputs)
     return TensorDict(
         log_prob=dist.log_prob(data["action"]),
         entropy=dist.entropy(),

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from tensordict import TensorDict
 
-from rl_replay.agent import Agent
+from rl_replay.agent import Policy
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
@@ -104,8 +104,7 @@ class Collector:
         if mode not in ("fixed", "episode"):
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
         self.envs = envs
-        self.agent = agent
-        self.policy: Agent = getattr(agent, "module", agent)  # type: ignore[arg-type]  # the Agent under an FSDP wrapper
+        self.policy = Policy.of(agent)  # the Agent and the module that runs it (under FSDP the wrapper)
         self.num_envs = envs.num_envs
         self.num_steps = num_steps
         self.mode = mode
@@ -126,7 +125,7 @@ class Collector:
     def _reset(self, seed: int | None) -> None:
         obs, _ = self.envs.reset(seed=seed)
         self._obs = self._to_tensor(obs)
-        self._state = self.policy.initial_state(self.num_envs, self.device)
+        self._state = self.policy.agent.initial_state(self.num_envs, self.device)
         self._is_first = torch.ones(self.num_envs, dtype=torch.bool, device=self.device)
         self.episodes.reset()
 
@@ -160,7 +159,7 @@ class Collector:
         if forward is not None:
             return self._collect(forward)
         with torch.no_grad():
-            return self._collect(lambda inputs: self.agent(**inputs))
+            return self._collect(lambda inputs: self.policy.module(**inputs))
 
     def _collect(self, forward: Callable[[TensorDict], TensorDict]) -> Rollout:
         if self.mode == "episode":
@@ -180,7 +179,7 @@ class Collector:
             inputs = self._block_inputs()
             out = forward(inputs)
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
-                action = self.policy.distribution(out).sample()
+                action = self.policy.agent.distribution(out).sample()
             append_outputs(outputs, out)
             valid_np = self.episodes.real_steps(skip=finished)
             obs, reward, terminated, truncated, info = self.envs.step(env_action(action, self.envs.single_action_space))
@@ -227,7 +226,7 @@ class Collector:
                 break
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
-            bootstrap = self.agent(**self._block_inputs())["value"]
+            bootstrap = self.policy.module(**self._block_inputs())["value"]
         self._state = self._state.detach()  # type: ignore[union-attr]
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]
@@ -235,7 +234,7 @@ class Collector:
         # nodes in all instead of a few per step (each kept until the backward).
         stacked = stack_outputs(outputs, T, N)
         del outputs
-        dist = self.policy.distribution(stacked)
+        dist = self.policy.agent.distribution(stacked)
         data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"])
         for key, column in flags.items():
             dtype = torch.float32 if key == "reward" else torch.bool
@@ -288,7 +287,7 @@ class Collector:
         empty = gym.vector.utils.create_empty_array(self.envs.single_observation_space, n=self.num_envs)
         own = {  # the layout of a reset, made without stepping the envs or drawing random numbers
             "obs": self._to_tensor(empty),
-            "state": self.policy.initial_state(self.num_envs, self.device),
+            "state": self.policy.agent.initial_state(self.num_envs, self.device),
             "is_first": torch.ones(self.num_envs, dtype=torch.bool),
             "autoreset": self.episodes.autoreset,
             "ep_return": self.episodes.ep_return,

@@ -405,7 +405,7 @@ def _build_objects(
         seed=cfg.seed + 1000 * info.rank,
         reduce_sums=reduce_sums,
     )
-    check_agent(model, collector.policy, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
+    check_agent(model, collector.policy.agent, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
     # Every optimizer step of the algorithm passes through these non-finite checks.
     guard = guards.StepGuard(
         model,

@@ -191,7 +191,7 @@ class Trainer:
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             result = evaluate(
-                self.collector.policy,
+                self.collector.policy.agent,
                 cfg.env.id,
                 episodes=cfg.eval.episodes,
                 num_envs=min(cfg.eval.episodes, cfg.env.num_envs),

@@ -268,9 +268,9 @@ def _record_minibatch_forwards(records: list) -> None:
 
     real = ppo_module.replay_sequence
 
-    def recording(model, policy, data, start_state, accumulator, bptt_truncate=None, **kwargs):
+    def recording(policy, data, start_state, accumulator, bptt_truncate=None, **kwargs):
         heap0, rss0 = heap_in_use(), current_rss()
-        out = real(model, policy, data, start_state, accumulator, bptt_truncate, **kwargs)
+        out = real(policy, data, start_state, accumulator, bptt_truncate, **kwargs)
         heap1 = heap_in_use()
         records.append(
             dict(

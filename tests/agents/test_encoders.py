@@ -11,6 +11,7 @@ from _reference import plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
+from rl_replay.agent import Policy
 from rl_replay.agents.encoders import ConvEncoder, image_layout
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
@@ -84,7 +85,7 @@ def test_replay_equals_plain_autograd_bit_for_bit(encoder, core):
     assert image.dtype == torch.uint8  # what the blocks save
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
     acc = GradientAccumulator()
-    replayed, got = gradients(agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc))
+    replayed, got = gradients(agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc))
     assert acc.blocks_replayed == T
     plain, want = gradients(agent, data, start_state, lambda d, s: plain_sequence(agent, d, s)[0])
     for key in ("log_prob", "entropy", "value"):

@@ -19,7 +19,7 @@ from _reference import plain_blocks
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from rl_replay.agent import Agent, has_sequence_forward
+from rl_replay.agent import Agent, Policy, has_sequence_forward
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
@@ -145,7 +145,7 @@ def test_replay_of_sequence_blocks_equals_plain_autograd_bit_for_bit(core, kind,
     start_state = agent.initial_state(N).apply(torch.randn_like)
     acc = GradientAccumulator()
     replayed, got = _gradients(
-        agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate, block_steps)
+        agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc, bptt_truncate, block_steps)
     )
     spans = -(-T // block_steps) if not bptt_truncate else None
     if spans is not None:
@@ -209,7 +209,7 @@ def test_an_agent_without_forward_steps_is_called_step_by_step():
     assert not has_sequence_forward(agent) and not has_sequence_forward(MLPAgent(VECTOR, ACT))
     data = rows(VECTOR)
     acc = GradientAccumulator()
-    out = replay_sequence(agent, agent, data, agent.initial_state(N), acc, None, 4)
+    out = replay_sequence(Policy.of(agent), data, agent.initial_state(N), acc, None, 4)
     out["value"].sum().backward()
     assert set(agent.calls) == {(N,)}
     # the base class's forward_steps is the loop of forward

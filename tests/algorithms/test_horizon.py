@@ -14,6 +14,7 @@ import torch
 from _reference import plain_sequence
 from tensordict import TensorDict
 
+from rl_replay.agent import Policy
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.mlp import MLPAgent
@@ -74,7 +75,7 @@ def test_episode_horizon_equals_plain_autograd(name, bptt_truncate):
     torch.manual_seed(0)
     agent = AGENTS[name]()
     data = rollout_data()
-    got = episode_horizon(agent, agent, data, bptt_truncate)
+    got = episode_horizon(Policy.of(agent), data, bptt_truncate)
     # The longest span: env 0, rows 0..11.
     assert got["horizon/steps"] == 11.0
     want = plain_first_obs_grad(agent, data, 0, 0, 11, bptt_truncate)
@@ -90,12 +91,12 @@ def test_episode_horizon_picks_the_longest_episode_and_skips_invalid_rows():
     agent = AGENTS["gru"]()
     data = rollout_data()
     data["is_first"][:, 0] = False  # env 0 now starts no episode inside the rollout
-    got = episode_horizon(agent, agent, data)
+    got = episode_horizon(Policy.of(agent), data)
     # env 1's second episode: rows 5..11 (6 steps); its first ends at the invalid row 4 -> 0..3.
     assert got["horizon/steps"] == 6.0
     assert got["horizon/grad_first_obs"] == plain_first_obs_grad(agent, data, 1, 5, 11)
     data["is_first"][:] = False
-    assert episode_horizon(agent, agent, data) == {}
+    assert episode_horizon(Policy.of(agent), data) == {}
 
 
 def test_episode_horizon_leaves_grads_and_rng_as_they_were():
@@ -105,7 +106,7 @@ def test_episode_horizon_leaves_grads_and_rng_as_they_were():
         p.grad = torch.full_like(p, 0.5)
     before = [p.grad for p in agent.parameters()]
     rng = torch.get_rng_state()
-    episode_horizon(agent, agent, rollout_data())
+    episode_horizon(Policy.of(agent), rollout_data())
     assert torch.equal(rng, torch.get_rng_state())
     for p, g in zip(agent.parameters(), before):
         assert p.grad is g and torch.all(g == 0.5)
@@ -115,7 +116,7 @@ def test_episode_horizon_without_recurrence_is_zero_past_the_first_step():
     # A feed-forward agent's last decision does not depend on the first observation.
     torch.manual_seed(0)
     agent = MLPAgent(OBS, ACT, hidden_sizes=(8,))
-    got = episode_horizon(agent, agent, rollout_data())
+    got = episode_horizon(Policy.of(agent), rollout_data())
     assert got == {"horizon/grad_first_obs": 0.0, "horizon/steps": 11.0}
 
 
@@ -189,7 +190,7 @@ def test_episode_horizon_with_a_dict_observation_differentiates_its_float_parts(
         n=torch.randint(0, 256, (T, N, 2), generator=g, dtype=torch.uint8),
         batch_size=[T, N],
     )
-    got = episode_horizon(agent, agent, data)
+    got = episode_horizon(Policy.of(agent), data)
     # Plain autograd over env 0's rows 0..11, the float leaf of the first observation as the input.
     want = plain_first_obs_grad(agent, data, 0, 0, T - 1)
     assert got["horizon/steps"] == 11.0
@@ -197,4 +198,4 @@ def test_episode_horizon_with_a_dict_observation_differentiates_its_float_parts(
     # Only integer observations: nothing to differentiate, no metric.
     data["observation"] = data["observation"].exclude("x")
     ints_only = GRUAgent(gym.spaces.Dict({"n": space["n"]}), ACT, hidden_size=8)
-    assert episode_horizon(ints_only, ints_only, data) == {}
+    assert episode_horizon(Policy.of(ints_only), data) == {}

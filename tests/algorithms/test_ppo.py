@@ -156,8 +156,8 @@ def test_minibatches_hold_whole_sequences_from_the_stored_start_state(monkeypatc
     seen = []
     real = ppo_module.replay_sequence
 
-    def recording(model_, policy, data, start_state, acc, bptt, block_steps=1):
-        out = real(model_, policy, data, start_state, acc, bptt, block_steps=block_steps)
+    def recording(policy, data, start_state, acc, bptt, block_steps=1):
+        out = real(policy, data, start_state, acc, bptt, block_steps=block_steps)
         seen.append((data.clone(), start_state.clone(), out["log_prob"].detach().clone()))
         return out
 

@@ -12,7 +12,7 @@ from _reference import plain_batched, plain_blocks, plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from rl_replay.agent import ActionHead, has_sequence_forward
+from rl_replay.agent import ActionHead, Policy, has_sequence_forward
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
@@ -71,7 +71,7 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
     acc = GradientAccumulator()
     replayed, got = gradients(
-        agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc, bptt_truncate, block_steps)
+        agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc, bptt_truncate, block_steps)
     )
     # A stateless agent has no state to cut: its blocks ignore bptt_truncate.
     cut = None if name == "mlp" and block_steps > 1 else bptt_truncate
@@ -128,7 +128,7 @@ def test_stateless_blocks_take_dict_observations():
         batch_size=[T, N],
     )
     acc = GradientAccumulator()
-    got = replay_sequence(agent, agent, data, agent.initial_state(N), acc, None, 5)
+    got = replay_sequence(Policy.of(agent), data, agent.initial_state(N), acc, None, 5)
     (got["log_prob"].sum() + got["value"].sum()).backward()
     replayed = {n: p.grad.clone() for n, p in agent.named_parameters()}
     agent.zero_grad(set_to_none=True)
@@ -148,7 +148,7 @@ def test_bptt_truncate_cuts_the_gradient_to_earlier_rows():
         obs = data["observation"].clone().requires_grad_(True)
         run = data.clone()
         run["observation"] = obs
-        out = replay_sequence(agent, agent, run, start_state, GradientAccumulator(), k)
+        out = replay_sequence(Policy.of(agent), run, start_state, GradientAccumulator(), k)
         out["log_prob"][-1, 1].backward()
         reached = obs.grad[:, 1].abs().sum(-1) > 0
         assert reached[first_reached:].all() and not reached[:first_reached].any()
@@ -162,7 +162,9 @@ def test_sequence_blocks_equal_plain_autograd_over_the_same_calls_bit_for_bit():
     data = sequence()
     start_state = agent.initial_state(N).apply(lambda x: torch.randn_like(x))
     acc = GradientAccumulator()
-    replayed, got = gradients(agent, data, start_state, lambda d, s: replay_sequence(agent, agent, d, s, acc, None, 4))
+    replayed, got = gradients(
+        agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc, None, 4)
+    )
     plain, want = gradients(agent, data, start_state, lambda d, s: plain_blocks(agent, d, s, 4))
     assert (replayed == plain).all()
     assert_grads_match(got, want, "sequence-plain-mode", rtol=0, atol=0)
@@ -236,7 +238,7 @@ def test_a_forward_steps_that_returns_heads_the_old_name_still_replays():
     for agent in (new, old):
         acc = GradientAccumulator()
         results.append(
-            gradients(agent, data, start, lambda d, s, a=agent, c=acc: replay_sequence(a, a, d, s, c, None, 4))
+            gradients(agent, data, start, lambda d, s, a=agent, c=acc: replay_sequence(Policy.of(a), d, s, c, None, 4))
         )
     (out_new, g_new), (out_old, g_old) = results
     assert (out_new == out_old).all()

@@ -202,7 +202,8 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     assert model.sharding_strategy is ShardingStrategy.FULL_SHARD
     inner = [m for m in FSDP.fsdp_modules(model) if m is not model]
     assert len(inner) == 6 and all(type(m.module) is torch.nn.Linear for m in inner)
-    assert isinstance(trainer.collector.policy, Agent) and trainer.collector.policy is model.module
+    assert isinstance(trainer.collector.policy.agent, Agent) and trainer.collector.policy.agent is model.module
+    assert trainer.collector.policy.module is model
     assert trainer.num_updates == 4  # 1024 steps / (2 ranks x 4 envs x 32 steps)
     # Every rank starts from rank 0's initialisation although the ranks seed differently.
     with FSDP.summon_full_params(model):
