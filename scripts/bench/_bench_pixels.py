@@ -34,10 +34,10 @@ import gymnasium as gym
 import numpy as np
 import torch
 from _bench_common import MemoryMeter, set_threads
+from _bench_ppo_update import bench_config, run_update, stored_rollout
 from _bench_report import fmt_bytes
-from bench_ppo import bench_config, run_update, stored_rollout
 
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "bench_ppo", "_bench_pixels"]
+PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "_bench_ppo_update", "_bench_pixels"]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
 SMOKE = dict(frame=(36, 36, 3), channels=[4, 8, 8], linear=[16], hidden=16, actions=4, envs=4, epochs=1, minibatches=2)
 LIMIT = 16 * 2**30  # the plain-autograd budget asked about
