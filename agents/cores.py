@@ -17,7 +17,11 @@ One step is a sequence of length 1, so acting (one step at a time) and replaying
 (k steps at once) run the same code. Each core computes what does not depend on the state
 once for all k steps (the input projections, the gates of minGRU, the LRU's readout) and
 only the recurrence itself step by step; those batched products differ from k separate
-ones by float rounding only. The loops walk ``unbind(0)`` views, not ``x[t]``: the backward of
+ones by float rounding only. The GRU and LSTM cores run a block of k > 1 steps through the
+fused multi-step kernel of ``nn.GRU`` / ``nn.LSTM`` instead (oneDNN on the CPU, cuDNN on a GPU:
+one call for the whole recurrence), on their own cell parameters, split where an episode starts
+inside the block (:func:`segments`): a segment's state is reset once at its first row, never
+stepped row by row. One step (acting) keeps the step loop, which is the cell's arithmetic. The loops walk ``unbind(0)`` views, not ``x[t]``: the backward of
 one unbind is one stack, where each ``x[t]`` would write its gradient into a zero tensor of
 the whole block (k times the block's size per block).
 """
@@ -33,9 +37,34 @@ from torch.nn import functional as F
 from rl_replay.agents.chrono import check_t_max, chrono_bias
 from rl_replay.errors import SetupError
 
-__all__ = ["Core", "GRUCore", "LSTMCore", "LRUCore", "MinGRUCore"]
+__all__ = ["Core", "GRUCore", "LSTMCore", "LRUCore", "MinGRUCore", "segments"]
 
 State = tuple[torch.Tensor, ...]
+
+
+def _fused(kernel, u: torch.Tensor, hx, params: tuple[torch.Tensor, ...], training: bool):
+    """``kernel`` (``torch._VF.gru`` / ``lstm``, what ``nn.GRU`` / ``nn.LSTM`` call) over ``u``.
+
+    Without grad, oneDNN's LSTM takes an inference kernel whose floats differ from the training
+    kernel that the backward's recompute (and plain autograd) runs; so a call without grad runs the
+    training kernel on detached tensors instead, building no graph, and a replay block's outputs are
+    bit-identical to its recompute's.
+    """
+    if torch.is_grad_enabled():
+        return kernel(u, hx, params, True, 1, 0.0, training, False, False)
+    hx = tuple(t.detach() for t in hx) if isinstance(hx, tuple) else hx.detach()
+    with torch.enable_grad():
+        return kernel(u.detach(), hx, tuple(p.detach() for p in params), True, 1, 0.0, training, False, False)
+
+
+def segments(keep: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` rows of a block of ``keep`` ``(k, N, 1)`` between episode starts:
+    a segment begins at row 0 and at every later row where some env starts an episode, so within
+    a segment only its first row resets a state (fused kernels take no per-row reset)."""
+    k = keep.shape[0]
+    starts = (keep[1:].reshape(k - 1, -1) == 0).any(1).nonzero().flatten().add(1).tolist() if k > 1 else []
+    bounds = [0, *starts, k]
+    return list(zip(bounds[:-1], bounds[1:]))
 
 
 class Core(nn.Module):
@@ -79,6 +108,8 @@ class GRUCore(nn.GRUCell, Core):
                 self.bias_hh[H : 2 * H].fill_(update_gate_bias)
 
     def forward(self, u, state, keep):
+        if u.shape[0] > 1:
+            return self._fused(u, state, keep)
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 3H)
         h = state[0]
         ys = []
@@ -92,6 +123,17 @@ class GRUCore(nn.GRUCell, Core):
             h = (h - n) * z + n
             ys.append(h)
         return torch.stack(ys), (h,)
+
+    def _fused(self, u, state, keep):
+        """k > 1 steps through ``nn.GRU``'s fused kernel, segment by segment (see :func:`segments`)."""
+        params = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        h, ys = state[0], []
+        for start, stop in segments(keep):
+            h0 = (h * keep[start]).unsqueeze(0)
+            y, hn = _fused(torch._VF.gru, u[start:stop], h0, params, self.training)
+            ys.append(y)
+            h = hn[0]
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)), (h,)
 
 
 class LSTMCore(nn.LSTMCell, Core):
@@ -114,6 +156,8 @@ class LSTMCore(nn.LSTMCell, Core):
                 self.bias_hh[:H].zero_()
 
     def forward(self, u, state, keep):
+        if u.shape[0] > 1:
+            return self._fused(u, state, keep)
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 4H)
         h, c = state
         ys = []
@@ -124,6 +168,17 @@ class LSTMCore(nn.LSTMCell, Core):
             h = torch.sigmoid(o) * torch.tanh(c)
             ys.append(h)
         return torch.stack(ys), (h, c)
+
+    def _fused(self, u, state, keep):
+        """k > 1 steps through ``nn.LSTM``'s fused kernel, segment by segment (see :func:`segments`)."""
+        params = (self.weight_ih, self.weight_hh, self.bias_ih, self.bias_hh)
+        (h, c), ys = state, []
+        for start, stop in segments(keep):
+            hx = ((h * keep[start]).unsqueeze(0), (c * keep[start]).unsqueeze(0))
+            y, hn, cn = _fused(torch._VF.lstm, u[start:stop], hx, params, self.training)
+            ys.append(y)
+            h, c = hn[0], cn[0]
+        return (ys[0] if len(ys) == 1 else torch.cat(ys)), (h, c)
 
 
 class LRUCore(Core):

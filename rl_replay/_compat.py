@@ -48,6 +48,9 @@ checks that the list and the code agree; a new use is listed here or it fails.
   which FSDP's own output hooks do not see.
 * ``TensorDict._tensordict`` (``rl_replay/engine/steps.py``, ``rl_replay/engine/layouts.py``): the
   dict of a TensorDict's entries, read without the per-key checks of ``items()`` on the hot path.
+* ``torch._VF.gru`` and ``torch._VF.lstm`` (``agents/cores.py``): the fused multi-step kernels
+  ``nn.GRU`` / ``nn.LSTM`` call, run on a ``GRUCell`` / ``LSTMCell``'s own parameters (the same
+  layout) so the cores' weights and checkpoints stay as they are.
 * ``SyncVectorEnv._autoreset_envs`` (``rl_replay/rollout/collector.py``): gymnasium's autoreset
   flags, saved with the sub-envs so a resume continues exactly.
 """
@@ -83,6 +86,7 @@ PRIVATE_APIS = (
     ("._tensordict", "rl_replay/engine/steps.py"),
     ("._tensordict", "rl_replay/engine/layouts.py"),
     ("._autoreset_envs", "rl_replay/rollout/collector.py"),
+    ("torch._VF", "agents/cores.py"),
 )
 
 #: The version that drops every old name above (the first release after 0.1.0).

@@ -130,6 +130,7 @@ PRIVATE_PATTERNS = (
     (r"\b_is_checkpoint_valid\b", "_is_checkpoint_valid"),
     (r"\b_BatchNorm\b", "_BatchNorm"),
     (r"\b_runtime_utils\b", "_runtime_utils._pre_backward_hook"),
+    (r"\btorch\._VF\b", "torch._VF"),
 )
 
 

@@ -243,3 +243,12 @@ def test_bench_ppo_pixels_refuses_cuda_without_a_gpu_and_other_workloads_options
         run_script("bench_ppo.py", "--pixels", "--smoke", "--config", "configs/memory_4096.yaml")
     with pytest.raises(AssertionError, match="--device applies to --pixels"):
         run_script("bench_ppo.py", "--smoke", "--device", "cuda")
+
+
+def test_bench_cores_smoke():
+    """The fused cores against their step loop: a table row per core, gradients within float rounding."""
+    out = run_script("bench_cores.py", "--smoke")
+    rows = [line for line in out.splitlines() if line.startswith(("| gru |", "| lstm |"))]
+    assert len(rows) == 2, out
+    for row in rows:
+        assert float(row.rstrip(" |").rsplit("|", 1)[1]) < 1e-4, row
