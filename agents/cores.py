@@ -108,8 +108,10 @@ class GRUCore(nn.GRUCell, Core):
                 self.bias_hh[H : 2 * H].fill_(update_gate_bias)
 
     def forward(self, u, state, keep):
-        if u.shape[0] > 1:
-            return self._fused(u, state, keep)
+        return self._fused(u, state, keep) if u.shape[0] > 1 else self._steps(u, state, keep)
+
+    def _steps(self, u, state, keep):
+        """The steps one by one in the cell's arithmetic, the input projection batched (acting: k = 1)."""
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 3H)
         h = state[0]
         ys = []
@@ -156,8 +158,10 @@ class LSTMCore(nn.LSTMCell, Core):
                 self.bias_hh[:H].zero_()
 
     def forward(self, u, state, keep):
-        if u.shape[0] > 1:
-            return self._fused(u, state, keep)
+        return self._fused(u, state, keep) if u.shape[0] > 1 else self._steps(u, state, keep)
+
+    def _steps(self, u, state, keep):
+        """The steps one by one in the cell's arithmetic, the input projection batched (acting: k = 1)."""
         gi = F.linear(u, self.weight_ih, self.bias_ih)  # (k, N, 4H)
         h, c = state
         ys = []

@@ -4,8 +4,8 @@ One PPO-style minibatch of a stored rollout (T steps x N envs, flat 8-dim observ
 actions, the shipped ``gru`` / ``lstm`` agent with ``hidden_size``) is replayed as blocks of
 ``--block-steps`` steps (:func:`rl_replay.algorithms.stored.replay_sequence`) and back-propagated,
 once with the cores as shipped (a block of k > 1 steps through ``nn.GRU`` / ``nn.LSTM``'s fused
-kernel, split at episode starts) and once with the cores' one-step arithmetic looped over the k
-steps (what they did before). The two are timed alternately in one process, one torch thread,
+kernel, split at episode starts) and once through the cores' step loop (``_steps``: the input
+projection batched over the k steps, the recurrence one step at a time: what a block ran before). The two are timed alternately in one process, one torch thread,
 after a warm-up; the median is printed, with the gradients' largest difference between the two
 (float rounding: the fused kernel sums in another order).
 
@@ -41,21 +41,10 @@ AGENTS = {"gru": GRUAgent, "lstm": LSTMAgent}
 
 @contextlib.contextmanager
 def step_loop():
-    """The cores' one-step path looped over a block's k steps (the fused kernel bypassed)."""
+    """The cores' step loop for every k (the fused kernel bypassed)."""
     saved = {C: C.forward for C in (cores.GRUCore, cores.LSTMCore)}
-
-    def looped(one_step):
-        def forward(self, u, state, keep):
-            ys = []
-            for t in range(u.shape[0]):
-                y, state = one_step(self, u[t : t + 1], state, keep[t : t + 1])
-                ys.append(y)
-            return torch.cat(ys), state
-
-        return forward
-
-    for C, forward in saved.items():
-        C.forward = looped(forward)
+    for C in saved:
+        C.forward = C._steps
     try:
         yield
     finally:
