@@ -345,19 +345,21 @@ class _CountGathers:
         FlatParamHandle._all_gather_flat_param = self._real
 
 
-def _fsdp_agent_sequence(rank: int, world: int) -> dict:
-    """The shipped GRU agent (skeleton) under FSDP1, its core and every Linear units of their
+def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
+    """The shipped GRU (or LSTM) agent (skeleton) under FSDP1, its core and every Linear units of their
     own: 3-step blocks as one sequence call each (replay_steps(sequence=True)) against plain
     autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
     and those of the same blocks called step by step (sequence=False)."""
     import gymnasium as gym
 
-    from rl_replay.agents.cores import GRUCore
+    from rl_replay.agents.cores import GRUCore, LSTMCore
     from rl_replay.agents.gru import GRUAgent
+    from rl_replay.agents.lstm import LSTMAgent
 
+    Agent, Core = (GRUAgent, GRUCore) if kind == "gru" else (LSTMAgent, LSTMCore)
     T, B, k = 8, 3, 3
     torch.manual_seed(5)
-    ref = GRUAgent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
+    ref = Agent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
     obs = [rank_data(r + 90, T, B, 5) for r in range(world)]
     first = torch.zeros(T, B, dtype=torch.bool)
     first[4, 1] = True  # a reset inside the second block
@@ -367,7 +369,7 @@ def _fsdp_agent_sequence(rank: int, world: int) -> dict:
 
     out = {}
     for sequence in (True, False):
-        model = _fsdp(copy.deepcopy(ref), {nn.Linear, GRUCore})
+        model = _fsdp(copy.deepcopy(ref), {nn.Linear, Core})
         acc = GradientAccumulator()
         with _CountGathers() as gathers:
             state, loss = ref.initial_state(B), 0.0
@@ -404,6 +406,7 @@ def fsdp_parity(rank: int, world: int) -> dict:
             "gru_tensordict": _fsdp_gru_tensordict,
             "gru_steps": _fsdp_gru_steps,
             "agent_sequence": _fsdp_agent_sequence,
+            "lstm_agent_sequence": lambda r, w: _fsdp_agent_sequence(r, w, "lstm"),
         },
         rank,
         world,

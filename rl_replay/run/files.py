@@ -280,7 +280,7 @@ def write_atomic(path: Path, header: bytes, data: bytes | memoryview, check: Cal
     """Write ``header + data`` to a temporary file, fsync, ``check`` it, keep the old ``path``
     as its previous file and rename the new one into place. Nothing is left behind on failure."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = create_exclusive(path.parent, path.name)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(header)

@@ -357,7 +357,7 @@ class RunLogger:
         if not is_main:
             return
         # The run's history so far (truncated to the checkpoint on resume) seeds the summaries;
-        # the rows after wandb's mark are kept to be sent again (_resend).
+        # the rows after wandb's mark, up to the checkpoint, are kept to be sent again (_resend).
         mark = self._mark()
         self._summary = RunSummary()  # of the rows handed to wandb, i.e. covered by a checkpoint
         history = []
@@ -394,7 +394,7 @@ class RunLogger:
             # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
-            self._resend(history, start_update)
+            self._resend(history)
         if progress and not sys.stderr.isatty():
             # A log file: redrawing a bar ~10 times a second would fill it with carriage returns.
             self._lines = ProgressLines(total_env_steps, start_env_steps, every=progress_every)
@@ -426,12 +426,10 @@ class RunLogger:
             self.run_dir / WANDB_MARK_NAME, json.dumps({"update": update, "wandb_id": self.wandb_id})
         )
 
-    def _resend(self, history: list[dict[str, Any]], start_update: int) -> None:
-        """On resume: rows up to the checkpoint that wandb may not have (a kill right after a
-        checkpoint was written and before its rows were handed over). A row wandb already
-        holds has the same step and values, and wandb ignores it."""
-        mark = self._mark()
-        rows = [r for r in history if mark < r["update"] <= start_update]
+    def _resend(self, rows: list[dict[str, Any]]) -> None:
+        """On resume: the rows after wandb's mark up to the checkpoint, which wandb may not have (a
+        kill right after a checkpoint was written and before its rows were handed over). A row wandb
+        already holds has the same step and values, and wandb ignores it."""
         self._send([{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows])
 
     def checkpointed(self, update: int) -> None:
