@@ -96,13 +96,14 @@ def plain_calls(agent, data: TensorDict, start_state: TensorDict, block_steps: i
     )
 
 
-def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
+def plain_optimize(cfg, agent, optimizer, rollout, calls=plain_calls) -> dict:
     """The CleanRL LSTM recipe on the stored rollout: each minibatch re-run with a full graph.
 
     The same minibatches, calls (:func:`plain_calls`) and loss (``PPO.loss``) as the replay path
     (:func:`rl_replay.algorithms.stored.replay_sequence`), so only the replay blocks differ. An agent
     with its own ``forward_steps`` makes one call per ``replay.block_steps`` steps, as the replay
-    path does, so the gradients compare bit for bit.
+    path does, so the gradients compare bit for bit. ``calls(agent, minibatch, start_state,
+    block_steps)`` makes the policy's outputs (another library's policy, ``bench_torchrl.py``).
     """
     from rl_replay.algorithms.common import optimizer_step
     from rl_replay.algorithms.losses import gae_targets
@@ -118,7 +119,7 @@ def plain_optimize(cfg, agent, optimizer, rollout) -> dict:
         for k in range(p.num_minibatches):
             envs = order[k * per_mb : (k + 1) * per_mb]
             mb = data[:, envs]
-            batch = plain_calls(agent, mb, rollout.start_state[envs], cfg.replay.block_steps).update(
+            batch = calls(agent, mb, rollout.start_state[envs], cfg.replay.block_steps).update(
                 TensorDict(
                     old_log_prob=mb["log_prob"],
                     old_value=mb["value"],

@@ -15,6 +15,9 @@
 #   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
 #   4. scripts/bench/bench_ppo.py --pixels --device cuda --epochs 1: the decisive pixel benchmark
 #      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
+#   4b. scripts/bench/bench_torchrl.py --device cuda --T 4098: the recurrent PPO update with the
+#      GRU / LSTM cores through cuDNN (rl_replay), their step loop (steps), plain autograd, and
+#      TorchRL's fused path (its wheels from DIR/peers, in a site directory of their own);
 #   5. scripts/bench/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
 #   6. one update of configs/memory_4096.yaml on CUDA and on the CPU: env steps/s, optimisation time;
 #   7. scripts/bench/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
@@ -141,6 +144,23 @@ fi
 if [ -s "$PIXELS_MD" ]; then
     { echo; echo "Pixel PPO update (scripts/bench/bench_ppo.py --pixels, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
       echo; echo '```'; cat "$PIXELS_MD"; echo '```'; } >> "$RESULTS"
+fi
+# 4b. the recurrent cores: cuDNN against the step loop and TorchRL's fused path -------------------
+export CORES_MD="$OUTDIR/bench_torchrl.txt"
+PEERS_PATH="$PYTHONPATH"
+if [ -n "$WHEELS" ] && [ -d "$WHEELS/peers" ]; then
+    step "install TorchRL wheels" 120 "$PY" scripts/tools/gpu_wheels.py install --all "$WHEELS/peers" "$WORK/peers"
+    PEERS_PATH="$WORK/peers:$PYTHONPATH"
+fi
+CORES=(env "PYTHONPATH=$PEERS_PATH" bash -c 'set -o pipefail; "$0" scripts/bench/bench_torchrl.py "$@" | tee "$CORES_MD"' "$PY")
+if [ $DRY -eq 1 ]; then
+    step "bench_torchrl (CPU, smoke)" 120 "${CORES[@]}" --smoke --kinds lstm
+else
+    step "bench_torchrl (CUDA)" 120 "${CORES[@]}" --device cuda --T 4098 --block-steps 64 --repeats 1
+fi
+if [ -s "$CORES_MD" ]; then
+    { echo; echo "Recurrent PPO update against TorchRL (scripts/bench/bench_torchrl.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, T = 4098")):"
+      echo; echo '```'; cat "$CORES_MD"; echo '```'; } >> "$RESULTS"
 fi
 # 5. per-block overhead of replay against plain autograd ------------------------------------
 export OVERHEAD_MD="$OUTDIR/bench_overhead.md"

@@ -4,12 +4,15 @@
 manylinux x86-64 by default) every distribution this project needs besides torch, at the
 versions installed here: the closure of the project's requirements, its ``dev`` extra
 (pytest, hypothesis) and their requirements, read from this environment's package
-metadata, minus torch and what torch itself requires (the target has torch).
+metadata, minus torch and what torch itself requires (the target has torch). Into ``DIR/peers``
+also TorchRL's wheels for ``scripts/bench/bench_torchrl.py`` (:data:`PEERS`: TorchRL pins a
+tensordict older than the project's, so they go to a site directory of their own).
 
 ``install DIR SITE``: install, with ``pip install --no-index --no-deps --target SITE``,
 the wheels in DIR whose distribution this Python does not have yet (what it has, torch
 and numpy above all, is left alone); prints what it installed and skipped. Put SITE on
-``PYTHONPATH`` afterwards.
+``PYTHONPATH`` afterwards. ``--all``: every wheel in DIR, also those this Python has (the peers'
+tensordict, which must shadow the project's on their ``PYTHONPATH``).
 
 Used by ``scripts/tools/gpu_check.sh`` (``--prepare-wheels DIR`` and ``--wheels DIR``).
 """
@@ -25,6 +28,8 @@ import sys
 import zipfile
 
 ROOTS = ["tensordict", "safetensors", "gymnasium", "wandb", "pyyaml", "tqdm", "psutil", "numpy", "pytest", "hypothesis"]
+# TorchRL and what it needs beyond the project's wheels, at the versions docs/benchmarks.md measured.
+PEERS = {"torchrl": "0.14.1", "tensordict": "0.14.3", "hoptorch": "0.1.4"}
 PLATFORMS = [
     "manylinux_2_28_x86_64",
     "manylinux_2_27_x86_64",
@@ -89,8 +94,12 @@ def closure(roots: list[str]) -> dict[str, str]:
 
 
 def prepare(directory: str, python_version: str, platforms: list[str]) -> int:
+    rc = download(directory, closure(ROOTS), python_version, platforms)
+    return download(os.path.join(directory, "peers"), PEERS, python_version, platforms) or rc
+
+
+def download(directory: str, pins: dict[str, str], python_version: str, platforms: list[str]) -> int:
     os.makedirs(directory, exist_ok=True)
-    pins = closure(ROOTS)
     cmd = [
         sys.executable,
         "-m",
@@ -130,7 +139,7 @@ def wheel_name(path: str) -> tuple[str, str]:
     return name, version
 
 
-def install(directory: str, site: str) -> int:
+def install(directory: str, site: str, everything: bool = False) -> int:
     wheels = sorted(f for f in os.listdir(directory) if f.endswith(".whl"))
     if not wheels:
         print(f"error: no .whl files in {directory}", file=sys.stderr)
@@ -139,6 +148,8 @@ def install(directory: str, site: str) -> int:
     for f in wheels:
         name, version = wheel_name(os.path.join(directory, f))
         try:
+            if everything:
+                raise md.PackageNotFoundError(name)
             have.append(f"{name} {md.version(name)}")
         except md.PackageNotFoundError:
             todo.append((name, version, os.path.join(directory, f)))
@@ -176,10 +187,11 @@ def main(argv=None) -> int:
     i = sub.add_parser("install", help="install the missing wheels of DIR into SITE")
     i.add_argument("dir")
     i.add_argument("site")
+    i.add_argument("--all", action="store_true", help="also the wheels of distributions this Python has")
     args = ap.parse_args(argv)
     if args.cmd == "prepare":
         return prepare(args.dir, args.python_version, args.platform or PLATFORMS)
-    return install(args.dir, args.site)
+    return install(args.dir, args.site, args.all)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ configuration in its own process, gradient check against plain autograd below 1e
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -252,3 +253,19 @@ def test_bench_cores_smoke():
     assert len(rows) == 2, out
     for row in rows:
         assert float(row.rstrip(" |").rsplit("|", 1)[1]) < 1e-4, row
+
+
+@pytest.mark.slow
+def test_bench_torchrl_smoke():
+    """The peer benchmark's rl_replay sides (and TorchRL's where installed): a row per core, each
+    side's gradients within float rounding of plain autograd (episode starts inside the rows)."""
+    out = run_script("bench_torchrl.py", "--smoke")
+    checks = re.findall(r"^(gru|lstm): largest relative gradient difference .*?: (.*)$", out, re.M)
+    assert [kind for kind, _ in checks] == ["lstm", "gru"], out
+    for _, line in checks:
+        sides = dict(part.split() for part in line.split(", "))
+        assert {"rl_replay", "steps"} <= set(sides), line
+        assert all(float(d) < 1e-4 for d in sides.values()), line
+        assert ("torchrl" in sides) == (importlib.util.find_spec("torchrl") is not None), line
+    rows = [line for line in out.splitlines() if line.startswith(("| gru | 66 |", "| lstm | 66 |"))]
+    assert len(rows) == 2, out

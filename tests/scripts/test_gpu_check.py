@@ -106,6 +106,7 @@ def test_dry_run(tmp_path):
         "train (CPU, gloo): ok",
         "bench_memory (CPU, tiny): ok",
         "bench_overhead (CPU, tiny): ok",
+        "bench_torchrl (CPU, smoke): ok",
     ):
         assert step in results, results
     assert (out / "bench_memory.json").exists()
@@ -120,6 +121,10 @@ def test_dry_run(tmp_path):
     assert "ERROR" not in pixels
     assert re.search(r"summary rl_replay memory: .* per step .*; block inputs .* per step; ratio", pixels)
     assert re.search(r"summary plain autograd: .* would pass 16 GiB at T=\d+ \(extrapolated", pixels)
+    # The recurrent update beside TorchRL's (its side only where torchrl imports): the LSTM row.
+    cores = (out / "bench_torchrl.txt").read_text()
+    assert "lstm: largest relative gradient difference from plain autograd at T = 66: rl_replay 0.0e+00" in cores
+    assert "| lstm | 66 |" in cores and "Recurrent PPO update against TorchRL" in results
     # The overhead table, with gradients identical in both block sizes.
     assert "Per-block overhead (scripts/bench/bench_overhead.py, CPU, tiny)" in results
     assert results.count("| configs/memory_1024.yaml | 8 | 16 |") == 2 and "| NO |" not in results
