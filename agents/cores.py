@@ -1,8 +1,8 @@
 """Recurrent cores: the part of an agent that carries state from one step to the next.
 
 A core takes the encoded observations ``u`` of shape ``(k, N, in_features)`` (k steps of
-N envs), its state before the first of them (a tuple of ``(N, hidden)`` tensors, in
-:attr:`Core.state_keys` order) and ``keep`` ``(k, N, 1)``: 0 where step ``t`` starts an
+N envs), its state before the first of them (a tuple of ``(N, *state_shape(key))`` tensors, in
+:attr:`Core.state_keys` order, ``(N, hidden)`` for the cores here) and ``keep`` ``(k, N, 1)``: 0 where step ``t`` starts an
 episode, 1 elsewhere. Before step ``t`` reads the state, the state is multiplied by
 ``keep[t]`` (:meth:`rl_replay.Agent.reset_state`), so no memory or gradient crosses an
 episode boundary, also inside a sequence. It returns the outputs ``y`` ``(k, N,
@@ -74,8 +74,13 @@ class Core(nn.Module):
     state_keys: tuple[str, ...] = ()
     #: width of ``y``
     out_features: int
-    #: width of each state tensor
+    #: width of each state tensor (unless :meth:`state_shape` says otherwise)
     hidden_size: int
+
+    def state_shape(self, key: str) -> tuple[int, ...]:
+        """The shape of state tensor ``key`` without its batch dimension: ``(hidden_size,)`` unless a
+        core keeps more (the attention cores of :mod:`rl_replay.agents.attention` keep windows)."""
+        return (self.hidden_size,)
 
     def forward(self, u: torch.Tensor, state: State, keep: torch.Tensor) -> tuple[torch.Tensor, State]:
         """``(y, state)`` after the k steps of ``u`` ``(k, N, in_features)``."""

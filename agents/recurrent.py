@@ -102,9 +102,10 @@ class RecurrentAgent(Agent):
         self.value = value_head(last)
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
-        keys = [*self.state_keys, *(k + "_critic" for k in self.state_keys if self.separate_critic)]
-        zeros = torch.zeros(batch_size, self.hidden_size, device=device)
-        return TensorDict({k: zeros.clone() for k in keys}, batch_size=[batch_size])
+        state = {k: torch.zeros(batch_size, *self.cell.state_shape(k), device=device) for k in self.state_keys}
+        if self.separate_critic:
+            state.update({k + "_critic": torch.zeros_like(v) for k, v in state.items()})
+        return TensorDict(state, batch_size=[batch_size])
 
     def _trunk(self, encoder, cell, x, k: int, n: int, state: TensorDict, keep, suffix: str, next_state: dict):
         """Encode the ``k * n`` rows ``x``, run ``cell`` over the k steps from ``state``, put

@@ -17,6 +17,7 @@ AGENTS = {
     "lru": "rl_replay.agents.lru:LRUAgent",
     "mingru": "rl_replay.agents.mingru:MinGRUAgent",
     "transformer": "rl_replay.agents.transformer:TransformerAgent",
+    "gtrxl": "rl_replay.agents.gtrxl:WindowTransformerAgent",
 }
 
 #: ``loss.algorithm`` -> its :class:`~rl_replay.algorithms.base.Algorithm`.

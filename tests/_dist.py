@@ -346,26 +346,33 @@ class _CountGathers:
 
 
 def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
-    """The shipped GRU (or LSTM) agent (skeleton) under FSDP1, its core and every Linear units of their
+    """The shipped GRU (LSTM, windowed transformer) agent under FSDP1, its core (attention layers) and every Linear units of their
     own: 3-step blocks as one sequence call each (replay_steps(sequence=True)) against plain
     autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
     and those of the same blocks called step by step (sequence=False)."""
     import gymnasium as gym
 
+    from rl_replay.agents.attention import WindowLayer
     from rl_replay.agents.cores import GRUCore, LSTMCore
     from rl_replay.agents.gru import GRUAgent
+    from rl_replay.agents.gtrxl import WindowTransformerAgent
     from rl_replay.agents.lstm import LSTMAgent
 
-    Agent, Core = (GRUAgent, GRUCore) if kind == "gru" else (LSTMAgent, LSTMCore)
     T, B, k = 8, 3, 3
     torch.manual_seed(5)
-    ref = Agent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
+    spaces = (gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3))
+    if kind == "gtrxl":  # each attention layer its own unit; windows of 2 < k: keys cross blocks
+        ref = WindowTransformerAgent(*spaces, d_model=12, num_heads=2, window=2, encoder_sizes=(10,))
+        Core, key = WindowLayer, "memory"
+    else:
+        Agent, Core = (GRUAgent, GRUCore) if kind == "gru" else (LSTMAgent, LSTMCore)
+        ref, key = Agent(*spaces, hidden_size=12, encoder_sizes=(10,)), "h"
     obs = [rank_data(r + 90, T, B, 5) for r in range(world)]
     first = torch.zeros(T, B, dtype=torch.bool)
     first[4, 1] = True  # a reset inside the second block
 
     def loss_of(heads, state):
-        return heads["dist", "logits"].square().sum() + heads["value"].sum() + state["h"].square().sum() * 0.0
+        return heads["dist", "logits"].square().sum() + heads["value"].sum() + state[key].square().sum() * 0.0
 
     out = {}
     for sequence in (True, False):
@@ -378,7 +385,7 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
                 steps = TensorDict(observation=obs[rank][t0:t1], is_first=first[t0:t1], batch_size=[t1 - t0, B])
                 heads, state = replay_steps(model, acc, steps, state, sequence=sequence)
                 loss = loss + loss_of(heads, state)
-            (loss + state["h"].square().sum()).backward()
+            (loss + state[key].square().sum()).backward()
         out["sequence" if sequence else "stepwise"] = {
             "grads": _full_grads(model),
             "gathers": gathers.calls,
@@ -392,7 +399,7 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
             o = ref(observation=obs[r][t0:t1], state=state, is_first=first[t0:t1])
             state = o["state"]
             ref_loss = ref_loss + loss_of(o["outputs"], state)
-        ((ref_loss + state["h"].square().sum()) / world).backward()
+        ((ref_loss + state[key].square().sum()) / world).backward()
     out["expected"] = {n: p.grad.clone() for n, p in ref.named_parameters()}
     return out
 
@@ -407,6 +414,7 @@ def fsdp_parity(rank: int, world: int) -> dict:
             "gru_steps": _fsdp_gru_steps,
             "agent_sequence": _fsdp_agent_sequence,
             "lstm_agent_sequence": lambda r, w: _fsdp_agent_sequence(r, w, "lstm"),
+            "gtrxl_agent_sequence": lambda r, w: _fsdp_agent_sequence(r, w, "gtrxl"),
         },
         rank,
         world,

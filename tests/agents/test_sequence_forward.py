@@ -21,6 +21,7 @@ from tensordict import TensorDict
 
 from rl_replay.agent import Agent, Policy, has_sequence_forward
 from rl_replay.agents.gru import GRUAgent
+from rl_replay.agents.gtrxl import WindowTransformerAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mingru import MinGRUAgent
@@ -40,6 +41,11 @@ CORES = {
     "lru": lambda obs, **kw: LRUAgent(obs, ACT, hidden_size=8, readout_sizes=(8,), **kw),
     "lru_real": lambda obs, **kw: LRUAgent(obs, ACT, hidden_size=8, readout_sizes=(8,), max_phase=0.0, **kw),
     "mingru": lambda obs, **kw: MinGRUAgent(obs, ACT, hidden_size=8, readout_sizes=(8,), **kw),
+    # window 2 < T: steps fall out of the window inside a block and across blocks
+    "gtrxl": lambda obs, **kw: WindowTransformerAgent(obs, ACT, d_model=8, num_heads=2, window=2, **kw),
+    "gtrxl_lru": lambda obs, **kw: WindowTransformerAgent(
+        obs, ACT, d_model=8, num_heads=2, window=3, num_layers=1, recurrence="lru", recurrent_size=6, **kw
+    ),
 }
 VECTOR = gym.spaces.Box(-1.0, 1.0, (5,), np.float32)
 DICT = gym.spaces.Dict({"cue": gym.spaces.Box(0.0, 1.0, (3,), np.float32), "where": gym.spaces.Discrete(4)})
@@ -75,6 +81,15 @@ def rows(space: gym.Space, seed: int = 0) -> TensorDict:
     return TensorDict(observation=obs, is_first=is_first, action=action, batch_size=[T, N])
 
 
+def random_state(agent, n: int = N) -> TensorDict:
+    """A random state of ``agent``: normal values, and every window entry valid (the attention
+    cores' ``valid`` is 0 / 1)."""
+    state = agent.initial_state(n).apply(torch.randn_like)
+    if "valid" in state.keys():
+        state["valid"] = torch.ones_like(state["valid"])
+    return state
+
+
 def build(core: str, kind: str):
     torch.manual_seed(0)
     space, kwargs = OBSERVATIONS[kind]
@@ -87,7 +102,7 @@ def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
     agent, space = build(core, kind)
     assert has_sequence_forward(agent)
     data = rows(space)
-    state = agent.initial_state(N).apply(torch.randn_like)
+    state = random_state(agent)
     with torch.no_grad():
         whole = agent.forward_steps(data["observation"], state, data["is_first"])
         assert whole.batch_size == torch.Size([]) and whole["outputs"].batch_size == torch.Size([T, N])
@@ -107,7 +122,7 @@ def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
     for key in state.keys():
         torch.testing.assert_close(whole["state"][key], s[key], rtol=1e-5, atol=1e-5)
     # a reset inside the sequence: what came before it does not reach the outputs after it
-    other = state.apply(torch.randn_like)
+    other = random_state(agent)
     with torch.no_grad():
         again = agent.forward_steps(data["observation"], other, data["is_first"])
     assert torch.equal(again["outputs", "value"][2:, 0], whole["outputs", "value"][2:, 0])
@@ -137,12 +152,17 @@ def _gradients(agent, data, start_state, run):
         ("lru_real", "mlp-box", 4, 3),
         ("mingru", "mlp-dict", 3, None),
         ("mingru", "grid_cnn-dict", 5, 2),
+        ("gtrxl", "mlp-box", 3, None),
+        ("gtrxl", "mlp-dict", 4, 3),
+        ("gtrxl", "impala_cnn-uint8", T, None),
+        ("gtrxl_lru", "mlp-uint8", 2, None),
+        ("gtrxl_lru", "grid_cnn-dict", 3, 5),
     ],
 )
 def test_replay_of_sequence_blocks_equals_plain_autograd_bit_for_bit(core, kind, block_steps, bptt_truncate):
     agent, space = build(core, kind)
     data = rows(space)
-    start_state = agent.initial_state(N).apply(torch.randn_like)
+    start_state = random_state(agent)
     acc = GradientAccumulator()
     replayed, got = _gradients(
         agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc, bptt_truncate, block_steps)

@@ -79,8 +79,9 @@ def test_fsdp_sequence_blocks_of_the_shipped_agent(results):
     call per 3-step block, the gradients of plain autograd over the same calls averaged over
     ranks; called step by step the same blocks agree to float rounding and gather each
     unit's parameters once per step, not once per block. GRU and LSTM: their cores run a block
-    through the fused kernel."""
-    for res in [*_scenario(results, "agent_sequence"), *_scenario(results, "lstm_agent_sequence")]:
+    through the fused kernel; the windowed transformer: each attention layer a unit."""
+    scenarios = ("agent_sequence", "lstm_agent_sequence", "gtrxl_agent_sequence")
+    for res in [r for name in scenarios for r in _scenario(results, name)]:
         seq, step = res["sequence"], res["stepwise"]
         assert seq["blocks"] == step["blocks"] == 3
         assert_grads_match(seq["grads"], res["expected"], "fsdp")
