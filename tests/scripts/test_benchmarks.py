@@ -269,3 +269,14 @@ def test_bench_torchrl_smoke():
         assert ("torchrl" in sides) == (importlib.util.find_spec("torchrl") is not None), line
     rows = [line for line in out.splitlines() if line.startswith(("| gru | 66 |", "| lstm | 66 |"))]
     assert len(rows) == 2, out
+
+
+@pytest.mark.slow
+def test_bench_sharded_smoke():
+    """The sharded memory transformer's update on 2 real gloo ranks (torch.distributed.run), both methods."""
+    out = run_script("bench_sharded.py", "--smoke")
+    for method in ("rl_replay", "plain"):
+        row = re.search(rf"^\| 18 \| {method} \| (.*) \| (.*) \| (.*) \|$", out, re.M)
+        assert row, out
+        assert all(re.match(r"[\d.]+ [KMG]?i?B, [\d.]+ s", cell) for cell in row.groups()[:2]), row.group(0)
+    assert re.search(r"^\| 18 \| rl_replay \| .* \| [\d.]+ KiB \|$", out, re.M), out

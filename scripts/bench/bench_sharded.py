@@ -1,0 +1,207 @@
+"""A large memory transformer sharded with FSDP1 on 2 gloo ranks: one update's memory per rank, rl_replay vs plain autograd.
+
+The agent of ``configs/fsdp_gtrxl_memory_1024.yaml`` (``gtrxl``: MemoryCue's 4-dim observations ->
+Linear 384 -> LRU 128 -> 4 GTrXL layers of width 384 with windows of 32 steps, 6 heads; about
+14.4M parameters), FSDP1 ``FULL_SHARD`` with ``use_orig_params=True``, each attention layer its own
+unit (``wrap_modules: [WindowLayer]``), launched with ``torch.distributed.run`` on 2 CPU ranks
+(gloo). Each rank holds a stored rollout of ``--envs`` episodes of T steps (one episode per env from
+row 0, seeded observations and actions) and runs one minibatch's forward and backward over the
+whole sequences, in ``--block-steps`` blocks:
+
+1. ``rl_replay``  :func:`rl_replay.algorithms.stored.replay_sequence` (replay blocks: each keeps
+                  its k steps' inputs and one state; the parameters are gathered per unit and block);
+2. ``plain``      plain autograd over the same sequence calls (every block's graph kept until the
+                  backward), of the agent unwrapped on each rank: FSDP1's backward hooks do not see the
+                  agent's TensorDict outputs (the replay engine registers them itself), so plain
+                  autograd cannot run the FSDP module; unsharded it also holds the full parameters
+                  and gradients (about 115 MiB here), small beside its activations.
+
+The loss is an A2C-like sum over the (T, envs) outputs (``log_prob * w + value ** 2``, w fixed). Each
+(method, T) is a fresh ``torch.distributed.run`` of 2 processes after a warm-up on 8 steps; per rank:
+peak RSS growth of the measured forward + backward (``VmHWM`` reset before it), seconds, and for
+rl_replay the bytes its blocks saved. A run that passes ``--limit-gib`` per rank, or dies, is
+reported as such. The gradients are compared in the tests (``tests/engine/test_replay_fsdp.py``:
+the gtrxl agent under FSDP1 on 2 ranks against plain autograd averaged over ranks).
+
+Usage::
+
+    python scripts/bench/bench_sharded.py                     # T = 258 1026 4098
+    python scripts/bench/bench_sharded.py --T 1026 --envs 8 --methods rl_replay
+    python scripts/bench/bench_sharded.py --smoke             # a small agent, T = 18
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PREFIX = "SHARDED_RESULT "
+FULL = dict(d_model=384, num_layers=4, num_heads=6, window=32, recurrent_size=128, encoder=384)
+SMOKE = dict(d_model=16, num_layers=2, num_heads=2, window=4, recurrent_size=8, encoder=16)
+
+
+def worker(spec: dict) -> dict:
+    """One rank of one measurement (under torch.distributed.run)."""
+    import gymnasium as gym
+    import torch
+    from _bench_common import MemoryMeter, set_threads
+    from tensordict import TensorDict
+
+    from rl_replay.agent import Policy
+    from rl_replay.agents.gtrxl import WindowTransformerAgent
+    from rl_replay.algorithms.stored import replay_sequence
+    from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.engine import GradientAccumulator
+
+    set_threads(1)
+    info, device = init_from_env("cpu", "gloo")
+    p = spec["policy"]
+    torch.manual_seed(0)
+    agent = WindowTransformerAgent(
+        gym.spaces.Box(-1.0, 1.0, (4,)),
+        gym.spaces.Discrete(2),
+        d_model=p["d_model"],
+        num_layers=p["num_layers"],
+        num_heads=p["num_heads"],
+        window=p["window"],
+        recurrence="lru",
+        recurrent_size=p["recurrent_size"],
+        encoder_sizes=(p["encoder"],),
+    )
+    num_params = sum(t.numel() for t in agent.parameters())
+    # Plain autograd cannot run this FSDP1 module: the agent's TensorDict outputs bypass FSDP1's
+    # backward hooks (the replay engine registers them itself), so its row is the unwrapped agent.
+    model = wrap_fsdp(agent, device, wrap_modules=["WindowLayer"]) if spec["method"] == "rl_replay" else agent
+    policy = Policy.of(model)
+    T, B, k = spec["T"], spec["envs"], spec["block_steps"]
+
+    def rollout(T: int) -> TensorDict:
+        g = torch.Generator().manual_seed(100 + info.rank)
+        is_first = torch.zeros(T, B, dtype=torch.bool)
+        is_first[0] = True
+        return TensorDict(
+            observation=torch.randn(T, B, 4, generator=g),
+            is_first=is_first,
+            action=torch.randint(0, 2, (T, B), generator=g),
+            batch_size=[T, B],
+        )
+
+    def calls(data: TensorDict, method: str, acc) -> TensorDict:
+        start = agent.initial_state(B)
+        if method == "rl_replay":
+            return replay_sequence(policy, data, start, acc, None, k)
+        state, outs = start, []
+        for t0 in range(0, data.batch_size[0], k):
+            out = model(
+                observation=data["observation"][t0 : t0 + k], state=state, is_first=data["is_first"][t0 : t0 + k]
+            )
+            outs.append(out["outputs"])
+            state = out["state"]
+        stacked = torch.cat(outs)
+        dist = agent.distribution(stacked)
+        return TensorDict(log_prob=dist.log_prob(data["action"]), value=stacked["value"], batch_size=data.batch_size)
+
+    def step(data: TensorDict, method: str) -> GradientAccumulator:
+        acc = GradientAccumulator()
+        out = calls(data, method, acc)
+        w = torch.linspace(-1.0, 1.0, out.numel()).view(out.batch_size)
+        ((w * out["log_prob"]).sum() + out["value"].square().sum()).backward()
+        return acc
+
+    step(rollout(8), spec["method"])  # warm-up: lazy initialisation, gradient buffers
+    model.zero_grad(set_to_none=True)
+    data = rollout(T)
+    meter = MemoryMeter(device)
+    meter.start()
+    t0 = time.perf_counter()
+    acc = step(data, spec["method"])
+    seconds = time.perf_counter() - t0
+    peak = meter.peak_rss_growth()
+    return {
+        "rank": info.rank,
+        "seconds": seconds,
+        "peak_growth": peak,
+        "saved_bytes": acc.saved_bytes if spec["method"] == "rl_replay" else None,
+        "num_params": num_params,
+    }
+
+
+def launch(spec: dict, timeout: float) -> list[dict]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.abspath(__file__),
+        "--worker",
+        json.dumps(spec),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return [{"error": f"timed out after {timeout:.0f} s"}]
+    rows = [json.loads(line[len(PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    if proc.returncode != 0 or len(rows) != 2:
+        return [{"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--T", type=int, nargs="+", default=[258, 1026, 4098])
+    parser.add_argument("--envs", type=int, default=8, help="episodes per rank")
+    parser.add_argument("--block-steps", type=int, default=64)
+    parser.add_argument("--methods", nargs="+", default=["rl_replay", "plain"], choices=["rl_replay", "plain"])
+    parser.add_argument("--limit-gib", type=float, default=9.0, help="skip plain past a T whose estimate passes this")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--smoke", action="store_true", help="a small agent, T = 18, 2 envs, 4-step blocks")
+    args = parser.parse_args(argv)
+    if args.worker:
+        result = worker(json.loads(args.worker))
+        print(PREFIX + json.dumps(result), flush=True)
+        return 0
+    policy = SMOKE if args.smoke else FULL
+    if args.smoke:
+        args.T, args.envs, args.block_steps = [18], 2, 4
+    from _bench_common import describe_machine
+    from _bench_report import fmt_bytes
+
+    print(describe_machine())
+    print(
+        f"2 gloo ranks, {args.envs} episodes of T steps per rank, {args.block_steps}-step blocks; per rank: "
+        "peak RSS growth of one forward + backward, seconds"
+    )
+    print("| T | method | rank 0 | rank 1 | block inputs saved (rank 0) |")
+    print("|---:|---|---:|---:|---:|")
+    plain_per_step, rows = None, []
+    for T in args.T:
+        for method in args.methods:
+            if method == "plain" and plain_per_step and plain_per_step * T > args.limit_gib * 2**30:
+                est = plain_per_step * T / 2**30
+                print(f"| {T} | plain | not run: about {est:.1f} GiB per rank (from the smaller T) | | |", flush=True)
+                continue
+            spec = dict(policy=policy, T=T, envs=args.envs, block_steps=args.block_steps, method=method)
+            rows = launch(spec, args.timeout)
+            if "error" in rows[0]:
+                print(f"| {T} | {method} | failed: {rows[0]['error']} | | |", flush=True)
+                print(rows[0].get("tail", ""), file=sys.stderr)
+                continue
+            cells = [f"{fmt_bytes(r['peak_growth'])}, {r['seconds']:.1f} s" for r in rows]
+            saved = fmt_bytes(rows[0]["saved_bytes"]) if rows[0]["saved_bytes"] is not None else "-"
+            print(f"| {T} | {method} | {cells[0]} | {cells[1]} | {saved} |", flush=True)
+            if method == "plain":
+                plain_per_step = max(r["peak_growth"] for r in rows) / T
+    print(f"parameters: {rows[0].get('num_params', '?'):,}" if rows and "num_params" in rows[0] else "")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
