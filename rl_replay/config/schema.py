@@ -63,7 +63,7 @@ class EnvConfig:
 @dataclass
 class AgentConfig:
     target: str = "mlp"
-    """agent class: a built-in name (mlp, gru, lstm, lru, mingru, transformer) or ``module:Class``"""
+    """agent class: a built-in name (mlp, gru, lstm, lru, mingru, transformer, gtrxl) or ``module:Class``"""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """keyword arguments passed to the agent's constructor (a config file's kwargs go only to its own
     target: overriding agent.target starts from {} plus the command line's agent.kwargs)"""

@@ -25,6 +25,8 @@ TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
 def tiny_agent(target: str) -> str:
     if target == "lru":
         return "agent.kwargs={hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"
+    if target == "gtrxl":
+        return "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: lru, recurrent_size: 8}"
     return "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"
 
 
