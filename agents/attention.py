@@ -112,8 +112,11 @@ class WindowLayer(nn.Module):
         ``(N, k, W + k)``; returns the layer's output ``(k, N, d)``."""
         k, N, d = x.shape
         H, W = self.num_heads, self.window
-        h = self.norm_attention(x).transpose(0, 1)  # (N, k, d)
-        context = torch.cat([self.norm_attention(memory), h], dim=1)  # (N, W + k, d)
+        # One norm over [window; block] (not one for each): each parameter used once per call, so the
+        # order in which the backward sums its gradient is the same under replay and plain autograd
+        # whatever the block size.
+        context = self.norm_attention(torch.cat([memory, x.transpose(0, 1)], dim=1))  # (N, W + k, d)
+        h = context[:, W:]  # (N, k, d)
         q = self.query(h).unflatten(-1, (H, d // H)).transpose(1, 2)  # (N, H, k, dh)
         key, value = (t.unflatten(-1, (H, d // H)).transpose(1, 2) for t in self.key_value(context).chunk(2, -1))
         t = torch.arange(k, device=x.device)

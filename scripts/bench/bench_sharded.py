@@ -40,7 +40,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PREFIX = "SHARDED_RESULT "
 FULL = dict(d_model=384, num_layers=4, num_heads=6, window=32, recurrent_size=128, encoder=384)
 SMOKE = dict(d_model=16, num_layers=2, num_heads=2, window=4, recurrent_size=8, encoder=16)
 
@@ -147,7 +146,12 @@ def launch(spec: dict, timeout: float) -> list[dict]:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return [{"error": f"timed out after {timeout:.0f} s"}]
-    rows = [json.loads(line[len(PREFIX) :]) for line in proc.stdout.splitlines() if line.startswith(PREFIX)]
+    rows = []
+    for rank in (0, 1):
+        path = f"{spec['out']}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as fh:
+                rows.append(json.load(fh))
     if proc.returncode != 0 or len(rows) != 2:
         return [{"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}]
     return sorted(rows, key=lambda r: r["rank"])
@@ -165,8 +169,10 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a small agent, T = 18, 2 envs, 4-step blocks")
     args = parser.parse_args(argv)
     if args.worker:
-        result = worker(json.loads(args.worker))
-        print(PREFIX + json.dumps(result), flush=True)
+        spec = json.loads(args.worker)
+        result = worker(spec)
+        with open(f"{spec['out']}.rank{result['rank']}.json", "w") as fh:  # ranks share stdout: a file each
+            json.dump(result, fh)
         return 0
     policy = SMOKE if args.smoke else FULL
     if args.smoke:
@@ -181,6 +187,9 @@ def main(argv=None) -> int:
     )
     print("| T | method | rank 0 | rank 1 | block inputs saved (rank 0) |")
     print("|---:|---|---:|---:|---:|")
+    import tempfile
+
+    results = tempfile.mkdtemp(prefix="bench_sharded_")
     plain_per_step, rows = None, []
     for T in args.T:
         for method in args.methods:
@@ -188,7 +197,8 @@ def main(argv=None) -> int:
                 est = plain_per_step * T / 2**30
                 print(f"| {T} | plain | not run: about {est:.1f} GiB per rank (from the smaller T) | | |", flush=True)
                 continue
-            spec = dict(policy=policy, T=T, envs=args.envs, block_steps=args.block_steps, method=method)
+            out = os.path.join(results, f"{method}_T{T}")
+            spec = dict(policy=policy, T=T, envs=args.envs, block_steps=args.block_steps, method=method, out=out)
             rows = launch(spec, args.timeout)
             if "error" in rows[0]:
                 print(f"| {T} | {method} | failed: {rows[0]['error']} | | |", flush=True)

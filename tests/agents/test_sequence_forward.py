@@ -152,10 +152,12 @@ def _gradients(agent, data, start_state, run):
         ("lru_real", "mlp-box", 4, 3),
         ("mingru", "mlp-dict", 3, None),
         ("mingru", "grid_cnn-dict", 5, 2),
+        ("gtrxl", "mlp-box", 1, None),  # one-step blocks: each parameter used once per call
         ("gtrxl", "mlp-box", 3, None),
         ("gtrxl", "mlp-dict", 4, 3),
         ("gtrxl", "impala_cnn-uint8", T, None),
         ("gtrxl_lru", "mlp-uint8", 2, None),
+        ("gtrxl_lru", "mlp-dict", 1, 4),
         ("gtrxl_lru", "grid_cnn-dict", 3, 5),
     ],
 )
