@@ -169,10 +169,16 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true", help="a small agent, T = 18, 2 envs, 4-step blocks")
     args = parser.parse_args(argv)
     if args.worker:
+        import torch.distributed as dist
+
         spec = json.loads(args.worker)
         result = worker(spec)
         with open(f"{spec['out']}.rank{result['rank']}.json", "w") as fh:  # ranks share stdout: a file each
             json.dump(result, fh)
+        # Leave together and close the group: a rank that exits with gloo's threads still running
+        # can abort ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
         return 0
     policy = SMOKE if args.smoke else FULL
     if args.smoke:

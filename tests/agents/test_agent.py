@@ -128,7 +128,7 @@ def test_unsupported_observation_space(obs_space):
         ("my pkg:Agent", "must look like 'package.module:Name'"),
         (
             "gpt",
-            r"'gpt' is not a built-in name \(one of gru, lru, lstm, mingru, mlp, transformer\); "
+            r"'gpt' is not a built-in name \(one of gru, gtrxl, lru, lstm, mingru, mlp, transformer\); "
             r"name your own class as 'package.module:Name'",
         ),
         ("no_such_module_xyz.sub:Agent", "cannot import module 'no_such_module_xyz.sub'"),
