@@ -64,9 +64,7 @@ def attention_mask(valid: torch.Tensor, keep: torch.Tensor, window: int) -> tupl
     band = (j[None, :] >= t[:, None]) & (j[None, :] <= window + t[:, None])  # (k, W + k)
     allowed = torch.cat([window_ok, block_ok], dim=2) & band
     # The window after the block: the last step's view, one step further (key k - 1 drops out).
-    last = torch.cat([window_ok[:, -1], block_ok[:, -1]], dim=1)  # (N, W + k)
-    causal_last = j <= window + k - 1
-    next_valid = (last & causal_last)[:, k:]
+    next_valid = torch.cat([window_ok[:, -1], block_ok[:, -1]], dim=1)[:, k:]  # (N, W): keys k .. W + k - 1
     return allowed, next_valid
 
 

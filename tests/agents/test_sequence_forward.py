@@ -85,8 +85,8 @@ def random_state(agent, n: int = N) -> TensorDict:
     """A random state of ``agent``: normal values, and every window entry valid (the attention
     cores' ``valid`` is 0 / 1)."""
     state = agent.initial_state(n).apply(torch.randn_like)
-    if "valid" in state.keys():
-        state["valid"] = torch.ones_like(state["valid"])
+    for key in [k for k in state.keys() if k.startswith("valid")]:  # "valid", "valid_critic"
+        state[key] = torch.ones_like(state[key])
     return state
 
 
