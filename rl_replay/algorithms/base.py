@@ -24,7 +24,7 @@ class Algorithm(ABC):
 
     Every algorithm is built with the same arguments (:func:`rl_replay.algorithms.make_algorithm`
     looks the class up by ``cfg.loss.algorithm`` and calls it) and owns what one update needs;
-    the trainer only anneals the learning rate, calls :meth:`update` and logs. Optimizer
+    the trainer only anneals the learning rate and the entropy weight, calls :meth:`update` and logs. Optimizer
     steps go through :func:`rl_replay.algorithms.common.optimizer_step` with ``guard``.
 
     Args:
@@ -60,6 +60,9 @@ class Algorithm(ABC):
         self.info = info or dist_utils.DistInfo()
         self.device = torch.device(device)
         self.guard = guard
+        #: The entropy bonus's weight in this update's loss; the trainer moves it along
+        #: ``loss.entropy_schedule`` (:func:`rl_replay.algorithms.schedules.entropy_coef_at`).
+        self.entropy_coef = cfg.loss.entropy_coef
 
     @property
     def model(self) -> torch.nn.Module:
@@ -79,10 +82,11 @@ class Algorithm(ABC):
 
     @classmethod
     @abstractmethod
-    def loss(cls, data: TensorDict, cfg: Config) -> TensorDict:
+    def loss(cls, data: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
         """The named loss terms (:mod:`rl_replay.algorithms.losses`) of ``data`` (the collected
         (T, N) rollout; PPO: one minibatch) under the run's settings ``cfg``, the same signature
-        for every algorithm."""
+        for every algorithm; ``entropy_coef`` in place of ``cfg.loss.entropy_coef`` when given
+        (the schedule's weight at this update)."""
 
     @abstractmethod
     def update(self) -> UpdateResult:

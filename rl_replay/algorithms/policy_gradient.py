@@ -52,7 +52,7 @@ class PolicyGradient(Algorithm):
         t0 = time.perf_counter()
         rollout, acc = self.collect()
         t1 = time.perf_counter()
-        terms = self.loss(rollout.data, self.cfg)
+        terms = self.loss(rollout.data, self.cfg, self.entropy_coef)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         t2 = time.perf_counter()
         metrics = {

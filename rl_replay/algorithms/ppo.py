@@ -43,7 +43,7 @@ class PPO(Algorithm):
     normalizes_advantages_by_default = True
 
     @classmethod
-    def loss(cls, batch: TensorDict, cfg: Config) -> TensorDict:
+    def loss(cls, batch: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
         """The named loss terms of one minibatch: the replayed ``log_prob`` / ``entropy`` /
         ``value`` with the stored ``old_log_prob``, ``old_value``, ``advantage``, ``return``
         and ``valid`` (:func:`rl_replay.algorithms.losses.ppo_loss` with the run's settings)."""
@@ -52,7 +52,7 @@ class PPO(Algorithm):
             clip_coef=cfg.ppo.clip_coef,
             clip_vloss=cfg.ppo.clip_vloss,
             value_coef=cfg.loss.value_coef,
-            entropy_coef=cfg.loss.entropy_coef,
+            entropy_coef=cfg.loss.entropy_coef if entropy_coef is None else entropy_coef,
             normalize_advantages=cls.normalize_advantages(cfg.loss),
         )
 
@@ -130,7 +130,7 @@ class PPO(Algorithm):
             block_steps=self.cfg.replay.block_steps,
         )
         batch = mb.select("old_log_prob", "old_value", "advantage", "return", "valid").update(new)
-        terms = self.loss(batch, self.cfg)
+        terms = self.loss(batch, self.cfg, self.entropy_coef)
         grad_norm = optimizer_step(terms, self.model, self.optimizer, self.cfg.optim.max_grad_norm, self.guard)
         return terms.detach(), grad_norm, acc.saved_bytes, acc.replay_seconds
 

@@ -15,13 +15,13 @@ class REINFORCE(PolicyGradient):
     """REINFORCE (:func:`rl_replay.algorithms.losses.reinforce_loss`); no advantage normalisation by default."""
 
     @classmethod
-    def loss(cls, data: TensorDict, cfg: Config) -> TensorDict:
+    def loss(cls, data: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
         loss = cfg.loss
         return reinforce_loss(
             data,
             gamma=loss.gamma,
             baseline=loss.baseline,
             value_coef=loss.value_coef,
-            entropy_coef=loss.entropy_coef,
+            entropy_coef=loss.entropy_coef if entropy_coef is None else entropy_coef,
             normalize_advantages=cls.normalize_advantages(loss),
         )

@@ -61,6 +61,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "env.vectorization": ("sync", "async", "vector_entry_point"),
     "collector.mode": ("fixed", "episode"),
     "loss.algorithm": ALGORITHM_NAMES,
+    "loss.entropy_schedule": ("constant", "linear", "exponential"),
     "optim.name": ("adam", "rmsprop", "sgd"),
     "log.wandb_mode": ("offline", "online", "disabled"),
     "distributed.mixed_precision": (None, "bf16", "fp16"),
@@ -80,6 +81,9 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "replay.block_steps": (1, True, None, False),
     "loss.gamma": (0, True, 1, True),
     "loss.gae_lambda": (0, True, 1, True),
+    "loss.entropy_coef": (0, True, None, False),
+    "loss.entropy_coef_final": (0, True, None, False),
+    "loss.entropy_decay_env_steps": (1, True, None, False),
     "ppo.epochs": (1, True, None, False),
     "ppo.num_minibatches": (1, True, None, False),
     "ppo.clip_coef": (0, False, None, False),
@@ -253,6 +257,7 @@ def validate(cfg: Config) -> Config:
             raise ValueError(f"Config key '{key}.kwargs' must be a mapping, got {shown(spec['kwargs'])}")
     if cfg.loss.algorithm == "ppo":
         _validate_ppo(cfg)
+    _validate_entropy_schedule(cfg.loss)
     if cfg.distributed.wrap_modules and cfg.distributed.min_num_params is not None:
         raise ValueError(
             "Config keys 'distributed.wrap_modules' and 'distributed.min_num_params' "
@@ -270,6 +275,15 @@ def _validate_ppo(cfg: Config) -> None:
         )
     if not cfg.loss.baseline:
         raise ValueError("Config key 'loss.baseline' applies to reinforce; PPO always trains its critic")
+
+
+def _validate_entropy_schedule(loss: Any) -> None:
+    if loss.entropy_schedule == "exponential" and (loss.entropy_coef <= 0 or loss.entropy_coef_final <= 0):
+        raise ValueError(
+            "Config key 'loss.entropy_schedule' is exponential, which multiplies the weight by a constant "
+            f"factor per env step: 'loss.entropy_coef' ({shown(loss.entropy_coef)}) and 'loss.entropy_coef_final' "
+            f"({shown(loss.entropy_coef_final)}) must both be > 0 (use linear to decay to 0)"
+        )
 
 
 def _check_target(key: str, value: str, form: str) -> None:
@@ -302,7 +316,8 @@ def config_to_dict(cfg: Config) -> dict[str, Any]:
 
 def _merge_file(data: dict[str, Any], loaded: Any, path: str, *, deep: bool = False) -> None:
     """Merge one source's sections into ``data``. ``deep`` (a file over its ``base:``): a dict
-    value (``env.kwargs``) is merged key by key into the base's instead of replacing it."""
+    value (``env.kwargs``) is merged key by key into the base's instead of replacing it, except
+    that an ``agent.target`` other than the base's drops the base's ``agent.kwargs``."""
     if loaded is None:  # empty file
         return
     if not isinstance(loaded, Mapping):
@@ -323,6 +338,10 @@ def _merge_file(data: dict[str, Any], loaded: Any, path: str, *, deep: bool = Fa
                     f"Config section '{k}' in {path!r} must be a mapping, got {type(v).__name__} {shown(v)}"
                 )
             section_names = list(_hints(hints[k]))
+            if deep and k == "agent" and "target" in v and not _same_agent(v["target"], data[k]["target"]):
+                # The base's agent.kwargs were written for its agent.target: another target
+                # starts from this file's kwargs alone, as an override of the target does.
+                data[k]["kwargs"] = {}
             for sk, sv in v.items():
                 if sk not in section_names:
                     raise _unknown_key(f"{k}.{sk}", k, section_names)
@@ -423,7 +442,8 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Sequence[
     A file may start from another: ``base: other.yaml`` (a path relative to the file) loads that
     file first, and this one then says only the keys that differ (a dict value such as
     ``env.kwargs`` merges key by key into the base's; a list such as ``env.wrappers`` replaces
-    it). Bases may have bases, at most :data:`MAX_BASE_DEPTH` deep, without a cycle.
+    it; an ``agent.target`` other than the base's starts from this file's ``agent.kwargs`` alone).
+    Bases may have bases, at most :data:`MAX_BASE_DEPTH` deep, without a cycle.
 
     An override of ``agent.target`` (to another class) drops the file's ``agent.kwargs``:
     they were written for the file's target. ``agent.kwargs`` overrides still apply.

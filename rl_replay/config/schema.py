@@ -94,7 +94,15 @@ class LossConfig:
     value_coef: float = 0.5
     """weight of the value loss"""
     entropy_coef: float = 0.0
-    """weight of the entropy bonus"""
+    """weight of the entropy bonus (at the start of the run when ``entropy_schedule`` decays it)"""
+    entropy_schedule: str = "constant"
+    """constant | linear | exponential: how the entropy weight moves from ``entropy_coef`` to
+    ``entropy_coef_final`` over ``entropy_decay_env_steps`` (linear in env steps, or by a constant
+    factor per env step; exponential needs both weights > 0), then stays at the final weight"""
+    entropy_coef_final: float = 0.0
+    """the entropy weight at the end of a decaying schedule"""
+    entropy_decay_env_steps: int | None = None
+    """env steps (over all ranks) the decay takes; None = the run's ``total_env_steps``"""
     normalize_advantages: bool | None = None
     """normalize advantages to zero mean, unit std (None = the algorithm's default: a2c / reinforce
     false, per rollout; ppo true, per minibatch)"""

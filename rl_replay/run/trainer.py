@@ -19,6 +19,7 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.algorithms.base import Algorithm
+from rl_replay.algorithms.schedules import entropy_coef_at
 from rl_replay.config import Config, num_updates
 from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
@@ -150,6 +151,7 @@ class Trainer:
         if cfg.optim.anneal_lr:
             for group in self.optimizer.param_groups:
                 group["lr"] = cfg.optim.lr * (1.0 - self.budget_used())
+        self.algorithm.entropy_coef = entropy_coef_at(cfg, self.env_steps)
         self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update()
@@ -164,6 +166,8 @@ class Trainer:
             info=self.info,
         )
         self.env_steps += steps
+        if cfg.loss.entropy_schedule != "constant":
+            metrics["train/entropy_coef"] = self.algorithm.entropy_coef
         every = cfg.log.horizon_every
         if every and self.update % every == 0:
             t0 = time.perf_counter()

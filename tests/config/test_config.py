@@ -127,7 +127,11 @@ def test_every_yaml_in_configs_loads(path):
         if isinstance(body, dict):
             for key, value in body.items():
                 got = getattr(getattr(cfg, section), key)
-                if base is not None and isinstance(value, dict):
+                if (
+                    base is not None
+                    and isinstance(value, dict)
+                    and not (section == "agent" and key == "kwargs" and cfg.agent.target != base.agent.target)
+                ):
                     assert got == {**getattr(getattr(base, section), key), **value}, f"{section}.{key}"
                 else:
                     assert got == value, f"{section}.{key}"
@@ -143,6 +147,13 @@ def test_a_config_on_a_base_says_only_what_differs(tmp_path):
     (tmp_path / "sub" / "b.yaml").write_text("base: ../a.yaml\nenv: {num_envs: 8, kwargs: {y: 3}}\n")
     cfg = load_config(tmp_path / "sub" / "b.yaml", ["optim.lr=0.2"])
     assert (cfg.seed, cfg.env.num_envs, cfg.env.kwargs, cfg.optim.lr) == (3, 8, {"x": 1, "y": 3}, 0.2)
+    # another agent.target starts from the file's own agent.kwargs: the base's were written for its agent
+    (tmp_path / "a.yaml").write_text("agent: {target: gru, kwargs: {hidden_size: 64, head_sizes: [8]}}\n")
+    (tmp_path / "same.yaml").write_text("base: a.yaml\nagent: {kwargs: {hidden_size: 32}}\n")
+    (tmp_path / "other.yaml").write_text("base: a.yaml\nagent: {target: lru, kwargs: {head_sizes: [16]}}\n")
+    assert load_config(tmp_path / "same.yaml").agent.kwargs == {"hidden_size": 32, "head_sizes": [8]}
+    other = load_config(tmp_path / "other.yaml").agent
+    assert (other.target, other.kwargs) == ("lru", {"head_sizes": [16]})
     (tmp_path / "a.yaml").write_text("base: sub/b.yaml\n")
     with pytest.raises(ValueError, match=r"a base: cycle"):
         load_config(tmp_path / "sub" / "b.yaml")
