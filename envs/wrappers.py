@@ -6,7 +6,7 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["ActionSubset", "PreviousActionReward", "SuccessOnReward"]
+__all__ = ["ActionSubset", "PreviousAction", "PreviousActionReward", "SuccessOnReward"]
 
 
 class SuccessOnReward(gym.Wrapper):
@@ -94,3 +94,54 @@ class PreviousActionReward(gym.Wrapper):
     def step(self, action):
         obs, reward, terminated, truncated, info = self.env.step(action)
         return self._extend(obs, action, reward), reward, terminated, truncated, info
+
+
+class PreviousAction(gym.Wrapper):
+    """The observation as a Dict: ``obs`` (the env's), ``prev_action`` (the action that led to it;
+    the lowest action after a reset) and, with ``is_first``, ``is_first`` (``Discrete(2)``, 1 on
+    an episode's first observation).
+
+    POPGym's experiments wrap every env in ``Antialias(PreviousAction(env))``, the same two
+    inputs as a Tuple; POPGym's wrappers accept only a bare POPGym env, where this one wraps any
+    env (``gym.make`` adds its own wrappers first). Without ``is_first`` the null action after a
+    reset looks like a real one. Action spaces: ``Discrete``, ``MultiDiscrete``, ``MultiBinary``
+    or ``Box``.
+    """
+
+    def __init__(self, env: gym.Env, is_first: bool = True):
+        super().__init__(env)
+        act = env.action_space
+        if not isinstance(act, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary, spaces.Box)):
+            raise ValueError(f"PreviousAction needs a Discrete, MultiDiscrete, MultiBinary or Box action space, got {act}")
+        if isinstance(env.observation_space, spaces.Dict):
+            raise ValueError(
+                "PreviousAction wraps an env whose observation is not already a Dict, got "
+                f"{env.observation_space}: add the previous action as a key of that Dict in the env instead"
+            )
+        parts: dict[str, spaces.Space] = {"obs": env.observation_space, "prev_action": act}
+        if is_first:
+            parts["is_first"] = spaces.Discrete(2)
+        self.observation_space = spaces.Dict(parts)
+        self.is_first = is_first
+        if isinstance(act, spaces.Discrete):
+            self._null = act.start
+        elif isinstance(act, spaces.MultiDiscrete):
+            self._null = np.asarray(act.start if hasattr(act, "start") else 0) + np.zeros(act.shape, act.dtype)
+        elif isinstance(act, spaces.MultiBinary):
+            self._null = np.zeros(act.shape, act.dtype)
+        else:
+            self._null = np.clip(np.zeros(act.shape, act.dtype), act.low, act.high)
+
+    def _observation(self, obs, action, first: bool) -> dict:
+        out = {"obs": obs, "prev_action": action}
+        if self.is_first:
+            out["is_first"] = int(first)
+        return out
+
+    def reset(self, **kwargs):
+        obs, info = self.env.reset(**kwargs)
+        return self._observation(obs, self._null, True), info
+
+    def step(self, action):
+        obs, reward, terminated, truncated, info = self.env.step(action)
+        return self._observation(obs, action, False), reward, terminated, truncated, info

@@ -18,21 +18,30 @@ from rl_replay.run.setup import build
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
 POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
+POPGYM_TABLE = sorted(p for p in (CONFIGS / "popgym").glob("*.yaml") if p.name != "base.yaml")
 TMAZE = sorted(CONFIGS.glob("tmaze_*.yaml"))
 TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
 
 
-def tiny_agent(target: str) -> str:
+def tiny_agent(target: str, recurrence: str | None = None) -> str:
     if target == "lru":
         return "agent.kwargs={hidden_size: 8, encoder_sizes: [8], readout_sizes: [8]}"
     if target == "gtrxl":
-        return "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: lru, recurrent_size: 8}"
+        return f"agent.kwargs={{d_model: 8, num_heads: 2, window: 4, recurrence: {recurrence or 'null'}, recurrent_size: 8}}"
     return "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}"
 
 
 def tiny(path: Path, tmp_path: Path, shipped, *overrides: str):
     """``path``'s config with a tiny agent, no logging or checkpoints, and ``overrides``."""
-    return load_config(path, [*TINY, *overrides, f"run_dir={tmp_path / 'run'}", tiny_agent(shipped.agent.target)])
+    return load_config(
+        path,
+        [
+            *TINY,
+            *overrides,
+            f"run_dir={tmp_path / 'run'}",
+            tiny_agent(shipped.agent.target, shipped.agent.kwargs.get("recurrence")),
+        ],
+    )
 
 
 def train(cfg, updates: int):
@@ -115,3 +124,22 @@ def test_popgym_config_builds_and_runs_two_updates(path, tmp_path):
     space = trainer.collector.envs.single_observation_space
     assert isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete))
     assert trainer.model.obs_dim == int(np.sum(space.nvec) if hasattr(space, "nvec") else space.n)  # one-hot
+
+
+@pytest.mark.parametrize("path", POPGYM_TABLE, ids=lambda p: p.stem)
+def test_popgym_table_config_sees_the_previous_action_and_runs_an_update(path, tmp_path):
+    pytest.importorskip("popgym")
+    shipped = load_config(path)
+    cfg = tiny(
+        path,
+        tmp_path,
+        shipped,
+        "env.num_envs=4",
+        "collector.num_steps=8",
+        "total_env_steps=32",
+        "ppo.num_minibatches=2",
+    )
+    trainer, _ = train(cfg, updates=1)
+    space = trainer.collector.envs.single_observation_space
+    assert set(space.spaces) == {"obs", "prev_action", "is_first"}
+    assert space["prev_action"] == trainer.collector.envs.single_action_space

@@ -1,0 +1,233 @@
+"""POPGym's score for trained runs, one row per environment, and an aggregate over environments.
+
+For each run directory: **MMER** as Morad et al. (ICLR 2023) report it, the maximum over training
+of the mean return of the last 100 training episodes (stochastic policy; the trainer's
+``rollout/return_recent``, counted once 100 episodes have ended, as RLlib's
+``episode_reward_mean`` over 100 episodes), and with ``--greedy-episodes N`` the mean return of N
+greedy episodes of the final checkpoint (``scripts/evaluate.py``). Per environment: the mean over
+its runs (seeds), beside the paper's GRU and best model. Across environments: the interquartile
+mean (IQM) of all runs' MMER with a 95 % stratified-bootstrap interval (runs resampled within each
+environment), as Agarwal et al. (NeurIPS 2021, ``rliable``) recommend for suites.
+
+    python scripts/tools/popgym_table.py runs/popgym/* --greedy-episodes 100 --json out.json --plot out.png
+
+Runs are grouped by their config's ``env.id``. A run whose config you did not write evaluates
+under the same rules as ``scripts/evaluate.py`` (``--trust-config`` passes on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[2]
+
+#: The paper's MMER (Appendix B, 15M env steps, mean of 3 trials): (GRU, best model, its score).
+PAPER = {
+    "popgym-RepeatFirstHard-v0": (0.940, "IndRNN", 0.969),
+    "popgym-RepeatPreviousMedium-v0": (-0.315, "LMU", 0.789),
+    "popgym-RepeatPreviousHard-v0": (-0.428, "LMU", 0.191),
+    "popgym-CountRecallEasy-v0": (0.177, "LSTM", 0.509),
+    "popgym-AutoencodeEasy-v0": (-0.283, "GRU", -0.283),
+    "popgym-MultiarmedBanditEasy-v0": (0.619, "Elman", 0.631),
+    "popgym-NoisyPositionOnlyCartPoleMedium-v0": (0.642, "IndRNN", 0.659),
+    "popgym-HigherLowerEasy-v0": (0.529, "GRU", 0.529),
+    "popgym-PositionOnlyCartPoleHard-v0": (1.000, "GRU", 1.000),
+}
+
+WINDOW = 100  # episodes in the mean the MMER maximises over
+
+
+def mmer(records: list[dict]) -> float | None:
+    """Max over training of the mean return of the last 100 training episodes, from the first
+    record at which 100 episodes have ended (None if a run never got there)."""
+    ended, best = 0.0, None
+    for r in records:
+        ended += r.get("rollout/episodes") or 0.0
+        value = r.get("rollout/return_recent")
+        if ended >= WINDOW and value is not None:
+            best = value if best is None else max(best, value)
+    return best
+
+
+def iqm(scores: np.ndarray) -> float:
+    """Interquartile mean of all entries: the mean of the middle half, as ``scipy.stats.trim_mean(x,
+    0.25, axis=None)`` (rliable's IQM) cuts ``int(0.25 n)`` from each end."""
+    flat = np.sort(np.asarray(scores, dtype=np.float64).ravel())
+    cut = int(0.25 * flat.size)
+    return float(flat[cut : flat.size - cut].mean())
+
+
+def stratified_bootstrap_ci(
+    scores: list[np.ndarray], statistic=iqm, reps: int = 50_000, size: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
+    """Percentile interval of ``statistic`` over bootstrap samples that redraw, within each
+    environment (stratum), as many runs as it has, with replacement (rliable's
+    ``StratifiedBootstrap`` with ``get_interval_estimates``' percentile method)."""
+    rng = np.random.default_rng(seed)
+    draws = []
+    for runs in scores:
+        runs = np.asarray(runs, dtype=np.float64)
+        draws.append(runs[rng.integers(0, runs.size, size=(reps, runs.size))])
+    sample = np.concatenate(draws, axis=1)  # (reps, all runs)
+    # the middle half of each resample, vectorised: sort each row, cut a quarter each end
+    if statistic is iqm:
+        sample.sort(axis=1)
+        cut = int(0.25 * sample.shape[1])
+        stats = sample[:, cut : sample.shape[1] - cut].mean(axis=1)
+    else:
+        stats = np.array([statistic(row) for row in sample])
+    lo, hi = np.percentile(stats, [50 * (1 - size), 50 * (1 + size)])
+    return float(lo), float(hi)
+
+
+def env_id(run: Path) -> str:
+    """The run's ``env.id``, read from its config.yaml as data (nothing imported)."""
+    from rl_replay.config import loads_config
+
+    return loads_config((run / "config.yaml").read_bytes(), source=str(run / "config.yaml")).env.id
+
+
+def greedy_return(run: Path, episodes: int, trust: bool) -> float:
+    """The mean return of ``episodes`` greedy episodes of ``run``'s checkpoint (scripts/evaluate.py)."""
+    cmd = [sys.executable, str(REPO / "scripts" / "evaluate.py"), str(run), "--episodes", str(episodes)]
+    if trust:
+        cmd.append("--trust-config")
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"popgym_table: evaluating {run} failed: {out.stderr.strip()[-400:]}")
+    return float(json.loads(out.stdout.strip().splitlines()[-1])["return_mean"])
+
+
+def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False) -> dict:
+    """Per-run and per-environment rows and the aggregate (see the module's docstring)."""
+    by_env: dict[str, list[dict]] = defaultdict(list)
+    for run in runs:
+        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        row = {
+            "run": str(run),
+            "mmer": mmer(records),
+            "env_steps": records[-1]["env_steps"] if records else 0,
+            "greedy": greedy_return(run, greedy_episodes, trust) if greedy_episodes else None,
+        }
+        by_env[env_id(run)].append(row)
+    envs = []
+    for env, rows in sorted(by_env.items()):
+        scored = [r["mmer"] for r in rows if r["mmer"] is not None]
+        greedy = [r["greedy"] for r in rows if r["greedy"] is not None]
+        gru, best_name, best = PAPER.get(env, (None, None, None))
+        envs.append(
+            {
+                "env": env,
+                "runs": rows,
+                "mmer": float(np.mean(scored)) if scored else None,
+                "greedy": float(np.mean(greedy)) if greedy else None,
+                "paper_gru": gru,
+                "paper_best": best,
+                "paper_best_model": best_name,
+            }
+        )
+    strata = [np.array([r["mmer"] for r in e["runs"] if r["mmer"] is not None]) for e in envs]
+    strata = [s for s in strata if s.size]
+    aggregate = None
+    if strata:
+        point = iqm(np.concatenate(strata))
+        aggregate = {"iqm": point, "ci95": stratified_bootstrap_ci(strata), "envs": len(strata)}
+        paper = [[PAPER[e["env"]][0], PAPER[e["env"]][2]] for e in envs if e["env"] in PAPER and e["mmer"] is not None]
+        if paper:  # the paper's per-env means over the same envs (its trials are not published)
+            aggregate["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
+            aggregate["paper_best_iqm"] = iqm(np.array([p[1] for p in paper]))
+    return {"envs": envs, "aggregate": aggregate}
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| env | runs | MMER (ours) | greedy (ours) | paper GRU | paper best |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for e in result["envs"]:
+        name = e["env"].removeprefix("popgym-").removesuffix("-v0")
+        best = f"{e['paper_best_model']} {_fmt(e['paper_best'])}" if e["paper_best_model"] else "-"
+        lines.append(
+            f"| {name} | {len(e['runs'])} | {_fmt(e['mmer'])} | {_fmt(e['greedy'])} | {_fmt(e['paper_gru'])} | {best} |"
+        )
+    agg = result["aggregate"]
+    if agg:
+        lo, hi = agg["ci95"]
+        lines.append(f"\nIQM of MMER over {agg['envs']} envs: {agg['iqm']:.3f} (95 % CI {lo:.3f} to {hi:.3f})")
+        if "paper_gru_iqm" in agg:
+            lines.append(
+                f"the paper's per-env means over the same envs: GRU {agg['paper_gru_iqm']:.3f}, best model "
+                f"{agg['paper_best_iqm']:.3f}"
+            )
+    return "\n".join(lines)
+
+
+def plot(result: dict, out: str) -> None:
+    """Per-env MMER (runs as dots, the mean as a bar) beside the paper's GRU and best model, and the IQM with its interval."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    envs = result["envs"]
+    fig, (ax, agg_ax) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [5, 1]})
+    x = np.arange(len(envs))
+    ax.bar(x - 0.25, [e["mmer"] or 0 for e in envs], 0.25, label="rl_replay (mean of runs)")
+    for i, e in enumerate(envs):
+        pts = [r["mmer"] for r in e["runs"] if r["mmer"] is not None]
+        ax.scatter([i - 0.25] * len(pts), pts, color="k", s=8, zorder=3)
+    ax.bar(x, [e["paper_gru"] or 0 for e in envs], 0.25, label="paper GRU")
+    ax.bar(x + 0.25, [e["paper_best"] or 0 for e in envs], 0.25, label="paper best of 13")
+    ax.set_xticks(x, [e["env"].removeprefix("popgym-").removesuffix("-v0") for e in envs], rotation=30, ha="right")
+    ax.set_ylabel("MMER")
+    ax.set_ylim(-1, 1)
+    ax.axhline(0, color="grey", lw=0.5)
+    ax.legend(fontsize=8)
+    agg = result["aggregate"]
+    if agg:
+        lo, hi = agg["ci95"]
+        agg_ax.errorbar([0], [agg["iqm"]], yerr=[[agg["iqm"] - lo], [hi - agg["iqm"]]], fmt="o", capsize=4)
+        if "paper_gru_iqm" in agg:
+            agg_ax.scatter([1, 2], [agg["paper_gru_iqm"], agg["paper_best_iqm"]], marker="x", color="k")
+        agg_ax.set_xticks([0, 1, 2], ["ours", "GRU", "best"])
+        agg_ax.set_ylim(-1, 1)
+        agg_ax.set_title("IQM, 95 % CI")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)")
+    parser.add_argument("--greedy-episodes", type=int, default=0, help="evaluate each run greedily over N episodes")
+    parser.add_argument("--trust-config", action="store_true", help="passed to scripts/evaluate.py")
+    parser.add_argument("--json", default=None, help="write the rows and the aggregate to this file")
+    parser.add_argument("--plot", default=None, help="draw the table to this image (needs matplotlib)")
+    args = parser.parse_args(argv)
+    for run in args.runs:
+        if not (run / "metrics.jsonl").is_file() or not (run / "config.yaml").is_file():
+            parser.error(f"{run} is not a run directory (it needs config.yaml and metrics.jsonl)")
+    if args.greedy_episodes < 0:
+        parser.error(f"--greedy-episodes must be >= 0, got {args.greedy_episodes}")
+    result = table(args.runs, args.greedy_episodes, args.trust_config)
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

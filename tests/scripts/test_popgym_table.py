@@ -1,0 +1,120 @@
+"""scripts/tools/popgym_table.py: MMER read the paper's way from metrics.jsonl, the IQM and its
+stratified-bootstrap interval, and the whole table from real runs of the shipped POPGym configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rl_replay.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "scripts" / "tools" / "popgym_table.py"
+spec = importlib.util.spec_from_file_location("popgym_table", SCRIPT)
+assert spec and spec.loader
+table_mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(table_mod)
+
+TABLE_CONFIGS = sorted(p for p in (ROOT / "configs" / "popgym").glob("*.yaml") if p.name != "base.yaml")
+
+
+def rows(*pairs):
+    return [{"env_steps": 100 * i, "rollout/episodes": e, "rollout/return_recent": r} for i, (e, r) in enumerate(pairs)]
+
+
+def test_mmer_is_the_best_mean_of_100_episodes_counted_once_100_have_ended():
+    # 60 episodes at 0.9 (a lucky start) do not count; from 100 on the best mean does
+    assert table_mod.mmer(rows((60, 0.9), (30, 0.2), (20, 0.5), (50, 0.4), (50, None))) == 0.5
+    assert table_mod.mmer(rows((60, 0.9), (30, 0.2))) is None  # never 100 episodes
+    assert table_mod.mmer([]) is None
+
+
+def test_iqm_is_the_mean_of_the_middle_half():
+    assert table_mod.iqm(np.arange(8.0)) == np.mean([2, 3, 4, 5])
+    assert table_mod.iqm(np.array([[0.0, 100.0], [1.0, 2.0]])) == 1.5  # all runs of all envs together
+    # 10 values: int(2.5) = 2 cut from each end, as scipy's trim_mean(x, 0.25)
+    x = np.array([9.0, -5, 1, 2, 3, 4, 5, 6, 7, 50])
+    assert table_mod.iqm(x) == np.mean([2, 3, 4, 5, 6, 7])
+
+
+def test_the_stratified_bootstrap_resamples_runs_within_each_env():
+    # one env's runs all equal: no spread from it; the other env decides the interval
+    same = [np.array([0.5, 0.5, 0.5]), np.array([0.0, 0.0, 0.0])]
+    assert table_mod.stratified_bootstrap_ci(same, reps=2000) == (0.25, 0.25)
+    varied = [np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3])]
+    lo, hi = table_mod.stratified_bootstrap_ci(varied, reps=4000)
+    assert lo < table_mod.iqm(np.concatenate(varied)) < hi
+    assert (lo, hi) == table_mod.stratified_bootstrap_ci(varied, reps=4000)  # seeded
+    # an unstratified bootstrap could draw three runs of one env; this one never does: every
+    # resample holds three runs of each, so its IQM stays within the two envs' ranges' middle
+    assert -0.2 < lo and hi < 0.9
+
+
+def test_the_interval_matches_rliable_where_it_is_installed():
+    rly = pytest.importorskip("rliable.library")
+    scores = [np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3]), np.array([0.7, 0.8, 0.95])]
+    ours = table_mod.stratified_bootstrap_ci(scores, reps=20000)
+    matrix = np.stack(scores, axis=1)  # (runs, envs)
+    from rliable import metrics
+
+    _, cis = rly.get_interval_estimates({"x": matrix}, lambda s: np.array([metrics.aggregate_iqm(s)]), reps=20000)
+    np.testing.assert_allclose(ours, cis["x"][:, 0], atol=0.02)
+
+
+def test_a_config_per_env_of_the_papers_table():
+    ids = {load_config(p).env.id for p in TABLE_CONFIGS}
+    assert ids == set(table_mod.PAPER)
+    for path in TABLE_CONFIGS:
+        cfg = load_config(path)
+        assert cfg.collector.mode == "episode" and cfg.collector.bptt_truncate is None
+        assert cfg.total_env_steps <= 15_000_000  # the paper's budget
+        assert [w["target"] for w in cfg.env.wrappers] == ["rl_replay.envs.wrappers:PreviousAction"]
+
+
+def test_two_updates_of_a_shipped_popgym_config_and_its_table_row(tmp_path):
+    pytest.importorskip("popgym")
+    from rl_replay.run.setup import build
+
+    run = tmp_path / "run"
+    cfg = load_config(
+        ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml",
+        [
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            "env.num_envs=8",
+            "ppo.num_minibatches=2",
+            "total_env_steps=1648",  # two updates of 8 whole 103-step episodes
+            "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: gru, recurrent_size: 8}",
+            f"run_dir={run}",
+        ],
+    )
+    trainer = build(cfg)
+    assert set(trainer.collector.envs.single_observation_space.spaces) == {"obs", "prev_action", "is_first"}
+    trainer.train()
+    trainer.close()
+    assert trainer.update == 2
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run), "--greedy-episodes", "4", "--json", str(tmp_path / "t.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "t.json").read_text())
+    (env,) = result["envs"]
+    assert env["env"] == "popgym-RepeatPreviousMedium-v0" and env["paper_best"] == 0.789
+    assert env["mmer"] is None  # 16 episodes: not 100 yet
+    assert -1.0 <= env["greedy"] <= 1.0
+    assert "| RepeatPreviousMedium | 1 | - |" in out.stdout
+
+
+def test_not_a_run_directory_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "is not a run directory" in out.stderr
