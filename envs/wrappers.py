@@ -112,7 +112,9 @@ class PreviousAction(gym.Wrapper):
         super().__init__(env)
         act = env.action_space
         if not isinstance(act, (spaces.Discrete, spaces.MultiDiscrete, spaces.MultiBinary, spaces.Box)):
-            raise ValueError(f"PreviousAction needs a Discrete, MultiDiscrete, MultiBinary or Box action space, got {act}")
+            raise ValueError(
+                f"PreviousAction needs a Discrete, MultiDiscrete, MultiBinary or Box action space, got {act}"
+            )
         if isinstance(env.observation_space, spaces.Dict):
             raise ValueError(
                 "PreviousAction wraps an env whose observation is not already a Dict, got "

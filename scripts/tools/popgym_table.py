@@ -209,7 +209,9 @@ def plot(result: dict, out: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)")
+    parser.add_argument(
+        "runs", nargs="+", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)"
+    )
     parser.add_argument("--greedy-episodes", type=int, default=0, help="evaluate each run greedily over N episodes")
     parser.add_argument("--trust-config", action="store_true", help="passed to scripts/evaluate.py")
     parser.add_argument("--json", default=None, help="write the rows and the aggregate to this file")
