@@ -128,7 +128,7 @@ class PreviousAction(gym.Wrapper):
         if isinstance(act, spaces.Discrete):
             self._null = act.start
         elif isinstance(act, spaces.MultiDiscrete):
-            self._null = np.asarray(act.start if hasattr(act, "start") else 0) + np.zeros(act.shape, act.dtype)
+            self._null = np.array(act.start, dtype=act.dtype)
         elif isinstance(act, spaces.MultiBinary):
             self._null = np.zeros(act.shape, act.dtype)
         else:

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+from _runs import tiny
 
 from rl_replay.algorithms.schedules import entropy_coef_at
 from rl_replay.config import load_config
@@ -55,13 +56,7 @@ def test_a_schedule_that_cannot_run_is_refused_naming_the_key(overrides, match):
         cfg_of(*overrides)
 
 
-TINY = (
-    "env.id=CartPole-v1",
-    "env.num_envs=2",
-    "collector.num_steps=8",
-    "agent.kwargs={hidden_sizes: [16]}",
-    "log.progress=false",
-    "log.wandb_mode=disabled",
+SCHEDULE = (
     "checkpoint.every=0",
     "optim.anneal_lr=false",
     "loss.entropy_coef=0.05",
@@ -78,7 +73,7 @@ def rows(run_dir):
 @pytest.mark.parametrize("algorithm", ["a2c", "ppo"])
 def test_a_run_trains_with_the_scheduled_weight_and_a_resume_continues_it(tmp_path, algorithm):
     extra = (f"loss.algorithm={algorithm}", "ppo.num_minibatches=1")
-    build(load_config(None, [*TINY, *extra, "total_env_steps=96", f"run_dir={tmp_path / 'full'}"])).train()
+    build(tiny(tmp_path / "full", 6, *SCHEDULE, *extra)).train()
     full = rows(tmp_path / "full")
     # the weight of update u is the schedule's at the env steps before it (16 per update)
     expected = [0.05 + (0.01 - 0.05) * min(16 * u / 64, 1.0) for u in range(6)]
@@ -87,7 +82,7 @@ def test_a_run_trains_with_the_scheduled_weight_and_a_resume_continues_it(tmp_pa
         assert math.isclose(r["train/loss_entropy"], -r["train/entropy_coef"] * r["train/entropy"], rel_tol=1e-5)
 
     part = tmp_path / "part"
-    build(load_config(None, [*TINY, *extra, "total_env_steps=48", f"run_dir={part}"])).train()
+    build(tiny(part, 3, *SCHEDULE, *extra)).train()
     build(resume=part, overrides=("total_env_steps=96",)).train()
     resumed = rows(part)
     assert [r["update"] for r in resumed] == [1, 2, 3, 4, 5, 6]

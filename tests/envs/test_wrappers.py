@@ -71,3 +71,27 @@ def test_previous_action_without_the_flag_and_with_other_action_spaces():
 def test_previous_action_refuses_a_dict_observation():
     with pytest.raises(ValueError, match="not already a Dict"):
         PreviousAction(PreviousAction(gymnasium.make("CartPole-v1")))
+
+
+class _MultiDiscreteActions(gymnasium.Env):
+    """A one-step env whose actions are MultiDiscrete with a non-zero start."""
+
+    observation_space = gymnasium.spaces.Box(-1.0, 1.0, (2,), np.float32)
+    action_space = gymnasium.spaces.MultiDiscrete([3, 4], start=[1, -2])
+
+    def reset(self, *, seed=None, options=None):
+        super().reset(seed=seed)
+        return np.zeros(2, np.float32), {}
+
+    def step(self, action):
+        return np.ones(2, np.float32), 0.0, True, False, {}
+
+
+def test_previous_action_of_a_multi_discrete_space_starts_at_its_lowest_action():
+    env = PreviousAction(_MultiDiscreteActions())
+    obs, _ = env.reset(seed=0)
+    np.testing.assert_array_equal(obs["prev_action"], [1, -2])
+    assert env.observation_space.contains(obs)
+    obs, *_ = env.step(np.array([3, 1]))
+    np.testing.assert_array_equal(obs["prev_action"], [3, 1])
+    assert env.observation_space.contains(obs) and obs["is_first"] == 0
