@@ -152,6 +152,8 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
     if cfg.keep_freed_memory:
         keep_freed_memory()
     info, device = dist_utils.init_from_env(cfg.device, cfg.distributed.backend)
+    if info.distributed:
+        check_distributed_config(cfg)
     # Unwound (newest first) only if building fails: pop_all() hands everything to the trainer.
     with contextlib.ExitStack() as cleanup:
         lock: RunLock | None = None
@@ -340,6 +342,22 @@ def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor],
         ) from None
 
 
+def check_distributed_config(cfg: Config) -> None:
+    """Refuse settings a torchrun (FSDP) run cannot honour, before anything is built."""
+    if cfg.eval.every:
+        raise SetupError(
+            "eval.every is not supported under torchrun (FSDP's forward is collective and "
+            "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
+            "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR"
+        )
+    if cfg.log.horizon_every:
+        raise SetupError(
+            "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
+            "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
+            "with: python scripts/grad_horizon.py --run RUN_DIR"
+        )
+
+
 def _build_objects(
     cfg: Config,
     info: dist_utils.DistInfo,
@@ -376,18 +394,6 @@ def _build_objects(
         )
     elif cfg.distributed.cpu_offload:
         raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")
-    if info.distributed and cfg.eval.every:
-        raise SetupError(
-            "eval.every is not supported under torchrun (FSDP's forward is collective and "
-            "evaluation episodes end at different steps on different ranks). Set eval.every=0 "
-            "and evaluate the checkpoint with: python scripts/evaluate.py RUN_DIR"
-        )
-    if info.distributed and cfg.log.horizon_every:
-        raise SetupError(
-            "log.horizon_every is not supported under torchrun (it replays one rank's episode, "
-            "and FSDP's forward is collective). Set log.horizon_every=0 and measure a checkpoint "
-            "with: python scripts/grad_horizon.py --run RUN_DIR"
-        )
     optimizer = make_optimizer(model.parameters(), cfg.optim)
     reduce_sums = None
     if info.distributed:

@@ -20,6 +20,8 @@ from rl_replay.config import (
     save_config,
     validate,
 )
+from rl_replay.errors import SetupError
+from rl_replay.run.setup import check_distributed_config
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 YAML_FILES = sorted(CONFIG_DIR.glob("*.yaml")) + sorted(CONFIG_DIR.glob("*.yml"))
@@ -210,6 +212,29 @@ def test_pocartpole_and_fsdp_yaml():
     assert fs.agent.target == "transformer"
     assert fs.agent.kwargs == {"d_model": 256, "num_layers": 4, "num_heads": 4}
     assert fs.distributed.wrap_modules == ["TransformerEncoderLayer"] and fs.distributed.cpu_offload is False
+
+
+TORCHRUN_YAML = [p for p in YAML_FILES if "torchrun" in p.read_text().split("\n\n")[0]]
+
+
+def test_torchrun_configs_are_found():
+    assert {p.name for p in TORCHRUN_YAML} >= {"fsdp_transformer.yaml", "fsdp_gtrxl_memory_1024.yaml"}
+
+
+@pytest.mark.parametrize("path", TORCHRUN_YAML, ids=lambda p: p.name)
+def test_torchrun_configs_pass_the_distributed_checks(path):
+    # a config whose header says to launch it with torchrun must not be refused under torchrun
+    # (fsdp_gtrxl_memory_1024.yaml once inherited eval.every and log.horizon_every from its base)
+    check_distributed_config(load_config(path))
+
+
+def test_distributed_checks_refuse_eval_and_horizon():
+    cfg = load_config(CONFIG_DIR / "fsdp_transformer.yaml")
+    check_distributed_config(cfg)
+    with pytest.raises(SetupError, match=r"eval\.every is not supported under torchrun.*eval\.every=0"):
+        check_distributed_config(load_config(CONFIG_DIR / "fsdp_transformer.yaml", ["eval.every=5"]))
+    with pytest.raises(SetupError, match=r"log\.horizon_every is not supported under torchrun"):
+        check_distributed_config(load_config(CONFIG_DIR / "fsdp_transformer.yaml", ["log.horizon_every=3"]))
 
 
 def test_file_then_overrides_precedence(tmp_path):
