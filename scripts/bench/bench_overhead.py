@@ -57,7 +57,7 @@ SHIPPED = (
     ("GRU (memory_gru.yaml)", "configs/memory_gru.yaml", 512),
     ("LSTM (ppo_pocartpole_gru.yaml, lstm)", "configs/ppo_pocartpole_gru.yaml", 512),
     ("LRU (memory_1024.yaml)", "configs/memory_1024.yaml", 1026),
-    ("GTrXL, window 136 (ppo_memory_256_gtrxl.yaml)", "configs/ppo_memory_256_gtrxl.yaml", 258),
+    ("GTrXL, window 260 (ppo_memory_256_gtrxl.yaml)", "configs/ppo_memory_256_gtrxl.yaml", 258),
     ("GTrXL over LRU (memory_1024_gtrxl_lru.yaml)", "configs/memory_1024_gtrxl_lru.yaml", 1026),
 )
 
