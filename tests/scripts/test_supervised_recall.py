@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "tools" / "supervised_recall.py"
 
@@ -22,3 +26,49 @@ def test_a_window_that_reaches_the_cue_learns_it_and_one_that_does_not_stays_at_
     assert accuracy("--delay", "6", "--steps", "101", "gtrxl", agent % 8) == 1.0
     # the cue is 7 steps before the query; a window of 6 (one layer) cannot see it
     assert accuracy("--delay", "6", "--steps", "101", "--batch", "256", "gtrxl", agent % 6) < 0.65
+
+
+def test_repeat_previous_probe_learns_the_suit_within_reach_and_not_beyond():
+    # RepeatPrevious with k = 3 asks for the suit seen 2 steps back: a window of 4 holds it, a window of
+    # 1 (the last step and the step itself) does not
+    agent = "{d_model: 16, num_layers: 1, num_heads: 2, encoder_sizes: [16], window: %d}"
+    task = ("--task", "repeat_previous", "--k", "3", "--decks", "1", "--steps", "151", "--lr", "3e-3")
+    assert accuracy(*task, "gtrxl", agent % 4) > 0.9
+    assert accuracy(*task, "gtrxl", agent % 1) < 0.35
+
+
+def test_repeat_previous_labels_follow_the_real_envs_reward_rule():
+    # the probe's labels for the suits popgym's own RepeatPrevious shows (behind the table's wrapper),
+    # played back in that env, earn every reward it gives
+    pytest.importorskip("popgym")
+    from popgym.envs.repeat_previous import RepeatPrevious
+
+    from envs.wrappers import PreviousAction
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import supervised_recall
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    k, episodes = 5, 3
+    _, labelled, _ = supervised_recall.repeat_previous_batch(k, 1, 1, np.random.default_rng(0))
+    for seed in range(episodes):
+        # the env's episode for this seed, played once to read its suits (its cards do not depend on actions)
+        env = PreviousAction(RepeatPrevious(num_decks=1, k=k))
+        obs, _ = env.reset(seed=seed)
+        suits, done = [obs["obs"]], False
+        while not done:
+            obs, _, terminated, truncated, _ = env.step(0)
+            suits.append(obs["obs"])
+            done = terminated or truncated
+        suits_t = torch.as_tensor(suits[:-1]).reshape(-1, 1)  # the suit seen before each action
+        assert suits_t.shape == labelled.shape  # the probe's episode length is the env's
+        mask, labels = supervised_recall.repeat_previous_labels(suits_t, k)
+        assert torch.equal(mask, labelled)
+        obs, _ = env.reset(seed=seed)
+        rewards = []
+        for t in range(suits_t.shape[0]):
+            obs, reward, terminated, truncated, _ = env.step(int(labels[t, 0]))
+            rewards.append(reward)
+        assert terminated
+        assert all(r == 0 for r in rewards[: k - 1]) and all(r > 0 for r in rewards[k - 1 :]), rewards
