@@ -9,6 +9,8 @@ the query and the cue.
 one card's suit per step, ``52 * decks - 1`` steps) as the table's wrappers present them (a Dict of
 the suit, a random previous action and the is-first flag, each one-hot); every step from the
 ``k``-th on is labelled with the suit seen ``k - 1`` steps before it (the env's reward rule).
+``--task repeat_first``: the same episodes, every step labelled with the first suit (RepeatFirst's
+rule; Hard is ``--decks 16``).
 
 Batches of ``--batch`` fresh episodes, Adam; the loss and the accuracy every ``--every`` steps. If an
 agent reaches 100 % here but not under RL, the architecture and the replayed gradient are not what
@@ -53,7 +55,8 @@ def memory_cue_batch(delay: int, B: int):
 
 
 def repeat_previous_batch(k: int, decks: int, B: int, rng: np.random.Generator):
-    """RepeatPrevious-shaped episodes as the PreviousAction wrapper presents them (one-hot leaves)."""
+    """RepeatPrevious-shaped episodes as the PreviousAction wrapper presents them (one-hot leaves);
+    ``k = 0`` labels them as RepeatFirst does."""
     cards = 52 * decks
     T = cards - 1  # the env's episode length: it ends with one card left in the deck
     suits = np.stack([rng.permutation(np.repeat(np.arange(4), cards // 4)) for _ in range(B)], 1)[:T]
@@ -68,6 +71,9 @@ def repeat_previous_batch(k: int, decks: int, B: int, rng: np.random.Generator):
     obs = TensorDict(
         {"obs": one_hot(suits, 4), "prev_action": one_hot(prev, 4), "is_first": one_hot(first, 2)}, batch_size=[T, B]
     )
+    if k == 0:  # RepeatFirst: every step asks for the first suit
+        labels = torch.as_tensor(suits[:1]).expand(T, B).clone()
+        return obs, torch.ones(T, B, dtype=torch.bool), labels
     labelled, labels = repeat_previous_labels(torch.as_tensor(suits), k)
     return obs, labelled, labels
 
@@ -86,7 +92,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target", help="agent.target, e.g. gtrxl")
     parser.add_argument("kwargs", nargs="?", default="{}", help="agent.kwargs as YAML")
-    parser.add_argument("--task", choices=("memory_cue", "repeat_previous"), default="memory_cue")
+    parser.add_argument("--task", choices=("memory_cue", "repeat_previous", "repeat_first"), default="memory_cue")
     parser.add_argument("--delay", type=int, default=256, help="memory_cue: steps between the cue and the query")
     parser.add_argument("--k", type=int, default=32, help="repeat_previous: the env's k (Medium 32, Hard 64)")
     parser.add_argument("--decks", type=int, default=2, help="repeat_previous: decks (Medium 2, Hard 3)")
@@ -116,7 +122,8 @@ def main(argv=None) -> int:
         if args.task == "memory_cue":
             obs, labelled, labels = memory_cue_batch(args.delay, B)
         else:
-            obs, labelled, labels = repeat_previous_batch(args.k, args.decks, B, rng)
+            k = 0 if args.task == "repeat_first" else args.k
+            obs, labelled, labels = repeat_previous_batch(k, args.decks, B, rng)
         is_first = torch.zeros(labelled.shape, dtype=torch.bool)
         is_first[0] = True
         logits = agent(observation=obs, state=agent.initial_state(B), is_first=is_first)["outputs", "dist", "logits"]
