@@ -71,15 +71,15 @@ def repeat_previous_batch(k: int, decks: int, B: int, rng: np.random.Generator):
     obs = TensorDict(
         {"obs": one_hot(suits, 4), "prev_action": one_hot(prev, 4), "is_first": one_hot(first, 2)}, batch_size=[T, B]
     )
-    if k == 0:  # RepeatFirst: every step asks for the first suit
-        labels = torch.as_tensor(suits[:1]).expand(T, B).clone()
-        return obs, torch.ones(T, B, dtype=torch.bool), labels
     labelled, labels = repeat_previous_labels(torch.as_tensor(suits), k)
     return obs, labelled, labels
 
 
 def repeat_previous_labels(suits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The labelled steps and labels of RepeatPrevious for the (T, B) suits seen at each step."""
+    """The labelled steps and labels of RepeatPrevious for the (T, B) suits seen at each step;
+    ``k = 0``: RepeatFirst's (every step asks for the first suit)."""
+    if k == 0:
+        return torch.ones(suits.shape, dtype=torch.bool), suits[:1].expand(suits.shape).clone()
     # the env rewards the action at step t (0-based) for the suit seen at t - (k - 1), from t = k - 1 on
     labelled = torch.zeros(suits.shape, dtype=torch.bool)
     labelled[k - 1 :] = True

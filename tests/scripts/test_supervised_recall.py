@@ -72,3 +72,30 @@ def test_repeat_previous_labels_follow_the_real_envs_reward_rule():
             rewards.append(reward)
         assert terminated
         assert all(r == 0 for r in rewards[: k - 1]) and all(r > 0 for r in rewards[k - 1 :]), rewards
+
+
+def test_repeat_first_labels_follow_the_real_envs_reward_rule():
+    pytest.importorskip("popgym")
+    from popgym.envs.repeat_first import RepeatFirst
+
+    from envs.wrappers import PreviousAction
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import supervised_recall
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    env = PreviousAction(RepeatFirst(num_decks=1))
+    obs, _ = env.reset(seed=5)
+    suits, done = [obs["obs"]], False
+    while not done:
+        obs, _, terminated, truncated, _ = env.step(0)
+        suits.append(obs["obs"])
+        done = terminated or truncated
+    suits_t = torch.as_tensor(suits[:-1]).reshape(-1, 1)
+    mask, labels = supervised_recall.repeat_previous_labels(suits_t, 0)
+    assert mask.all() and (labels == suits_t[0]).all()
+    env.reset(seed=5)
+    rewards = [env.step(int(labels[t, 0]))[1] for t in range(suits_t.shape[0])]
+    assert all(r > 0 for r in rewards), rewards
+    assert any(int(s) != int(suits_t[0, 0]) for s in suits_t[:, 0])  # the rule is not "repeat the current card"
