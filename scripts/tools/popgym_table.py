@@ -11,8 +11,10 @@ environment), as Agarwal et al. (NeurIPS 2021, ``rliable``) recommend for suites
 
     python scripts/tools/popgym_table.py runs/popgym/* --greedy-episodes 100 --json out.json --plot out.png
 
-Runs are grouped by their config's ``env.id``. A run whose config you did not write evaluates
-under the same rules as ``scripts/evaluate.py`` (``--trust-config`` passes on).
+Runs are grouped by their config's ``env.id``; a row is one recipe's seeds, so runs of one env whose
+configs differ in anything but the seed, the run directory, the budget and logging, checkpointing or
+evaluation settings are refused (run the tool once per recipe). A run whose config you did not write
+evaluates under the same rules as ``scripts/evaluate.py`` (``--trust-config`` passes on).
 """
 
 from __future__ import annotations
@@ -84,11 +86,53 @@ def stratified_bootstrap_ci(
     return float(lo), float(hi)
 
 
-def env_id(run: Path) -> str:
-    """The run's ``env.id``, read from its config.yaml as data (nothing imported)."""
+#: Config keys (dotted prefixes) that may differ between the runs of one row.
+PER_RUN = ("seed", "run_dir", "total_env_steps", "torch_threads", "log.", "checkpoint.", "eval.")
+
+
+def run_config(run: Path):
+    """The run's config, read from its config.yaml as data (nothing imported)."""
     from rl_replay.config import loads_config
 
-    return loads_config((run / "config.yaml").read_bytes(), source=str(run / "config.yaml")).env.id
+    return loads_config((run / "config.yaml").read_bytes(), source=str(run / "config.yaml"))
+
+
+def env_id(run: Path) -> str:
+    """The run's ``env.id``."""
+    return run_config(run).env.id
+
+
+def _recipe(run: Path) -> dict[str, object]:
+    from rl_replay.config import config_to_dict
+
+    flat: dict[str, object] = {}
+
+    def walk(prefix: str, value: object) -> None:
+        if isinstance(value, dict) and value and prefix.count(".") < 3:
+            for key, sub in value.items():
+                walk(f"{prefix}{key}.", sub)
+        else:
+            flat[prefix.rstrip(".")] = value
+
+    walk("", config_to_dict(run_config(run)))
+    return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p) for p in PER_RUN)}
+
+
+def check_one_recipe_per_env(runs: list[Path]) -> None:
+    """Refuse runs of one env whose recipes differ: a row's mean is over one recipe's seeds."""
+    first: dict[str, tuple[Path, dict[str, object]]] = {}
+    for run in runs:
+        env, recipe = env_id(run), _recipe(run)
+        if env not in first:
+            first[env] = (run, recipe)
+            continue
+        other, seen = first[env]
+        differ = sorted(k for k in set(seen) | set(recipe) if seen.get(k) != recipe.get(k))
+        if differ:
+            raise SystemExit(
+                f"popgym_table: {other} and {run} are both {env} but their configs differ in "
+                f"{', '.join(differ)}: a row is one recipe's seeds. Run the tool once per recipe."
+            )
 
 
 def greedy_return(run: Path, episodes: int, trust: bool) -> float:
@@ -219,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{run} is not a run directory (it needs config.yaml and metrics.jsonl)")
     if args.greedy_episodes < 0:
         parser.error(f"--greedy-episodes must be >= 0, got {args.greedy_episodes}")
+    check_one_recipe_per_env(args.runs)  # before anything is evaluated
     result = table(args.runs, args.greedy_episodes, args.trust_config)
     print(markdown(result))
     if args.json:

@@ -116,3 +116,34 @@ def test_two_updates_of_a_shipped_popgym_config_and_its_table_row(tmp_path):
 def test_not_a_run_directory_is_one_line(tmp_path):
     out = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "is not a run directory" in out.stderr
+
+
+def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs(tmp_path):
+    # a row's mean is over one recipe's seeds: two recipes on one env would be averaged into one row
+    from rl_replay.config import save_config
+
+    base = load_config(ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml")
+    runs = {}
+    for name, overrides in {
+        "a": ["seed=1"],
+        "b": ["seed=2", "total_env_steps=1000", "log.wandb_mode=disabled"],  # per-run keys may differ
+        "c": ["seed=3", "loss.entropy_coef=0.01"],
+    }.items():
+        run = tmp_path / name
+        run.mkdir()
+        cfg = load_config(ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml", overrides)
+        assert cfg.env.id == base.env.id
+        save_config(cfg, run / "config.yaml")
+        (run / "metrics.jsonl").write_text("")
+        runs[name] = run
+    table_mod.check_one_recipe_per_env([runs["a"], runs["b"]])  # seeds, budget and logging differ: one recipe
+    with pytest.raises(SystemExit, match=r"are both popgym-RepeatPreviousMedium-v0.*differ in loss\.entropy_coef"):
+        table_mod.check_one_recipe_per_env([runs["a"], runs["b"], runs["c"]])
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(runs["a"]), str(runs["c"]), "--greedy-episodes", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode != 0 and "Run the tool once per recipe" in out.stderr
