@@ -102,7 +102,7 @@ def env_id(run: Path) -> str:
     return run_config(run).env.id
 
 
-def _recipe(run: Path) -> dict[str, object]:
+def _recipe(cfg) -> dict[str, object]:
     from rl_replay.config import config_to_dict
 
     flat: dict[str, object] = {}
@@ -114,7 +114,7 @@ def _recipe(run: Path) -> dict[str, object]:
         else:
             flat[prefix.rstrip(".")] = value
 
-    walk("", config_to_dict(run_config(run)))
+    walk("", config_to_dict(cfg))
     return {k: v for k, v in flat.items() if not any(k == p or k.startswith(p) for p in PER_RUN)}
 
 
@@ -122,7 +122,8 @@ def check_one_recipe_per_env(runs: list[Path]) -> None:
     """Refuse runs of one env whose recipes differ: a row's mean is over one recipe's seeds."""
     first: dict[str, tuple[Path, dict[str, object]]] = {}
     for run in runs:
-        env, recipe = env_id(run), _recipe(run)
+        cfg = run_config(run)
+        env, recipe = cfg.env.id, _recipe(cfg)
         if env not in first:
             first[env] = (run, recipe)
             continue

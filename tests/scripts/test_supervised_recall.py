@@ -21,6 +21,28 @@ def accuracy(*args: str) -> float:
     return float(re.findall(r"accuracy ([\d.]+)", proc.stdout)[-1])
 
 
+def _probe():
+    """scripts/tools/supervised_recall.py as a module."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import supervised_recall
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    return supervised_recall
+
+
+def _suits_seen(env, seed: int) -> torch.Tensor:
+    """The (T, 1) suits a card env shows before each action of its episode for ``seed`` (they do not
+    depend on the actions)."""
+    obs, _ = env.reset(seed=seed)
+    suits, done = [obs["obs"]], False
+    while not done:
+        obs, _, terminated, truncated, _ = env.step(0)
+        suits.append(obs["obs"])
+        done = terminated or truncated
+    return torch.as_tensor(suits[:-1]).reshape(-1, 1)
+
+
 def test_a_window_that_reaches_the_cue_learns_it_and_one_that_does_not_stays_at_chance():
     agent = "{d_model: 16, num_layers: 1, num_heads: 2, encoder_sizes: [16], window: %d}"
     assert accuracy("--delay", "6", "--steps", "101", "gtrxl", agent % 8) == 1.0
@@ -45,23 +67,13 @@ def test_repeat_previous_labels_follow_the_real_envs_reward_rule():
 
     from envs.wrappers import PreviousAction
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import supervised_recall
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    supervised_recall = _probe()
     k, episodes = 5, 3
     _, labelled, _ = supervised_recall.repeat_previous_batch(k, 1, 1, np.random.default_rng(0))
     for seed in range(episodes):
         # the env's episode for this seed, played once to read its suits (its cards do not depend on actions)
         env = PreviousAction(RepeatPrevious(num_decks=1, k=k))
-        obs, _ = env.reset(seed=seed)
-        suits, done = [obs["obs"]], False
-        while not done:
-            obs, _, terminated, truncated, _ = env.step(0)
-            suits.append(obs["obs"])
-            done = terminated or truncated
-        suits_t = torch.as_tensor(suits[:-1]).reshape(-1, 1)  # the suit seen before each action
+        suits_t = _suits_seen(env, seed)
         assert suits_t.shape == labelled.shape  # the probe's episode length is the env's
         mask, labels = supervised_recall.repeat_previous_labels(suits_t, k)
         assert torch.equal(mask, labelled)
@@ -80,19 +92,9 @@ def test_repeat_first_labels_follow_the_real_envs_reward_rule():
 
     from envs.wrappers import PreviousAction
 
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import supervised_recall
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
+    supervised_recall = _probe()
     env = PreviousAction(RepeatFirst(num_decks=1))
-    obs, _ = env.reset(seed=5)
-    suits, done = [obs["obs"]], False
-    while not done:
-        obs, _, terminated, truncated, _ = env.step(0)
-        suits.append(obs["obs"])
-        done = terminated or truncated
-    suits_t = torch.as_tensor(suits[:-1]).reshape(-1, 1)
+    suits_t = _suits_seen(env, 5)
     mask, labels = supervised_recall.repeat_previous_labels(suits_t, 0)
     assert mask.all() and (labels == suits_t[0]).all()
     env.reset(seed=5)
