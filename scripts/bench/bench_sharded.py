@@ -179,7 +179,11 @@ def main(argv=None) -> int:
         # can abort ("terminate called without an active exception").
         dist.barrier()
         dist.destroy_process_group()
-        return 0
+        # Skip interpreter finalisation too: gloo's C++ teardown there aborts now and then, after
+        # all work is done (as rl_replay's own CLI does).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     policy = SMOKE if args.smoke else FULL
     if args.smoke:
         args.T, args.envs, args.block_steps = [18], 2, 4
