@@ -180,7 +180,14 @@ def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False) -> di
     aggregate = None
     if strata:
         point = iqm(np.concatenate(strata))
-        aggregate = {"iqm": point, "ci95": stratified_bootstrap_ci(strata), "envs": len(strata)}
+        aggregate = {
+            "iqm": point,
+            "ci95": stratified_bootstrap_ci(strata),
+            "envs": len(strata),
+            # A stratum of one run resamples to itself: the interval carries none of that env's
+            # seed-to-seed spread, so it is too narrow by an unknown amount (reported, not hidden).
+            "single_run_envs": sum(1 for s in strata if s.size == 1),
+        }
         paper = [[PAPER[e["env"]][0], PAPER[e["env"]][2]] for e in envs if e["env"] in PAPER and e["mmer"] is not None]
         if paper:  # the paper's per-env means over the same envs (its trials are not published)
             aggregate["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
@@ -207,6 +214,11 @@ def markdown(result: dict) -> str:
     if agg:
         lo, hi = agg["ci95"]
         lines.append(f"\nIQM of MMER over {agg['envs']} envs: {agg['iqm']:.3f} (95 % CI {lo:.3f} to {hi:.3f})")
+        if agg.get("single_run_envs"):
+            lines.append(
+                f"{agg['single_run_envs']} of the {agg['envs']} envs have one run, which the bootstrap cannot "
+                "resample: the interval leaves out their seed-to-seed spread and is too narrow (run >= 2 seeds each)"
+            )
         if "paper_gru_iqm" in agg:
             lines.append(
                 f"the paper's per-env means over the same envs: GRU {agg['paper_gru_iqm']:.3f}, best model "

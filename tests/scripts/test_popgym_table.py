@@ -147,3 +147,27 @@ def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs
         cwd=ROOT,
     )
     assert out.returncode != 0 and "Run the tool once per recipe" in out.stderr
+
+
+def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resample(tmp_path):
+    from rl_replay.config import save_config
+
+    def run(name, config, seed, score):
+        d = tmp_path / name
+        d.mkdir()
+        save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
+        d.joinpath("metrics.jsonl").write_text(
+            json.dumps({"env_steps": 1000, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
+        )
+        return d
+
+    two = [run("a1", "higher_lower_easy.yaml", 1, 0.50), run("a2", "higher_lower_easy.yaml", 2, 0.30)]
+    one = [run("b1", "autoencode_easy.yaml", 1, -0.40)]
+    result = table_mod.table(two + one)
+    assert [e["mmer"] for e in result["envs"]] == [pytest.approx(-0.40), pytest.approx(0.40)]
+    assert result["aggregate"]["single_run_envs"] == 1
+    assert "1 of the 2 envs have one run" in table_mod.markdown(result)
+    run("b2", "autoencode_easy.yaml", 2, -0.20)
+    both = table_mod.table(two + [tmp_path / "b1", tmp_path / "b2"])
+    assert both["aggregate"]["single_run_envs"] == 0
+    assert "have one run" not in table_mod.markdown(both)
