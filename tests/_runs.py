@@ -109,3 +109,26 @@ def wait_for_metrics(run_dir, proc, timeout=TIMEOUT):
             return
         time.sleep(0.05)
     pytest.fail(f"no metrics line before the deadline (returncode {proc.poll()})")
+
+
+def tiny_popgym_run(run_dir, updates: int):
+    """Train ``updates`` updates of configs/popgym/repeat_previous_medium.yaml with a small agent
+    (8 whole 103-step episodes per update) into ``run_dir``; returns the closed trainer."""
+    from rl_replay.run.setup import build
+
+    cfg = load_config(
+        REPO / "configs" / "popgym" / "repeat_previous_medium.yaml",
+        [
+            "log.wandb_mode=disabled",
+            "log.progress=false",
+            "env.num_envs=8",
+            "ppo.num_minibatches=2",
+            f"total_env_steps={824 * updates}",
+            "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: gru, recurrent_size: 8}",
+            f"run_dir={run_dir}",
+        ],
+    )
+    trainer = build(cfg)
+    trainer.train()
+    trainer.close()
+    return trainer

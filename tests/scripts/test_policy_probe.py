@@ -16,24 +16,10 @@ SCRIPT = ROOT / "scripts" / "tools" / "policy_probe.py"
 
 def test_the_probe_reads_a_trained_popgym_run(tmp_path):
     pytest.importorskip("popgym")
-    from rl_replay.run.setup import build
+    from _runs import tiny_popgym_run
 
     run = tmp_path / "run"
-    cfg = load_config(
-        ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml",
-        [
-            "log.wandb_mode=disabled",
-            "log.progress=false",
-            "env.num_envs=8",
-            "ppo.num_minibatches=2",
-            "total_env_steps=824",  # one update of 8 whole 103-step episodes
-            "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: gru, recurrent_size: 8}",
-            f"run_dir={run}",
-        ],
-    )
-    trainer = build(cfg)
-    trainer.train()
-    trainer.close()
+    tiny_popgym_run(run, updates=1)
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(run), "--episodes", "3", "--lags", "31", "32"],
         capture_output=True,

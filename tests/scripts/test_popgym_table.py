@@ -77,25 +77,11 @@ def test_a_config_per_env_of_the_papers_table():
 
 def test_two_updates_of_a_shipped_popgym_config_and_its_table_row(tmp_path):
     pytest.importorskip("popgym")
-    from rl_replay.run.setup import build
+    from _runs import tiny_popgym_run
 
     run = tmp_path / "run"
-    cfg = load_config(
-        ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml",
-        [
-            "log.wandb_mode=disabled",
-            "log.progress=false",
-            "env.num_envs=8",
-            "ppo.num_minibatches=2",
-            "total_env_steps=1648",  # two updates of 8 whole 103-step episodes
-            "agent.kwargs={d_model: 8, num_heads: 2, window: 4, recurrence: gru, recurrent_size: 8}",
-            f"run_dir={run}",
-        ],
-    )
-    trainer = build(cfg)
+    trainer = tiny_popgym_run(run, updates=2)
     assert set(trainer.collector.envs.single_observation_space.spaces) == {"obs", "prev_action", "is_first"}
-    trainer.train()
-    trainer.close()
     assert trainer.update == 2
     out = subprocess.run(
         [sys.executable, str(SCRIPT), str(run), "--greedy-episodes", "4", "--json", str(tmp_path / "t.json")],
