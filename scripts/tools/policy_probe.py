@@ -5,8 +5,8 @@ training, and prints:
 
 - the action histogram and the policy's mean entropy;
 - how often the action equals the previous action, and how often it equals the card shown ``lag``
-  steps before (``--lags``; POPGym's RepeatPrevious asks for ``k - 1`` steps back, RepeatFirst for
-  the first card), beside chance;
+  steps before (``--lags``; POPGym's RepeatPrevious asks for ``k - 1`` steps back) and the card the
+  episode opened with (RepeatFirst's answer), beside chance;
 - how much the value and the action probabilities change when only the previous action on the
   observation is changed: every state of the episodes is evaluated again with each possible
   previous action, the same recurrent state and the same step.
@@ -116,6 +116,8 @@ def _play(agent, envs, convert, n: int, lags: list[int], seed: int, max_steps: i
         "histogram": (np.bincount(act[mask], minlength=n) / mask.sum()).tolist(),
         "repeats_previous_action": float((act[1:] == act[:-1])[both].mean()),
         "agrees_with_card": {lag: agree(lag) for lag in sorted({0, *lags}) if lag < len(card)},
+        # RepeatFirst's answer: the card each episode opened with
+        "agrees_with_first_card": float((act == card[:1])[mask].mean()),
         "chance": 1.0 / n,
         "value_spread_over_previous_action": float(np.concatenate(value_spread).mean()) if value_spread else None,
         "value_std_across_envs": float(np.mean(value_std)) if value_std else None,
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"action == previous action: {r['repeats_previous_action']:.3f} (chance {r['chance']:.3f})")
     for lag, frac in r["agrees_with_card"].items():
         print(f"action == card {lag} steps back: {frac:.3f} (chance {r['chance']:.3f})")
+    print(f"action == the episode's first card: {r['agrees_with_first_card']:.3f} (chance {r['chance']:.3f})")
     if r["value_spread_over_previous_action"] is not None:
         print(
             f"changing only the previous action: value spread {r['value_spread_over_previous_action']:.4f} "
