@@ -3,7 +3,10 @@
 For each run directory: **MMER** as Morad et al. (ICLR 2023) report it, the maximum over training
 of the mean return of the last 100 training episodes (stochastic policy; the trainer's
 ``rollout/return_recent``, counted once 100 episodes have ended, as RLlib's
-``episode_reward_mean`` over 100 episodes), and with ``--greedy-episodes N`` the mean return of N
+``episode_reward_mean`` over 100 episodes). RLlib reports that mean once per training iteration,
+one 65,536-step batch in the paper, so the maximum is taken at the same cadence: at the first update
+at or past each multiple of ``--report-every`` env steps (65,536; 0 reads every update, whose more
+frequent and noisier means bias a maximum upwards). With with ``--greedy-episodes N`` the mean return of N
 greedy episodes of the final checkpoint (``scripts/evaluate.py``). Per environment: the mean over
 its runs (seeds), beside the paper's GRU and best model. Across environments: the interquartile
 mean (IQM) of all runs' MMER with a 95 % stratified-bootstrap interval (runs resampled within each
@@ -44,14 +47,20 @@ PAPER = {
 }
 
 WINDOW = 100  # episodes in the mean the MMER maximises over
+REPORT_EVERY = 65_536  # env steps per RLlib training iteration in the paper (its train batch)
 
 
-def mmer(records: list[dict]) -> float | None:
+def mmer(records: list[dict], report_every: int = REPORT_EVERY) -> float | None:
     """Max over training of the mean return of the last 100 training episodes, from the first
-    record at which 100 episodes have ended (None if a run never got there)."""
-    ended, best = 0.0, None
+    record at which 100 episodes have ended (None if a run never got there), read at the first
+    record at or past each multiple of ``report_every`` env steps (0: every record)."""
+    ended, best, next_report = 0.0, None, report_every
     for r in records:
         ended += r.get("rollout/episodes") or 0.0
+        if report_every:
+            if r["env_steps"] < next_report:
+                continue
+            next_report = (r["env_steps"] // report_every + 1) * report_every
         value = r.get("rollout/return_recent")
         if ended >= WINDOW and value is not None:
             best = value if best is None else max(best, value)
@@ -147,14 +156,14 @@ def greedy_return(run: Path, episodes: int, trust: bool) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["return_mean"])
 
 
-def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False) -> dict:
+def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False, report_every: int = REPORT_EVERY) -> dict:
     """Per-run and per-environment rows and the aggregate (see the module's docstring)."""
     by_env: dict[str, list[dict]] = defaultdict(list)
     for run in runs:
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
         row = {
             "run": str(run),
-            "mmer": mmer(records),
+            "mmer": mmer(records, report_every),
             "env_steps": records[-1]["env_steps"] if records else 0,
             "greedy": greedy_return(run, greedy_episodes, trust) if greedy_episodes else None,
         }
@@ -192,7 +201,7 @@ def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False) -> di
         if paper:  # the paper's per-env means over the same envs (its trials are not published)
             aggregate["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
             aggregate["paper_best_iqm"] = iqm(np.array([p[1] for p in paper]))
-    return {"envs": envs, "aggregate": aggregate}
+    return {"envs": envs, "aggregate": aggregate, "report_every": report_every}
 
 
 def _fmt(x) -> str:
@@ -210,6 +219,8 @@ def markdown(result: dict) -> str:
         lines.append(
             f"| {name} | {len(e['runs'])} | {_fmt(e['mmer'])} | {_fmt(e['greedy'])} | {_fmt(e['paper_gru'])} | {best} |"
         )
+    every = result.get("report_every")
+    lines.append(f"\nMMER read {f'every {every:,} env steps' if every else 'at every update'}")
     agg = result["aggregate"]
     if agg:
         lo, hi = agg["ci95"]
@@ -267,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         "runs", nargs="+", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)"
     )
     parser.add_argument("--greedy-episodes", type=int, default=0, help="evaluate each run greedily over N episodes")
+    parser.add_argument(
+        "--report-every",
+        type=int,
+        default=REPORT_EVERY,
+        help="read the mean of the last 100 episodes once per this many env steps, as RLlib reports it "
+        "once per training batch (default: the paper's 65,536; 0 = every update)",
+    )
     parser.add_argument("--trust-config", action="store_true", help="passed to scripts/evaluate.py")
     parser.add_argument("--json", default=None, help="write the rows and the aggregate to this file")
     parser.add_argument("--plot", default=None, help="draw the table to this image (needs matplotlib)")
@@ -276,8 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{run} is not a run directory (it needs config.yaml and metrics.jsonl)")
     if args.greedy_episodes < 0:
         parser.error(f"--greedy-episodes must be >= 0, got {args.greedy_episodes}")
+    if args.report_every < 0:
+        parser.error(f"--report-every must be >= 0 env steps (0 = every update), got {args.report_every}")
     check_one_recipe_per_env(args.runs)  # before anything is evaluated
-    result = table(args.runs, args.greedy_episodes, args.trust_config)
+    result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every)
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

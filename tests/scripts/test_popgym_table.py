@@ -30,9 +30,27 @@ def rows(*pairs):
 
 def test_mmer_is_the_best_mean_of_100_episodes_counted_once_100_have_ended():
     # 60 episodes at 0.9 (a lucky start) do not count; from 100 on the best mean does
-    assert table_mod.mmer(rows((60, 0.9), (30, 0.2), (20, 0.5), (50, 0.4), (50, None))) == 0.5
-    assert table_mod.mmer(rows((60, 0.9), (30, 0.2))) is None  # never 100 episodes
-    assert table_mod.mmer([]) is None
+    every = {"report_every": 0}  # every record is a report
+    assert table_mod.mmer(rows((60, 0.9), (30, 0.2), (20, 0.5), (50, 0.4), (50, None)), **every) == 0.5
+    assert table_mod.mmer(rows((60, 0.9), (30, 0.2)), **every) is None  # never 100 episodes
+    assert table_mod.mmer([], **every) is None
+
+
+def test_mmer_reads_the_mean_once_per_report_interval_as_rllib_reports_it():
+    # a record every 100 env steps, a report every 250: read at the first record at or past 250,
+    # 500 and 750, i.e. at 300, 500 and 800; the 0.95 at 400 falls between reports
+    runs = rows((100, 0.1), (10, 0.2), (10, 0.3), (10, 0.4), (10, 0.95), (10, 0.5), (10, 0.6), (10, 0.55), (10, 0.7))
+    assert [r["env_steps"] for r in runs] == [0, 100, 200, 300, 400, 500, 600, 700, 800]
+    assert table_mod.mmer(runs, report_every=250) == 0.7
+    assert table_mod.mmer(runs[:8], report_every=250) == 0.5  # 700 is short of 750: reports at 300, 500
+    assert table_mod.mmer(runs, report_every=0) == 0.95
+    assert table_mod.REPORT_EVERY == 65_536  # the paper's train batch, the default
+    # a record past several multiples (a long update) is one report; the next is the multiple after it
+    jumpy = [
+        {"env_steps": s, "rollout/episodes": 100, "rollout/return_recent": v}
+        for s, v in [(0, 0.0), (900, 0.3), (950, 0.9), (1000, 0.4)]
+    ]
+    assert table_mod.mmer(jumpy, report_every=250) == 0.4  # reads 900 and 1000, not 0 (< 250) or 950
 
 
 def test_iqm_is_the_mean_of_the_middle_half():
@@ -97,6 +115,7 @@ def test_two_updates_of_a_shipped_popgym_config_and_its_table_row(tmp_path):
     assert env["mmer"] is None  # 16 episodes: not 100 yet
     assert -1.0 <= env["greedy"] <= 1.0
     assert "| RepeatPreviousMedium | 1 | - |" in out.stdout
+    assert "MMER read every 65,536 env steps" in out.stdout and result["report_every"] == 65_536
 
 
 def test_not_a_run_directory_is_one_line(tmp_path):
@@ -143,7 +162,7 @@ def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resampl
         d.mkdir()
         save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
         d.joinpath("metrics.jsonl").write_text(
-            json.dumps({"env_steps": 1000, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
+            json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
         )
         return d
 
