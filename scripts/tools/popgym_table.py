@@ -6,7 +6,7 @@ of the mean return of the last 100 training episodes (stochastic policy; the tra
 ``episode_reward_mean`` over 100 episodes). RLlib reports that mean once per training iteration,
 one 65,536-step batch in the paper, so the maximum is taken at the same cadence: at the first update
 at or past each multiple of ``--report-every`` env steps (65,536; 0 reads every update, whose more
-frequent and noisier means bias a maximum upwards). With with ``--greedy-episodes N`` the mean return of N
+frequent and noisier means bias a maximum upwards). With ``--greedy-episodes N`` the mean return of N
 greedy episodes of the final checkpoint (``scripts/evaluate.py``). Per environment: the mean over
 its runs (seeds), beside the paper's GRU and best model. Across environments: the interquartile
 mean (IQM) of all runs' MMER with a 95 % stratified-bootstrap interval (runs resampled within each

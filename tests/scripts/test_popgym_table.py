@@ -112,7 +112,7 @@ def test_two_updates_of_a_shipped_popgym_config_and_its_table_row(tmp_path):
     result = json.loads((tmp_path / "t.json").read_text())
     (env,) = result["envs"]
     assert env["env"] == "popgym-RepeatPreviousMedium-v0" and env["paper_best"] == 0.789
-    assert env["mmer"] is None  # 16 episodes: not 100 yet
+    assert env["mmer"] is None  # 16 episodes, not 100, and short of the first report at 65,536 env steps
     assert -1.0 <= env["greedy"] <= 1.0
     assert "| RepeatPreviousMedium | 1 | - |" in out.stdout
     assert "MMER read every 65,536 env steps" in out.stdout and result["report_every"] == 65_536
