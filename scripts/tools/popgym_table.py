@@ -18,6 +18,10 @@ Runs are grouped by their config's ``env.id``; a row is one recipe's seeds, so r
 configs differ in anything but the seed, the run directory, the budget and logging, checkpointing or
 evaluation settings are refused (run the tool once per recipe). A run whose config you did not write
 evaluates under the same rules as ``scripts/evaluate.py`` (``--trust-config`` passes on).
+
+A table outlives its run directories: ``--with T.json`` (a table this tool wrote) brings in its rows
+for the envs none of the given runs is of, so a row run again replaces its earlier one and the
+aggregate is taken over them all (``docs/popgym_table.json`` holds the shipped configs' table).
 """
 
 from __future__ import annotations
@@ -156,8 +160,53 @@ def greedy_return(run: Path, episodes: int, trust: bool) -> float:
     return float(json.loads(out.stdout.strip().splitlines()[-1])["return_mean"])
 
 
-def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False, report_every: int = REPORT_EVERY) -> dict:
-    """Per-run and per-environment rows and the aggregate (see the module's docstring)."""
+def env_row(env: str, rows: list[dict]) -> dict:
+    """One environment's row: its runs, their mean MMER and greedy return, the paper's scores."""
+    scored = [r["mmer"] for r in rows if r["mmer"] is not None]
+    greedy = [r["greedy"] for r in rows if r.get("greedy") is not None]
+    gru, best_name, best = PAPER.get(env, (None, None, None))
+    return {
+        "env": env,
+        "runs": rows,
+        "mmer": float(np.mean(scored)) if scored else None,
+        "greedy": float(np.mean(greedy)) if greedy else None,
+        "paper_gru": gru,
+        "paper_best": best,
+        "paper_best_model": best_name,
+    }
+
+
+def aggregate(envs: list[dict]) -> dict | None:
+    """IQM of every run's MMER over ``envs`` with its stratified-bootstrap interval, and the
+    paper's per-env means over the same envs (None when no run has an MMER)."""
+    strata = [np.array([r["mmer"] for r in e["runs"] if r["mmer"] is not None]) for e in envs]
+    strata = [s for s in strata if s.size]
+    if not strata:
+        return None
+    result = {
+        "iqm": iqm(np.concatenate(strata)),
+        "ci95": stratified_bootstrap_ci(strata),
+        "envs": len(strata),
+        # A stratum of one run resamples to itself: the interval carries none of that env's
+        # seed-to-seed spread, so it is too narrow by an unknown amount (reported, not hidden).
+        "single_run_envs": sum(1 for s in strata if s.size == 1),
+    }
+    paper = [[PAPER[e["env"]][0], PAPER[e["env"]][2]] for e in envs if e["env"] in PAPER and e["mmer"] is not None]
+    if paper:  # the paper's per-env means over the same envs (its trials are not published)
+        result["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
+        result["paper_best_iqm"] = iqm(np.array([p[1] for p in paper]))
+    return result
+
+
+def table(
+    runs: list[Path],
+    greedy_episodes: int = 0,
+    trust: bool = False,
+    report_every: int = REPORT_EVERY,
+    earlier: list[dict] | None = None,
+) -> dict:
+    """Per-run and per-environment rows and the aggregate (see the module's docstring); the rows of
+    ``earlier`` (env rows of tables this tool wrote) join for the envs none of ``runs`` is of."""
     by_env: dict[str, list[dict]] = defaultdict(list)
     for run in runs:
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -168,40 +217,37 @@ def table(runs: list[Path], greedy_episodes: int = 0, trust: bool = False, repor
             "greedy": greedy_return(run, greedy_episodes, trust) if greedy_episodes else None,
         }
         by_env[env_id(run)].append(row)
-    envs = []
-    for env, rows in sorted(by_env.items()):
-        scored = [r["mmer"] for r in rows if r["mmer"] is not None]
-        greedy = [r["greedy"] for r in rows if r["greedy"] is not None]
-        gru, best_name, best = PAPER.get(env, (None, None, None))
-        envs.append(
-            {
-                "env": env,
-                "runs": rows,
-                "mmer": float(np.mean(scored)) if scored else None,
-                "greedy": float(np.mean(greedy)) if greedy else None,
-                "paper_gru": gru,
-                "paper_best": best,
-                "paper_best_model": best_name,
-            }
+    rows = {env: env_row(env, env_runs) for env, env_runs in by_env.items()}
+    for e in earlier or []:
+        if e["env"] not in rows:  # a row run again replaces the earlier one
+            rows[e["env"]] = {**env_row(e["env"], e["runs"]), "greedy": e.get("greedy")}
+    envs = [rows[env] for env in sorted(rows)]
+    return {"envs": envs, "aggregate": aggregate(envs), "report_every": report_every}
+
+
+def read_earlier(path: Path, report_every: int) -> list[dict]:
+    """The env rows of a table this tool wrote with ``--json``, checked before anything runs."""
+    where = f"popgym_table: --with {path}"
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"{where}: not a table this tool wrote ({err}); pass the file --json wrote") from None
+    envs = data.get("envs") if isinstance(data, dict) else None
+    if not isinstance(envs, list) or not all(
+        isinstance(e, dict) and isinstance(e.get("env"), str) and isinstance(e.get("runs"), list) for e in envs
+    ):
+        raise SystemExit(f"{where}: no 'envs' list of rows with 'env' and 'runs'; pass the file --json wrote")
+    for e in envs:
+        for r in e["runs"]:
+            if not isinstance(r, dict) or not (r.get("mmer") is None or isinstance(r["mmer"], (int, float))):
+                raise SystemExit(f"{where}: a run of {e['env']} has no numeric 'mmer'; pass the file --json wrote")
+    if data.get("report_every") != report_every:
+        raise SystemExit(
+            f"{where}: its MMER was read every {data.get('report_every')} env steps, this table's every "
+            f"{report_every}: a maximum over a different cadence is not comparable (pass --report-every "
+            f"{data.get('report_every')} or rebuild that table from its runs)"
         )
-    strata = [np.array([r["mmer"] for r in e["runs"] if r["mmer"] is not None]) for e in envs]
-    strata = [s for s in strata if s.size]
-    aggregate = None
-    if strata:
-        point = iqm(np.concatenate(strata))
-        aggregate = {
-            "iqm": point,
-            "ci95": stratified_bootstrap_ci(strata),
-            "envs": len(strata),
-            # A stratum of one run resamples to itself: the interval carries none of that env's
-            # seed-to-seed spread, so it is too narrow by an unknown amount (reported, not hidden).
-            "single_run_envs": sum(1 for s in strata if s.size == 1),
-        }
-        paper = [[PAPER[e["env"]][0], PAPER[e["env"]][2]] for e in envs if e["env"] in PAPER and e["mmer"] is not None]
-        if paper:  # the paper's per-env means over the same envs (its trials are not published)
-            aggregate["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
-            aggregate["paper_best_iqm"] = iqm(np.array([p[1] for p in paper]))
-    return {"envs": envs, "aggregate": aggregate, "report_every": report_every}
+    return envs
 
 
 def _fmt(x) -> str:
@@ -275,7 +321,16 @@ def plot(result: dict, out: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "runs", nargs="+", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)"
+        "runs", nargs="*", type=Path, help="run directories (config.yaml, metrics.jsonl, checkpoint.pt)"
+    )
+    parser.add_argument(
+        "--with",
+        dest="earlier",
+        type=Path,
+        action="append",
+        default=[],
+        help="a table this tool wrote with --json: its rows join for the envs none of the runs is of "
+        "(rows whose run directories are elsewhere or gone); repeatable",
     )
     parser.add_argument("--greedy-episodes", type=int, default=0, help="evaluate each run greedily over N episodes")
     parser.add_argument(
@@ -289,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the rows and the aggregate to this file")
     parser.add_argument("--plot", default=None, help="draw the table to this image (needs matplotlib)")
     args = parser.parse_args(argv)
+    if not args.runs and not args.earlier:
+        parser.error("give run directories, --with TABLE.json, or both")
     for run in args.runs:
         if not (run / "metrics.jsonl").is_file() or not (run / "config.yaml").is_file():
             parser.error(f"{run} is not a run directory (it needs config.yaml and metrics.jsonl)")
@@ -297,7 +354,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.report_every < 0:
         parser.error(f"--report-every must be >= 0 env steps (0 = every update), got {args.report_every}")
     check_one_recipe_per_env(args.runs)  # before anything is evaluated
-    result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every)
+    earlier = [e for path in args.earlier for e in read_earlier(path, args.report_every)]
+    seen = [e["env"] for e in earlier]
+    if len(set(seen)) != len(seen):
+        twice = sorted({env for env in seen if seen.count(env) > 1})
+        parser.error(f"--with files hold rows of {', '.join(twice)} more than once: pass one table per env")
+    result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every, earlier)
     print(markdown(result))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

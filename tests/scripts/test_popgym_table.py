@@ -176,3 +176,84 @@ def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resampl
     both = table_mod.table(two + [tmp_path / "b1", tmp_path / "b2"])
     assert both["aggregate"]["single_run_envs"] == 0
     assert "have one run" not in table_mod.markdown(both)
+
+
+def _fake_run(tmp_path, name, config, seed, score):
+    from rl_replay.config import save_config
+
+    d = tmp_path / name
+    d.mkdir()
+    save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
+    d.joinpath("metrics.jsonl").write_text(
+        json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
+    )
+    return d
+
+
+def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_covers_all(tmp_path):
+    hl = [_fake_run(tmp_path, f"h{s}", "higher_lower_easy.yaml", s, x) for s, x in [(1, 0.5), (2, 0.3)]]
+    ae = [_fake_run(tmp_path, f"a{s}", "autoencode_easy.yaml", s, x) for s, x in [(1, -0.4), (2, -0.2)]]
+    earlier = tmp_path / "earlier.json"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, hl + ae), "--json", str(earlier)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    # HigherLower run again with new seeds: its new row replaces the earlier one, AutoencodeEasy's stays
+    new_hl = [_fake_run(tmp_path, f"n{s}", "higher_lower_easy.yaml", s, x) for s, x in [(1, 0.9), (2, 0.7)]]
+    merged = tmp_path / "merged.json"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, new_hl), "--with", str(earlier), "--json", str(merged)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(merged.read_text())
+    rows = {e["env"]: e for e in result["envs"]}
+    assert rows["popgym-HigherLowerEasy-v0"]["mmer"] == pytest.approx(0.8)
+    assert [r["run"] for r in rows["popgym-HigherLowerEasy-v0"]["runs"]] == [str(d) for d in new_hl]
+    assert rows["popgym-AutoencodeEasy-v0"]["mmer"] == pytest.approx(-0.3)
+    # the aggregate is over all four runs, as if they had been given together
+    direct = table_mod.table(new_hl + ae)
+    assert result["aggregate"]["iqm"] == pytest.approx(direct["aggregate"]["iqm"])
+    assert result["aggregate"]["ci95"] == pytest.approx(list(direct["aggregate"]["ci95"]))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("not json", "not a table this tool wrote"),
+        (json.dumps({"envs": [{"env": "x"}], "report_every": 65_536}), "no 'envs' list"),
+        (json.dumps({"envs": [{"env": "x", "runs": [{"mmer": "high"}]}], "report_every": 65_536}), "no numeric 'mmer'"),
+        (json.dumps({"envs": [], "report_every": 0}), "read every 0 env steps, this table's every 65536"),
+    ],
+)
+def test_an_earlier_table_that_is_not_one_is_refused_naming_why(tmp_path, content, message):
+    bad = tmp_path / "t.json"
+    bad.write_text(content)
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--with", str(bad), "--json", str(tmp_path / "out.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and message in out.stderr
+    assert not (tmp_path / "out.json").exists()
+
+
+def test_two_earlier_tables_with_a_row_of_one_env_are_refused(tmp_path):
+    row = {"env": "popgym-HigherLowerEasy-v0", "runs": [{"run": "r", "mmer": 0.5, "greedy": None}], "greedy": None}
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(json.dumps({"envs": [row], "report_every": 65_536}))
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--with", str(tmp_path / "a.json"), "--with", str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "popgym-HigherLowerEasy-v0 more than once" in out.stderr
