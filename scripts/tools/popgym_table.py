@@ -353,6 +353,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--greedy-episodes must be >= 0, got {args.greedy_episodes}")
     if args.report_every < 0:
         parser.error(f"--report-every must be >= 0 env steps (0 = every update), got {args.report_every}")
+    if args.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            parser.error("--plot needs matplotlib: pip install matplotlib (or leave --plot out)")
     check_one_recipe_per_env(args.runs)  # before anything is evaluated
     earlier = [e for path in args.earlier for e in read_earlier(path, args.report_every)]
     seen = [e["env"] for e in earlier]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -257,3 +258,19 @@ def test_two_earlier_tables_with_a_row_of_one_env_are_refused(tmp_path):
         timeout=60,
     )
     assert out.returncode == 2 and "popgym-HigherLowerEasy-v0 more than once" in out.stderr
+
+
+def test_plot_without_matplotlib_is_refused_before_anything_is_evaluated(tmp_path):
+    run = _fake_run(tmp_path, "r", "higher_lower_easy.yaml", 1, 0.5)
+    shadow = tmp_path / "shadow"
+    shadow.mkdir()
+    (shadow / "matplotlib.py").write_text("raise ImportError('matplotlib is not installed here')\n")
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), str(run), "--json", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": f"{shadow}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert out.returncode == 2 and "--plot needs matplotlib" in out.stderr
+    assert not (tmp_path / "t.json").exists()
