@@ -99,17 +99,17 @@ def bandit(policy: str) -> Callable[[np.random.Generator], float]:
     return episode
 
 
-#: env -> (episode length, {policy: one episode})
-POLICIES: dict[str, tuple[int, dict[str, Callable[[str], Callable[[np.random.Generator], float]]]]] = {
-    "HigherLowerEasy": (51, {p: higher_lower for p in ("memoryless", "counting")}),
-    "MultiarmedBanditEasy": (200, {p: bandit for p in ("random", "explore_then_greedy", "thompson", "oracle")}),
+#: env -> (episode length, its policies, policy name -> one episode of it)
+POLICIES: dict[str, tuple[int, tuple[str, ...], Callable[[str], Callable[[np.random.Generator], float]]]] = {
+    "HigherLowerEasy": (51, ("memoryless", "counting"), higher_lower),
+    "MultiarmedBanditEasy": (200, ("random", "explore_then_greedy", "thompson", "oracle"), bandit),
 }
 
 
 def evaluate(env: str, policy: str, episodes: int, seed: int, env_steps: list[int]) -> dict:
     """Mean and per-episode spread of ``policy`` on ``env`` and its expected MMER at each budget."""
-    length, table = POLICIES[env]
-    play = table[policy](policy)
+    length, _, episode_of = POLICIES[env]
+    play = episode_of(policy)
     rng = np.random.default_rng(seed)
     returns = np.array([play(rng) for _ in range(episodes)])
     mean, std = float(returns.mean()), float(returns.std(ddof=1))

@@ -155,17 +155,21 @@ def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs
     assert out.returncode != 0 and "Run the tool once per recipe" in out.stderr
 
 
-def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resample(tmp_path):
+def _fake_run(tmp_path, name, config, seed, score):
     from rl_replay.config import save_config
 
+    d = tmp_path / name
+    d.mkdir()
+    save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
+    d.joinpath("metrics.jsonl").write_text(
+        json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
+    )
+    return d
+
+
+def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resample(tmp_path):
     def run(name, config, seed, score):
-        d = tmp_path / name
-        d.mkdir()
-        save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
-        d.joinpath("metrics.jsonl").write_text(
-            json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
-        )
-        return d
+        return _fake_run(tmp_path, name, config, seed, score)
 
     two = [run("a1", "higher_lower_easy.yaml", 1, 0.50), run("a2", "higher_lower_easy.yaml", 2, 0.30)]
     one = [run("b1", "autoencode_easy.yaml", 1, -0.40)]
@@ -177,18 +181,6 @@ def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resampl
     both = table_mod.table(two + [tmp_path / "b1", tmp_path / "b2"])
     assert both["aggregate"]["single_run_envs"] == 0
     assert "have one run" not in table_mod.markdown(both)
-
-
-def _fake_run(tmp_path, name, config, seed, score):
-    from rl_replay.config import save_config
-
-    d = tmp_path / name
-    d.mkdir()
-    save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
-    d.joinpath("metrics.jsonl").write_text(
-        json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
-    )
-    return d
 
 
 def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_covers_all(tmp_path):
