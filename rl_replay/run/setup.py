@@ -135,6 +135,8 @@ def build(
     MAC verifies it (:mod:`rl_replay.run.trust`), or with ``trust_env_state``; otherwise it
     starts fresh episodes and says why.
     """
+    # The key that signs what this run writes, checked (and made) before anything is written.
+    trust.user_secret()
     if resume is None:
         assert cfg is not None
         return _build(cfg, None, False, trust_env_state)

@@ -1,0 +1,97 @@
+"""A wider hostile round: what a careful attacker tries once the obvious holes are closed.
+
+Each test is one class of attack on a real run of this user's (or on this user's secret), run
+through the command a user would, in process. As in :mod:`test_hostile_runs`, a refusal is one
+``error:`` line, nothing outside the run changes, and the memory cases run under an
+address-space limit a few GiB above what the process already maps.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+from test_hostile_runs import TINY, copy_run, error_line, fifo_watchdog, resume  # noqa: F401
+
+from rl_replay.errors import SetupError
+from rl_replay.run import trust
+from rl_replay.run.cli import evaluate_main, train_main
+
+
+# --------------------------------------------------------------------------- the secret's folder
+@pytest.fixture
+def secret_dir(tmp_path, monkeypatch):
+    folder = tmp_path / "cfg"
+    monkeypatch.setenv("RL_REPLAY_CONFIG_DIR", str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("mode", [0o770, 0o707, 0o777])
+def test_a_secret_folder_others_can_write_is_refused_naming_it_and_the_fix(secret_dir, mode):
+    trust.user_secret()
+    secret_dir.chmod(mode)
+    with pytest.raises(SetupError, match=rf"^the folder of the per-user secret {secret_dir} is writable by other users.*chmod 700 {secret_dir}$"):
+        trust.user_secret()
+    with pytest.raises(SetupError, match="is writable by other users"):
+        trust.existing_secret()
+
+
+def test_a_new_run_is_refused_before_its_directory_exists_when_the_secret_folder_is_open(secret_dir, tmp_path, capsys):
+    secret_dir.mkdir(mode=0o777)
+    secret_dir.chmod(0o777)
+    run_dir = tmp_path / "run"
+    assert train_main([*TINY, "total_env_steps=16", f"run_dir={run_dir}"]) == 2
+    assert "is writable by other users" in error_line(capsys)
+    assert not run_dir.exists()
+
+
+def test_a_secret_folder_that_is_a_symlink_is_refused(secret_dir, tmp_path):
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    secret_dir.symlink_to(real)
+    with pytest.raises(SetupError, match="is a symbolic link"):
+        trust.user_secret()
+    assert not any(real.iterdir())
+
+
+def test_a_symlinked_secret_is_refused_even_to_a_private_file_of_this_user(secret_dir, tmp_path):
+    secret_dir.mkdir(mode=0o700)
+    chosen = tmp_path / "chosen.key"
+    chosen.write_text("ab" * 32 + "\n")
+    chosen.chmod(0o600)
+    (secret_dir / "secret.key").symlink_to(chosen)
+    with pytest.raises(SetupError, match=r"secret\.key is a symbolic link"):
+        trust.user_secret()
+
+
+def test_a_fifo_in_place_of_the_secret_hangs_nothing(secret_dir):
+    secret_dir.mkdir(mode=0o700)
+    fifo = secret_dir / "secret.key"
+    os.mkfifo(fifo, 0o600)
+    with fifo_watchdog(fifo), pytest.raises(SetupError, match="is not a regular file"):
+        trust.user_secret()
+
+
+def test_a_huge_sparse_secret_is_refused_before_it_is_read(secret_dir):
+    secret_dir.mkdir(mode=0o700)
+    path = secret_dir / "secret.key"
+    with open(path, "wb") as f:
+        f.truncate(4 << 30)
+    path.chmod(0o600)
+    with pytest.raises(SetupError, match=rf"is {4 << 30} bytes, not a secret"):
+        trust.user_secret()
+
+
+def test_the_secret_is_never_written_through_a_path_that_exists(secret_dir, tmp_path, monkeypatch):
+    """Every name the secret's creation writes is new: a link planted at the old fixed temporary name
+    (or any other) is left alone, and the file it points to is unchanged."""
+    secret_dir.mkdir(mode=0o700)
+    outside = tmp_path / "outside"
+    outside.write_text("untouched\n")
+    (secret_dir / f".secret.key.{os.getpid()}.tmp").symlink_to(outside)
+    key = trust.user_secret()
+    assert outside.read_text() == "untouched\n"
+    path = secret_dir / "secret.key"
+    assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert bytes.fromhex(path.read_text().strip()) == key
