@@ -155,7 +155,7 @@ def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:
 
 def _decode(data: bytes, path: Path) -> dict[str, Any]:
     try:
-        state, _ = safe_tree.loads(data)
+        state, _ = safe_tree.loads(data, budget=files.memory_left() // 2)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}.") from None
     if not isinstance(state, dict) or not isinstance(state.get("agent"), dict):

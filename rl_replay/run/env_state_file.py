@@ -102,7 +102,7 @@ def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust
                 "so this trusts whoever wrote it"
             )
         try:
-            pickles, _ = safe_tree.loads(data)
+            pickles, _ = safe_tree.loads(data, budget=files.memory_left() // 2)
         except ValueError as exc:
             return EnvState(None, f"{path} cannot be read ({exc})")
         if not isinstance(pickles, list) or not all(p is None or isinstance(p, bytes) for p in pickles):

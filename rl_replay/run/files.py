@@ -48,6 +48,7 @@ __all__ = [
     "replace_with_text",
     "check_directory",
     "check_affordable",
+    "memory_left",
     "is_regular",
     "HEADER_MAX",
     "previous_path",
@@ -236,6 +237,15 @@ def _address_space_left() -> int | None:
     return max(0, soft - psutil.Process().memory_info().vms)
 
 
+def memory_left() -> int:
+    """Bytes this process can still have: the machine's available memory, or less under ``RLIMIT_AS``."""
+    import psutil
+
+    left = psutil.virtual_memory().available
+    limit = _address_space_left()
+    return left if limit is None else min(left, limit)
+
+
 def check_affordable(nbytes: int, path: str | os.PathLike, what: str) -> None:
     """Refuse to read ``nbytes`` declared by ``path`` when this process cannot hold them.
 
@@ -243,16 +253,11 @@ def check_affordable(nbytes: int, path: str | os.PathLike, what: str) -> None:
     sparse file costs nothing on disk). Twice the size must fit: the bytes and what is
     decoded from them.
     """
-    import psutil
-
-    left = [psutil.virtual_memory().available]
-    limit = _address_space_left()
-    if limit is not None:
-        left.append(limit)
-    if 2 * nbytes > min(left):
+    left = memory_left()
+    if 2 * nbytes > left:
         raise UnsafeFileError(
             f"{what} {os.fspath(path)} declares {nbytes} bytes, more than this process can hold "
-            f"({min(left)} bytes free): it is not a file this machine can load."
+            f"({left} bytes free): it is not a file this machine can load."
         )
 
 

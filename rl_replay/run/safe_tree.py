@@ -37,6 +37,9 @@ _WIDEN = (np.dtype(np.uint16), np.dtype(np.uint32))
 
 #: How deeply a stored tree may nest (a trainer's checkpoint nests 6 levels).
 MAX_DEPTH = 64
+#: How many JSON values a stored tree may hold: parsing each costs memory far beyond its bytes
+#: (``{}`` is 2 bytes of text and a 64-byte dict). A trainer's tree holds a few thousand per rank.
+MAX_VALUES = 1_000_000
 # The dtypes a stored numpy array may name: plain bools, integers, floats and complex numbers
 # of either byte order, as ``dtype.str`` writes them ('<f4', '|b1', '>i8').
 _DTYPE = re.compile(r"[<>|=]?[biufc]\d{1,2}")
@@ -52,13 +55,15 @@ def _dtype(text: Any) -> np.dtype:
     return dtype
 
 
-def _depth(text: bytes) -> int:
-    """How deeply the JSON ``text`` nests, counted without parsing it (strings removed first)."""
-    brackets = np.frombuffer(_STRING.sub(b'""', text), dtype=np.uint8)
-    steps = np.zeros(len(brackets), dtype=np.int32)
-    steps[(brackets == ord("[")) | (brackets == ord("{"))] = 1
-    steps[(brackets == ord("]")) | (brackets == ord("}"))] = -1
-    return int(np.cumsum(steps).max(initial=0))
+def _shape_of(text: bytes) -> tuple[int, int]:
+    """``(depth, values)`` of the JSON ``text``, counted without parsing it (strings removed
+    first): how deeply it nests, and about how many values parsing it would make (each bracket
+    opens one, each comma separates two)."""
+    chars = np.frombuffer(_STRING.sub(b'""', text), dtype=np.uint8)
+    opens = (chars == ord("[")) | (chars == ord("{"))
+    steps = opens.astype(np.int8) - ((chars == ord("]")) | (chars == ord("}"))).astype(np.int8)
+    depth = int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+    return depth, int(opens.sum()) + int((chars == ord(",")).sum()) + 1
 
 
 class _Writer:
@@ -126,38 +131,80 @@ def dumps(tree: Any, metadata: dict[str, str] | None = None) -> bytes:
     return save(writer.tensors, metadata=meta)
 
 
-def _decode(node: Any, tensors: dict[str, torch.Tensor], depth: int = 0) -> Any:
-    if depth > MAX_DEPTH:
-        raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
-    depth += 1
-    if isinstance(node, list):
-        return [_decode(v, tensors, depth) for v in node]
-    if not isinstance(node, dict):
-        return node
-    if "$t" in node:
-        return tensors[node["$t"]]
-    if "$np" in node:
-        array = tensors[node["$np"]].numpy().astype(_dtype(node["dtype"]), copy=False)
-        return array[()] if node["scalar"] else array
-    if "$b" in node:
-        return tensors[node["$b"]].numpy().tobytes()
-    if "$f" in node:
-        return float(node["$f"])
-    if "$tuple" in node:
-        return tuple(_decode(v, tensors, depth) for v in node["$tuple"])
-    if "$dict" in node:
-        return {_hashable(_decode(k, tensors, depth)): _decode(v, tensors, depth) for k, v in node["$dict"]}
-    return {k: _decode(v, tensors, depth) for k, v in node.items()}
+class _Reader:
+    """Decodes a tree's JSON against its tensors, each tensor taken once, the copies counted.
+
+    :func:`dumps` names every leaf's tensor once, so a tree naming one tensor twice was not
+    written by it; taken at its word, one small tensor named thousands of times as ``bytes``
+    (each a copy) or as a wider numpy dtype (complex128 is 16 bytes per uint8) decodes to far
+    more than the file holds. ``budget`` bounds the bytes decoding copies.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], budget: int | None) -> None:
+        self.tensors, self.budget, self.copied = tensors, budget, 0
+        self._taken: set[str] = set()
+
+    def _take(self, name: Any) -> torch.Tensor:
+        if not isinstance(name, str) or name not in self.tensors:
+            raise KeyError(f"no tensor {name!r:.40}")
+        if name in self._taken:
+            raise ValueError(f"tensor {name!r:.40} is referenced more than once (a stored tree names each once)")
+        self._taken.add(name)
+        return self.tensors[name]
+
+    def _copy(self, nbytes: int) -> None:
+        self.copied += nbytes
+        if self.budget is not None and self.copied > self.budget:
+            raise MemoryBudgetError(
+                f"it decodes to over {self.copied} bytes of copies, more than this process can hold "
+                f"({self.budget} bytes free)"
+            )
+
+    def decode(self, node: Any, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise ValueError(f"it nests deeper than {MAX_DEPTH} levels")
+        depth += 1
+        if isinstance(node, list):
+            return [self.decode(v, depth) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if "$t" in node:
+            return self._take(node["$t"])
+        if "$np" in node:
+            stored, dtype = self._take(node["$np"]).numpy(), _dtype(node["dtype"])
+            if dtype != stored.dtype:
+                self._copy(stored.size * dtype.itemsize)
+            array = stored.astype(dtype, copy=False)
+            return array[()] if node["scalar"] else array
+        if "$b" in node:
+            stored = self._take(node["$b"]).numpy()
+            self._copy(stored.nbytes)
+            return stored.tobytes()
+        if "$f" in node:
+            return float(node["$f"])
+        if "$tuple" in node:
+            return tuple(self.decode(v, depth) for v in node["$tuple"])
+        if "$dict" in node:
+            return {_hashable(self.decode(k, depth)): self.decode(v, depth) for k, v in node["$dict"]}
+        return {k: self.decode(v, depth) for k, v in node.items()}
+
+
+class MemoryBudgetError(ValueError):
+    """A stored tree would decode to more than this process can hold."""
 
 
 def _hashable(key: Any) -> Any:
     return tuple(_hashable(k) for k in key) if isinstance(key, (list, tuple)) else key
 
 
-def loads(data: bytes) -> tuple[Any, dict[str, str]]:
+def loads(data: bytes, budget: int | None = None) -> tuple[Any, dict[str, str]]:
     """``(tree, metadata)`` from the bytes :func:`dumps` wrote; reads with safetensors and json only.
 
-    Raises ValueError for bytes that are not such a file.
+    Counted on what it decodes to, not on its size: a tree of more than :data:`MAX_VALUES`
+    values or :data:`MAX_DEPTH` levels is refused before its JSON is parsed, a tensor named
+    twice is refused, and the copies decoding makes (``bytes``, numpy dtypes wider than what is
+    stored) may total at most ``budget`` bytes (None: unbounded). Raises ValueError for bytes
+    that are not such a file.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -169,13 +216,18 @@ def loads(data: bytes) -> tuple[Any, dict[str, str]]:
         header = json.loads(bytes(data[8 : 8 + length]))
         meta = header.get("__metadata__") or {}
         tree_text = meta[TREE_KEY].encode()
-        if _depth(tree_text) > MAX_DEPTH:
+        depth, values = _shape_of(tree_text)
+        if depth > MAX_DEPTH:
             raise ValueError(f"its tree nests deeper than {MAX_DEPTH} levels")
+        if values > MAX_VALUES:
+            raise ValueError(f"its tree holds over {MAX_VALUES:,} values (about {values:,})")
         encoded = json.loads(tree_text)
     except (SafetensorError, KeyError, ValueError, TypeError, AttributeError, RecursionError) as exc:
         raise ValueError(f"not a stored tree ({type(exc).__name__}: {str(exc)[:200]})") from None
     try:
-        tree = _decode(encoded, tensors)
+        tree = _Reader(tensors, budget).decode(encoded)
+    except MemoryBudgetError as exc:
+        raise ValueError(str(exc)) from None
     except (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError) as exc:
         raise ValueError(f"its tree does not fit its tensors ({type(exc).__name__}: {str(exc)[:200]})") from None
     return tree, {k: v for k, v in meta.items() if k != TREE_KEY}

@@ -103,7 +103,9 @@ def _read(path: Path) -> bytes:
         if hasattr(os, "getuid") and info.st_uid != os.getuid():
             raise SetupError(f"{path} belongs to another user (uid {info.st_uid}); remove it to have a new one made.")
         if info.st_size > SECRET_MAX:
-            raise SetupError(f"{path} is {info.st_size} bytes, not a secret (64 hex digits); remove it to have one made.")
+            raise SetupError(
+                f"{path} is {info.st_size} bytes, not a secret (64 hex digits); remove it to have one made."
+            )
         os.set_blocking(fd, True)
         text = os.read(fd, SECRET_MAX + 1)
     finally:

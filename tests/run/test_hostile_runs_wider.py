@@ -8,18 +8,41 @@ address-space limit a few GiB above what the process already maps.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import stat
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
-from test_hostile_runs import TINY, copy_run, error_line, fifo_watchdog, resume  # noqa: F401
+import torch
+from safetensors.torch import load
+from test_hostile_runs import (
+    TINY,
+    address_space_limit,
+    copy_run,
+    error_line,
+    fifo_watchdog,
+    reseal,
+    warm_start,
+)
 
 from rl_replay.errors import SetupError
-from rl_replay.run import trust
+from rl_replay.run import safe_tree, trust
+from rl_replay.run.checkpoint import checkpoint_path
 from rl_replay.run.cli import evaluate_main, train_main
 
 
 # --------------------------------------------------------------------------- the secret's folder
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A finished 2-update run of this user's (checkpoint, env state, signed config, metrics)."""
+    run_dir = tmp_path_factory.mktemp("wider") / "run"
+    assert train_main([*TINY, "total_env_steps=32", "checkpoint.every=1", f"run_dir={run_dir}"]) == 0
+    return run_dir
+
+
 @pytest.fixture
 def secret_dir(tmp_path, monkeypatch):
     folder = tmp_path / "cfg"
@@ -31,7 +54,10 @@ def secret_dir(tmp_path, monkeypatch):
 def test_a_secret_folder_others_can_write_is_refused_naming_it_and_the_fix(secret_dir, mode):
     trust.user_secret()
     secret_dir.chmod(mode)
-    with pytest.raises(SetupError, match=rf"^the folder of the per-user secret {secret_dir} is writable by other users.*chmod 700 {secret_dir}$"):
+    with pytest.raises(
+        SetupError,
+        match=rf"^the folder of the per-user secret {secret_dir} is writable by other users.*chmod 700 {secret_dir}$",
+    ):
         trust.user_secret()
     with pytest.raises(SetupError, match="is writable by other users"):
         trust.existing_secret()
@@ -95,3 +121,54 @@ def test_the_secret_is_never_written_through_a_path_that_exists(secret_dir, tmp_
     path = secret_dir / "secret.key"
     assert not path.is_symlink() and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert bytes.fromhex(path.read_text().strip()) == key
+
+
+# ------------------------------------------------------ decoding counted on what it decodes to
+def forge_checkpoint(victim: Path, edit: Callable[[dict, dict], None]) -> None:
+    """Rewrite ``victim``'s checkpoint with ``edit(tree, tensors)`` applied to its stored tree (the
+    JSON with ``$t`` / ``$np`` / ``$b`` references) and its tensors, resealed as anyone can."""
+    from safetensors.torch import save
+
+    (victim / "checkpoint.prev.pt").unlink(missing_ok=True)
+    payload = checkpoint_path(victim).read_bytes().partition(b"\n")[2]
+    meta_len = int.from_bytes(payload[:8], "little")
+    meta = json.loads(payload[8 : 8 + meta_len])["__metadata__"]
+    tensors = dict(load(payload))
+    tree = json.loads(meta[safe_tree.TREE_KEY])
+    edit(tree, tensors)
+    meta[safe_tree.TREE_KEY] = json.dumps(tree, separators=(",", ":"))
+    reseal(checkpoint_path(victim), save(tensors, metadata=meta))
+
+
+def test_a_tree_of_millions_of_empty_objects_is_refused_before_it_is_parsed(run, tmp_path, capsys):
+    victim = copy_run(run, tmp_path / "victim")
+    forge_checkpoint(victim, lambda tree, _: tree.update(bomb=[{}] * 30_000_000))  # 90 MB of JSON
+    with address_space_limit():
+        assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+    assert re.search(r"its tree holds over [\d,]+ values", error_line(capsys))
+
+
+def test_one_tensor_referenced_thousands_of_times_is_refused_under_evaluate(run, tmp_path, capsys):
+    def edit(tree, tensors):
+        tensors["bomb"] = torch.zeros(8 << 20, dtype=torch.uint8)
+        tree["agent"].update({f"bomb{i}": {"$b": "bomb"} for i in range(4000)})  # 32 GB as bytes
+
+    victim = copy_run(run, tmp_path / "victim")
+    forge_checkpoint(victim, edit)
+    with address_space_limit():
+        assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+    assert "is referenced more than once" in error_line(capsys)
+
+
+def test_complex128_views_of_small_tensors_are_counted_under_init_from(run, tmp_path, capsys):
+    def edit(tree, tensors):
+        for i in range(4):  # 4 x 64 MB of bytes, each 16x its size as complex128: 4 GB
+            tensors[f"bomb{i}"] = torch.zeros(64 << 20, dtype=torch.uint8)
+            tree[f"bomb{i}"] = {"$np": f"bomb{i}", "dtype": "<c16", "scalar": False}
+
+    victim = copy_run(run, tmp_path / "victim")
+    forge_checkpoint(victim, edit)
+    with address_space_limit():
+        assert warm_start(victim, tmp_path / "warm") == 2
+    assert "decodes to" in error_line(capsys)
+    assert not (tmp_path / "warm").exists()
