@@ -4,8 +4,12 @@
 resume needs to continue exactly. Its header adds an HMAC-SHA256 made with this user's secret
 (:mod:`rl_replay.run.trust`)::
 
-    RLREPLAY-ENVSTATE 1 sha256=<hex> size=<bytes> key=<key id> hmac-sha256=<hex>\\n
+    RLREPLAY-ENVSTATE 2 sha256=<hex> size=<bytes> key=<key id> hmac-sha256=<hex>\\n
     <safetensors bytes: one pickle per rank, as uint8>
+
+The MAC covers the payload and what it belongs to (:func:`env_binding`): the run's identity,
+signed into its ``config.yaml``, and its env config. An env state of another run of this user's,
+or of other envs, does not verify, whatever an edited checkpoint names.
 
 :func:`read_env_state` returns the pickles only when the MAC verifies (or the caller says it
 trusts the file); unpickling them is the resume's business. The checkpoint names the sha256 of
@@ -15,41 +19,66 @@ and read as the checkpoint is (:mod:`rl_replay.run.files`: atomic, no symlink, b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 from rl_replay.errors import CheckpointError, one_line
 from rl_replay.run import files, safe_tree, trust
 
-__all__ = ["ENV_STATE_NAME", "save_env_state", "read_env_state", "EnvState"]
+__all__ = ["ENV_STATE_NAME", "env_binding", "run_binding", "save_env_state", "read_env_state", "EnvState"]
 
 ENV_STATE_NAME = "env_state.pkl"
-_ENV_MAGIC = b"RLREPLAY-ENVSTATE 1 "
+_ENV_MAGIC = b"RLREPLAY-ENVSTATE 2 "
+_UNBOUND_MAGIC = b"RLREPLAY-ENVSTATE 1 "  # written before env states were bound to their run
 
 
-def save_env_state(pickles: list[bytes | None], run_dir: str | os.PathLike, key: bytes) -> str:
-    """Write the per-rank env pickles as ``run_dir/env_state.pkl`` with a MAC under ``key``.
+def env_binding(env: Any, run_id: str | None) -> bytes:
+    """What an env state belongs to, covered by its MAC: the run's identity and its env config
+    (id, kwargs, wrappers, number of envs, ...). ``env`` is the config's ``env`` section."""
+    section = dataclasses.asdict(env) if dataclasses.is_dataclass(env) else dict(env)
+    return json.dumps({"run": run_id, "env": section}, sort_keys=True, default=repr).encode()
+
+
+def run_binding(run_dir: str | os.PathLike) -> bytes:
+    """:func:`env_binding` of the run in ``run_dir`` as its ``config.yaml`` names it (read as data)."""
+    from rl_replay.run.run_config import read_run_config
+
+    run_config = read_run_config(run_dir, trust_config=True, flag="--trust-config")
+    return env_binding(run_config.cfg.env, run_config.run_id)
+
+
+def save_env_state(pickles: list[bytes | None], run_dir: str | os.PathLike, key: bytes, binding: bytes) -> str:
+    """Write the per-rank env pickles as ``run_dir/env_state.pkl`` with a MAC under ``key`` over
+    them and ``binding`` (:func:`env_binding`: the run and env config they belong to).
 
     Returns the sha256 of the payload, which the checkpoint records to name its env state.
     """
     path = Path(run_dir) / ENV_STATE_NAME
-    data = safe_tree.dumps(list(pickles), {"format": "rl_replay-env-state-1"})
+    data = safe_tree.dumps(list(pickles), {"format": "rl_replay-env-state-2"})
     digest = hashlib.sha256(data).hexdigest()
-    header = (
-        _ENV_MAGIC
-        + (
-            f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} hmac-sha256={trust.sign(data, key)}\n"
-        ).encode()
-    )
+    mac = trust.sign(_bound(binding, data), key)
+    header = _ENV_MAGIC + f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} hmac-sha256={mac}\n".encode()
     files.write_atomic(path, header, data, lambda tmp: _read_env_file(tmp, shown=path))
     return digest
+
+
+def _bound(binding: bytes, data: bytes) -> bytes:
+    return len(binding).to_bytes(8, "little") + binding + data
 
 
 def _read_env_file(path: Path, *, shown: Path | None = None) -> tuple[dict[str, str], bytes]:
     shown = shown or path
     with files.open_regular(path, "env state") as (f, size):
         head = f.read(len(_ENV_MAGIC))
+        if head == _UNBOUND_MAGIC:
+            raise CheckpointError(
+                f"env state {shown} was written before env states were bound to their run, so it is not "
+                "taken as this run's"
+            )
         if head != _ENV_MAGIC:
             raise CheckpointError(f"env state {shown} is not an rl_replay env-state file.")
         line = head + f.readline(files.HEADER_MAX)
@@ -65,10 +94,13 @@ class EnvState:
         self.pickles, self.note = pickles, note
 
 
-def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust_file: bool = False) -> EnvState:
+def read_env_state(
+    run_dir: str | os.PathLike, digest: str, key: bytes, binding: bytes, *, trust_file: bool = False
+) -> EnvState:
     """The env pickles a checkpoint names (by payload sha256 ``digest``), if they may be unpickled.
 
-    They are returned when the file's HMAC verifies under ``key`` (this user wrote it), or,
+    They are returned when the file's HMAC verifies under ``key`` over them and ``binding``
+    (this user wrote them, for this run and this env config: :func:`env_binding`), or,
     with ``trust_file``, whatever the MAC says (``note`` then names the risk). Otherwise
     ``pickles`` is None and ``note`` says why: no such file, damaged, written by another
     user or machine, or changed after it was written. Nothing here unpickles.
@@ -86,11 +118,12 @@ def read_env_state(run_dir: str | os.PathLike, digest: str, key: bytes, *, trust
         if fields.get("sha256") != digest:
             continue
         mine = fields.get("key") == trust.fingerprint(key)
-        if trust.verify(data, fields.get("hmac-sha256", ""), key, "env-state"):
+        if trust.verify(_bound(binding, data), fields.get("hmac-sha256", ""), key, "env-state"):
             note = None
         else:
             why = (
-                "changed after it was written (its MAC does not verify with this user's key)"
+                "written for another run or env config, or changed since (its MAC does not verify with this "
+                "user's key for this run's identity and env config)"
                 if mine
                 else f"written by another user or machine (signed with key {one_line(fields.get('key', '?'))[:32]}, this user's "
                 f"is {trust.fingerprint(key)} in {trust.secret_path()})"

@@ -18,7 +18,8 @@ import torch
 from rl_replay.errors import CheckpointError
 from rl_replay.run import files
 from rl_replay.run.checkpoint import MAGIC, checkpoint_path, read_checkpoint_bytes, save_checkpoint
-from rl_replay.run.env_state_file import save_env_state
+from rl_replay.run.env_state_file import env_binding, save_env_state
+from rl_replay.run.run_config import read_run_config
 
 __all__ = ["convert_legacy"]
 
@@ -71,7 +72,10 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
         )
     pickles = [c.pop("envs", None) if isinstance(c, dict) else None for c in state.get("collector", [])]
     if any(p is not None for p in pickles):
-        state["env_state"] = save_env_state(pickles, path.parent, key)
+        # Bound to the run as its config.yaml names it (a run of that age names no identity).
+        run_config = read_run_config(path.parent, trust_config=True, flag="--trust")
+        binding = env_binding(run_config.cfg.env, run_config.run_id)
+        state["env_state"] = save_env_state(pickles, path.parent, key, binding)
     kept = path.with_name(path.name + ".legacy")
     os.replace(path, kept)
     try:

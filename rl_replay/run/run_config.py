@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,42 +43,65 @@ from rl_replay.targets import (
     split_env_id,
 )
 
-__all__ = ["CONFIG_NAME", "RunConfig", "write_run_config", "read_run_config", "check_imports", "imports_of"]
+__all__ = ["CONFIG_NAME", "RunConfig", "new_run_id", "write_run_config", "read_run_config", "check_imports", "imports_of"]
 
 CONFIG_NAME = "config.yaml"
 _PREFIX = b"# rl_replay config signature: "
-_SIGNATURE = re.compile(rb"# rl_replay config signature: key=([0-9a-f]{16}) hmac-sha256=([0-9a-f]{64})")
+_SIGNATURE = re.compile(
+    rb"# rl_replay config signature: key=([0-9a-f]{16})(?: run=([0-9a-f]{32}))? hmac-sha256=([0-9a-f]{64})"
+)
+
+
+def new_run_id() -> str:
+    """A fresh run identity: 32 random hex digits, signed into the run's ``config.yaml``."""
+    return secrets.token_hex(16)
+
+
+def _signed(body: bytes, run_id: str | None) -> bytes:
+    """What a config's MAC covers: its run identity (when it has one) and its YAML."""
+    return body if run_id is None else b"run=" + run_id.encode() + b"\n" + body
 
 
 @dataclass(frozen=True)
 class RunConfig:
     """A run's config as read: ``cfg``; ``foreign``: None for this user's own (its signature
-    verifies, or ``trust_config`` was given), else why it is not, with the flag that trusts it."""
+    verifies, or ``trust_config`` was given), else why it is not, with the flag that trusts it;
+    ``run_id``: the run's identity as its signature names it (None: a config written before runs
+    had one, or not this user's, whose word on it is not taken)."""
 
     cfg: Config
     foreign: str | None
+    run_id: str | None = None
 
 
-def write_run_config(cfg: Config, run_dir: str | os.PathLike, key: bytes) -> None:
-    """Write ``run_dir/config.yaml`` signed with ``key`` (atomically; a symlink there is replaced)."""
+def write_run_config(cfg: Config, run_dir: str | os.PathLike, key: bytes, run_id: str | None = None) -> None:
+    """Write ``run_dir/config.yaml`` signed with ``key``, naming the run's identity ``run_id``
+    (atomically; a symlink there is replaced).
+
+    What is written must read back: the same limits apply as to a config read from a run.
+    """
     body = dump_config(cfg)
-    mac = trust.sign(body.encode(), key, "config")
-    line = f"{_PREFIX.decode()}key={trust.fingerprint(key)} hmac-sha256={mac}\n"
+    loads_config(body, (), source=f"the config written to {Path(run_dir) / CONFIG_NAME}")
+    mac = trust.sign(_signed(body.encode(), run_id), key, "config")
+    run = f" run={run_id}" if run_id else ""
+    line = f"{_PREFIX.decode()}key={trust.fingerprint(key)}{run} hmac-sha256={mac}\n"
     files.replace_with_text(Path(run_dir) / CONFIG_NAME, line + body)
 
 
-def _own(raw: bytes) -> tuple[bytes, str | None]:
-    """``(YAML to parse, why it is foreign or None)``: the signed body when the signature is this user's."""
+def _own(raw: bytes) -> tuple[bytes, str | None, str | None]:
+    """``(YAML to parse, why it is foreign or None, run identity)``: the signed body when the
+    signature is this user's (the run identity only then)."""
     first, newline, body = raw.partition(b"\n")
     match = _SIGNATURE.fullmatch(first) if newline else None
     if match is None:
-        return raw, "it carries no signature: another user's run, or one written before configs were signed"
+        return raw, "it carries no signature: another user's run, or one written before configs were signed", None
     key = trust.existing_secret()
+    run_id = match.group(2).decode() if match.group(2) else None
     if key is None or match.group(1).decode() != trust.fingerprint(key):
-        return body, "it was signed by another user or machine"
-    if not trust.verify(body, match.group(2).decode(), key, "config"):
-        return body, "it was changed after it was written"
-    return body, None
+        return body, "it was signed by another user or machine", None
+    if not trust.verify(_signed(body, run_id), match.group(3).decode(), key, "config"):
+        return body, "it was changed after it was written", None
+    return body, None, run_id
 
 
 def read_run_config(
@@ -92,10 +116,10 @@ def read_run_config(
     """
     path = Path(run_dir) / CONFIG_NAME
     raw = files.read_regular(path, "config", limit=MAX_CONFIG_BYTES)
-    text, why = _own(raw)
+    text, why, run_id = _own(raw)
     cfg = loads_config(text, overrides, source=str(path))
     if why is None or trust_config:
-        return RunConfig(cfg, None)
+        return RunConfig(cfg, None, run_id)
     return RunConfig(
         cfg,
         f"{path} is not this user's ({why}), so it may import only rl_replay and gymnasium modules. "

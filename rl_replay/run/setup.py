@@ -41,7 +41,8 @@ from rl_replay.run.logger import (
     unsent_wandb_id,
     wandb_preflight,
 )
-from rl_replay.run.run_config import imports_of, read_run_config, write_run_config
+from rl_replay.run.env_state_file import env_binding
+from rl_replay.run.run_config import imports_of, new_run_id, read_run_config, write_run_config
 from rl_replay.run.run_dir import (
     RunLock,
     claim_default,
@@ -139,15 +140,19 @@ def build(
     trust.user_secret()
     if resume is None:
         assert cfg is not None
-        return _build(cfg, None, False, trust_env_state)
+        return _build(cfg, None, False, trust_env_state, None)
     resume = Path(resume)
     restart = resume_kind(resume) == "restart"
     run_config = read_run_config(resume, overrides, trust_config=trust_config, flag="--trust-config")
     with imports_of(run_config):
-        return _build(replace(run_config.cfg, run_dir=str(resume)), resume, restart, trust_env_state)
+        return _build(replace(run_config.cfg, run_dir=str(resume)), resume, restart, trust_env_state, run_config.run_id)
 
 
-def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool) -> Trainer:
+def _build(
+    cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool, run_id: str | None
+) -> Trainer:
+    """``build`` once the config is known; ``run_id`` is a resumed run's identity as its signed
+    config names it (None: a new run, or a config that names none, which gets a new one)."""
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
@@ -166,7 +171,8 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
             lock = _hold(cleanup, dist_utils.on_main(lambda: RunLock(resume, record=False), info))
             dist_utils.on_main(lambda: _check_metrics(resume), info)
             if not restart:
-                state, ckpt = _read_resume_state(cfg, resume, info, device, trust_env_state)
+                binding = env_binding(cfg.env, run_id)
+                state, ckpt = _read_resume_state(cfg, resume, info, device, binding, trust_env_state)
         # A warm start's weights are read before anything is built or written: a bad path fails first.
         init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
         algorithm, num_params = _build_objects(cfg, info, device, cleanup, init_weights=init_weights)
@@ -189,10 +195,11 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
                     flush=True,
                 )
         cfg = replace(cfg, run_dir=str(run_dir))
+        run_id = run_id or dist_utils.broadcast_from_main(new_run_id() if info.is_main else None, info)
         cut_to = state["update"] if state is not None else 0 if restart else None
         wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None  # type: ignore[arg-type]
         with writing(run_dir, run_dir, progress.last_checkpoint):
-            _write_run_dir(cfg, run_dir, cut_to, info)
+            _write_run_dir(cfg, run_dir, cut_to, info, run_id)
             logger = _open_logger(cfg, run_dir, info, device, num_params, progress, wandb_mode, wandb_id)
         cleanup.callback(logger.close)
         trainer = Trainer(
@@ -205,6 +212,7 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
             num_params=num_params,
             lock=lock,
             progress=progress,
+            run_id=run_id,
         )
         if state is not None:
             restore_trainer_rng(state, info, device)  # last: nothing after it draws random numbers
@@ -227,11 +235,16 @@ def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None
 
 
 def _read_resume_state(
-    cfg: Config, resume: Path, info: dist_utils.DistInfo, device: torch.device, trust_env_state: bool = False
+    cfg: Config,
+    resume: Path,
+    info: dist_utils.DistInfo,
+    device: torch.device,
+    binding: bytes,
+    trust_env_state: bool = False,
 ) -> tuple[dict[str, Any], Path]:
     """The checkpoint state to resume from and its path; refuses overrides it cannot honour
     and RNG states that cannot be restored."""
-    state, ckpt, warning = read_trainer_state(resume, info, trust_env_state=trust_env_state)
+    state, ckpt, warning = read_trainer_state(resume, info, binding, trust_env_state=trust_env_state)
     if warning and info.is_main:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _check_resume_config(cfg, state["config"], resume)
@@ -264,14 +277,14 @@ def _load_resume_state(
     return progress
 
 
-def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo) -> None:
+def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo, run_id: str) -> None:
     """Rank 0 writes ``config.yaml``; a resume first cuts ``metrics.jsonl`` back to update
     ``cut_to`` (its checkpoint's, or 0 for a restart) and removes stale temporary files."""
     if info.is_main:
         if cut_to is not None:
             remove_stale_temporaries(run_dir)
             truncate_metrics(run_dir / METRICS_NAME, cut_to)
-        write_run_config(cfg, run_dir, trust.user_secret())
+        write_run_config(cfg, run_dir, trust.user_secret(), run_id)
     dist_utils.barrier(info)
 
 

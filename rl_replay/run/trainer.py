@@ -56,10 +56,12 @@ class Trainer:
         num_params: int,
         lock: RunLock | None = None,
         progress: Progress | None = None,
+        run_id: str | None = None,
     ) -> None:
         progress = progress or Progress()
         self.cfg = cfg
         self.run_dir = run_dir
+        self.run_id = run_id  # the run's identity, signed into its config.yaml; its env state is bound to it
         self.algorithm = algorithm
         self.logger = logger
         self.info = info

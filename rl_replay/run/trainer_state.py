@@ -61,7 +61,7 @@ from rl_replay.run.checkpoint import (
     require_counts,
     save_checkpoint,
 )
-from rl_replay.run.env_state_file import read_env_state, save_env_state
+from rl_replay.run.env_state_file import env_binding, read_env_state, save_env_state
 
 __all__ = [
     "trainer_state",
@@ -191,7 +191,8 @@ def save_trainer(trainer) -> Path:
         try:
             # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
             if any(p is not None for p in pickles) and not non_finite_tensors(state["agent"]):
-                payload["env_state"] = save_env_state(pickles, trainer.run_dir, trust.user_secret())
+                binding = env_binding(trainer.cfg.env, trainer.run_id)
+                payload["env_state"] = save_env_state(pickles, trainer.run_dir, trust.user_secret(), binding)
             save_checkpoint(payload, path)
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
@@ -230,9 +231,12 @@ RESUME_KEYS = (
 
 
 def read_trainer_state(
-    run_dir: str | Path, info, *, trust_env_state: bool = False
+    run_dir: str | Path, info, binding: bytes, *, trust_env_state: bool = False
 ) -> tuple[dict[str, Any], Path, str | None]:
     """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
+
+    ``binding`` is what this run's env state must have been written for
+    (:func:`rl_replay.run.env_state_file.env_binding`: the run's identity and env config).
 
     The env pickles are put back into the collector states only where
     :func:`rl_replay.run.env_state_file.read_env_state` gives them (this user's MAC, or
@@ -261,7 +265,7 @@ def read_trainer_state(
     if not all(isinstance(r, list) and all(_is_number(x) for x in r) for r in returns):
         raise CheckpointError(f"checkpoint {path} holds recent returns that are not lists of numbers.")
     digest = state.get("env_state")
-    found = read_env_state(run_dir, digest, trust.user_secret(), trust_file=trust_env_state) if digest else None
+    found = read_env_state(run_dir, digest, trust.user_secret(), binding, trust_file=trust_env_state) if digest else None
     usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
     if info.distributed:  # every rank resumes its envs, or none does
         import torch.distributed as dist

@@ -167,7 +167,7 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
     from rl_replay.run.checkpoint import load_checkpoint
-    from rl_replay.run.env_state_file import read_env_state
+    from rl_replay.run.env_state_file import read_env_state, run_binding
     from rl_replay.run.setup import build
     from rl_replay.run.trust import user_secret
 
@@ -234,7 +234,7 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
         }
         assert set(saved) == single | {"world_size"} and saved["world_size"] == world_size
         # Each rank's sub-envs are in the signed env_state.pkl that the checkpoint names.
-        found = read_env_state(run_dir, saved["env_state"], user_secret())
+        found = read_env_state(run_dir, saved["env_state"], user_secret(), run_binding(run_dir))
         assert found.note is None and len(found.pickles) == world_size and found.pickles[0] != found.pickles[1]
         assert saved["update"] == 2 and saved["env_steps"] == 2 * 256
         assert set(saved["agent"]) == set(init)  # the plain agent's names (it has no buffers)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _checkpoint_files import write_format2
 from safetensors.torch import load
 from test_hostile_runs import (
     TINY,
@@ -25,13 +26,15 @@ from test_hostile_runs import (
     error_line,
     fifo_watchdog,
     reseal,
+    resume,
     warm_start,
 )
 
 from rl_replay.errors import SetupError
 from rl_replay.run import safe_tree, trust
-from rl_replay.run.checkpoint import checkpoint_path
+from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import evaluate_main, train_main
+from rl_replay.run.env_state_file import ENV_STATE_NAME
 
 
 # --------------------------------------------------------------------------- the secret's folder
@@ -172,3 +175,44 @@ def test_complex128_views_of_small_tensors_are_counted_under_init_from(run, tmp_
         assert warm_start(victim, tmp_path / "warm") == 2
     assert "decodes to" in error_line(capsys)
     assert not (tmp_path / "warm").exists()
+
+
+# ------------------------------------------------------------------ env state bound to its run
+def _graft_env_state(victim: Path, donor: Path) -> None:
+    """``donor``'s signed env state put in ``victim``, whose checkpoint is edited (unsigned, as
+    anyone can) to name it."""
+    (victim / "env_state.prev.pkl").unlink(missing_ok=True)
+    (victim / "checkpoint.prev.pt").unlink(missing_ok=True)
+    (victim / ENV_STATE_NAME).write_bytes((donor / ENV_STATE_NAME).read_bytes())
+    state = load_checkpoint(victim)
+    state["env_state"] = load_checkpoint(donor)["env_state"]
+    write_format2(state, checkpoint_path(victim))
+
+
+def _resumed_with_fresh_envs(victim: Path) -> None:
+    with pytest.warns(UserWarning) as caught:
+        assert resume(victim, "total_env_steps=48") == 0
+    notes = [str(w.message) for w in caught if "environment state is not used" in str(w.message)]
+    assert len(notes) == 1 and "written for another run or env config" in notes[0], [str(w.message) for w in caught]
+
+
+def test_an_env_state_of_another_run_of_this_user_is_not_taken_when_a_checkpoint_names_it(run, tmp_path):
+    other = tmp_path / "other"
+    assert train_main([*TINY, "total_env_steps=32", "seed=7", f"run_dir={other}"]) == 0
+    victim = copy_run(run, tmp_path / "victim")
+    _graft_env_state(victim, other)
+    _resumed_with_fresh_envs(victim)
+
+
+def test_an_env_state_of_other_env_kwargs_is_not_taken(run, tmp_path):
+    other = tmp_path / "other"
+    assert train_main([*TINY, "total_env_steps=32", "env.kwargs={sutton_barto_reward: true}", f"run_dir={other}"]) == 0
+    victim = copy_run(run, tmp_path / "victim")
+    _graft_env_state(victim, other)
+    _resumed_with_fresh_envs(victim)
+
+
+def test_a_run_resumes_its_own_env_state_exactly_after_the_binding(run, tmp_path, recwarn):
+    victim = copy_run(run, tmp_path / "victim")
+    assert resume(victim, "total_env_steps=48") == 0
+    assert not [w for w in recwarn if "environment state is not used" in str(w.message)]

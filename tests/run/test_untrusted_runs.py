@@ -31,7 +31,8 @@ from rl_replay.errors import SetupError
 from rl_replay.run import safe_tree, trust
 from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import convert_main, evaluate_main
-from rl_replay.run.env_state_file import ENV_STATE_NAME, read_env_state
+from rl_replay.run import env_state_file
+from rl_replay.run.env_state_file import ENV_STATE_NAME, read_env_state, run_binding
 from rl_replay.run.setup import build
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,7 +154,7 @@ def test_the_scripts_refuse_a_planted_checkpoint_in_one_line_with_exit_code_2(ru
 def test_convert_needs_trust_and_then_gives_a_checkpoint_that_resumes_with_its_envs(run, tmp_path, capsys):
     victim = copy_run(run, tmp_path / "old")
     state = load_checkpoint(run)
-    found = read_env_state(run, state["env_state"], trust.user_secret())
+    found = read_env_state(run, state["env_state"], trust.user_secret(), run_binding(run))
     for rank, collector in enumerate(state["collector"]):  # the old layout: env pickles inside
         collector["envs"] = found.pickles[rank]
     del state["env_state"]
@@ -187,8 +188,9 @@ def _plant_env_state(victim: Path, marker: Path, key: bytes | None) -> None:
     data = safe_tree.dumps([__import__("pickle").dumps(Plant(marker))])
     fields["sha256"], fields["size"] = hashlib.sha256(data).hexdigest(), str(len(data))
     if key is not None:
-        fields["key"], fields["hmac-sha256"] = trust.fingerprint(key), trust.sign(data, key)
-    path.write_bytes(("RLREPLAY-ENVSTATE 1 " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n").encode() + data)
+        bound = env_state_file._bound(run_binding(victim), data)  # the MAC as a signer would make it
+        fields["key"], fields["hmac-sha256"] = trust.fingerprint(key), trust.sign(bound, key)
+    path.write_bytes(("RLREPLAY-ENVSTATE 2 " + " ".join(f"{k}={v}" for k, v in fields.items()) + "\n").encode() + data)
     state = load_checkpoint(victim)
     state["env_state"] = fields["sha256"]
     write_format2(state, checkpoint_path(victim))
@@ -204,7 +206,7 @@ def test_a_planted_env_state_is_never_unpickled_and_the_resume_starts_fresh_epis
     with pytest.warns(UserWarning) as caught:
         resumed = build(resume=victim, overrides=(f"total_env_steps={3 * BATCH}",))
     try:
-        why = "changed after it was written" if signer == "tampered" else "written by another user or machine"
+        why = "or changed since" if signer == "tampered" else "written by another user or machine"
         messages = [str(w.message) for w in caught if "environment state is not used" in str(w.message)]
         assert len(messages) == 1 and why in messages[0] and "--trust-env-state" in messages[0], messages
         assert "\n" not in messages[0]
@@ -277,12 +279,12 @@ def test_env_state_is_found_by_the_checksum_its_checkpoint_names(run, tmp_path):
     (victim / ENV_STATE_NAME).rename(victim / "env_state.prev.pkl")
     from rl_replay.run.env_state_file import save_env_state
 
-    save_env_state([b"not the checkpoint's"], tmp_path / "elsewhere", key)
+    save_env_state([b"not the checkpoint's"], tmp_path / "elsewhere", key, run_binding(victim))
     (tmp_path / "elsewhere" / ENV_STATE_NAME).rename(victim / ENV_STATE_NAME)
-    found = read_env_state(victim, digest, key)
+    found = read_env_state(victim, digest, key, run_binding(victim))
     assert found.pickles is not None and found.note is None
     (victim / "env_state.prev.pkl").unlink()
-    found = read_env_state(victim, digest, key)
+    found = read_env_state(victim, digest, key, run_binding(victim))
     assert found.pickles is None and "no env-state file of this checkpoint" in found.note
 
 
