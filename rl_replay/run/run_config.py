@@ -43,7 +43,15 @@ from rl_replay.targets import (
     split_env_id,
 )
 
-__all__ = ["CONFIG_NAME", "RunConfig", "new_run_id", "write_run_config", "read_run_config", "check_imports", "imports_of"]
+__all__ = [
+    "CONFIG_NAME",
+    "RunConfig",
+    "new_run_id",
+    "write_run_config",
+    "read_run_config",
+    "check_imports",
+    "imports_of",
+]
 
 CONFIG_NAME = "config.yaml"
 _PREFIX = b"# rl_replay config signature: "

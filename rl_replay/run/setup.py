@@ -32,6 +32,7 @@ from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run import trust
 from rl_replay.run.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
+from rl_replay.run.env_state_file import env_binding
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
     METRICS_NAME,
@@ -41,7 +42,6 @@ from rl_replay.run.logger import (
     unsent_wandb_id,
     wandb_preflight,
 )
-from rl_replay.run.env_state_file import env_binding
 from rl_replay.run.run_config import imports_of, new_run_id, read_run_config, write_run_config
 from rl_replay.run.run_dir import (
     RunLock,
@@ -148,9 +148,7 @@ def build(
         return _build(replace(run_config.cfg, run_dir=str(resume)), resume, restart, trust_env_state, run_config.run_id)
 
 
-def _build(
-    cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool, run_id: str | None
-) -> Trainer:
+def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool, run_id: str | None) -> Trainer:
     """``build`` once the config is known; ``run_id`` is a resumed run's identity as its signed
     config names it (None: a new run, or a config that names none, which gets a new one)."""
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?

@@ -265,7 +265,9 @@ def read_trainer_state(
     if not all(isinstance(r, list) and all(_is_number(x) for x in r) for r in returns):
         raise CheckpointError(f"checkpoint {path} holds recent returns that are not lists of numbers.")
     digest = state.get("env_state")
-    found = read_env_state(run_dir, digest, trust.user_secret(), binding, trust_file=trust_env_state) if digest else None
+    found = (
+        read_env_state(run_dir, digest, trust.user_secret(), binding, trust_file=trust_env_state) if digest else None
+    )
     usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
     if info.distributed:  # every rank resumes its envs, or none does
         import torch.distributed as dist

@@ -34,8 +34,8 @@ def main() -> int:
     import torch
 
     from rl_replay.config import load_config
-    from rl_replay.run.setup import build
     from rl_replay.run.env_state_file import run_binding
+    from rl_replay.run.setup import build
     from rl_replay.run.trainer_state import load_trainer, read_trainer_state, save_trainer
 
     torch.set_num_threads(1)

@@ -28,10 +28,9 @@ from _checkpoint_files import write_format2, write_headed_pickle
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.run import safe_tree, trust
+from rl_replay.run import env_state_file, safe_tree, trust
 from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import convert_main, evaluate_main
-from rl_replay.run import env_state_file
 from rl_replay.run.env_state_file import ENV_STATE_NAME, read_env_state, run_binding
 from rl_replay.run.setup import build
 
