@@ -275,6 +275,22 @@ class Collector:
                     )
         return state
 
+    def _check_envs(self, envs: Any, autoreset: Any) -> None:
+        """Raise ValueError unless unpickled sub-envs can stand in for this collector's own: as
+        many, each with the observation and action spaces of the envs this run was built with."""
+        if not isinstance(envs, (list, tuple)) or len(envs) != self.num_envs:
+            raise ValueError(f"the env state holds {_count(envs)} envs, not this run's {self.num_envs}")
+        own = self.envs.single_observation_space, self.envs.single_action_space
+        for i, env in enumerate(envs):
+            spaces = getattr(env, "observation_space", None), getattr(env, "action_space", None)
+            for name, theirs, mine in zip(("observation", "action"), spaces, own):
+                if theirs != mine:
+                    raise ValueError(f"the env state's env {i} has {name} space {theirs}, not this run's {mine}")
+        if np.shape(autoreset) != (self.num_envs,):
+            raise ValueError(
+                f"the env state's autoreset flags have shape {np.shape(autoreset)}, not ({self.num_envs},)"
+            )
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from :meth:`state_dict`. ``state["envs"]`` is unpickled: the caller decides
         whether it may be (it sets ``envs`` None and ``fresh_envs`` to ``(why, what to do)``
@@ -302,7 +318,9 @@ class Collector:
             self.envs.load_state_dict(state["vector_env"])
         elif state.get("envs") is not None:
             # unpickle: sync envs pickled before the agents/envs packages moved under rl_replay
-            self.envs.envs, self.envs._autoreset_envs = unpickle(state["envs"])  # type: ignore[attr-defined]
+            envs, autoreset = unpickle(state["envs"])
+            self._check_envs(envs, autoreset)
+            self.envs.envs, self.envs._autoreset_envs = envs, autoreset  # type: ignore[attr-defined]
         elif state.get("obs") is not None:
             # The envs could not be saved (async workers, an unpicklable wrapper): fresh
             # episodes instead of mixing, scaled by the saved wrapper statistics.
@@ -345,3 +363,7 @@ class Collector:
         self.episodes.autoreset = state["autoreset"]
         self.episodes.ep_return = state["ep_return"]
         self.episodes.ep_length = state["ep_length"]
+
+
+def _count(envs: Any) -> str:
+    return str(len(envs)) if isinstance(envs, (list, tuple)) else f"a {type(envs).__name__} of"

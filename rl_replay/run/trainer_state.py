@@ -75,6 +75,7 @@ __all__ = [
     "restore_rng",
     "check_rng",
     "load_agent_weights",
+    "optimizer_state_problem",
 ]
 
 
@@ -321,9 +322,83 @@ def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, w
     else:
         model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
         optim_state = state["optimizer"]
+    problem = optimizer_state_problem(optimizer, optim_state)
+    if problem is not None:
+        raise CheckpointError(
+            f"cannot resume {where}: its checkpoint holds optimizer state that does not fit this run's "
+            f"{type(optimizer).__name__} ({problem}); resume with the optimizer that wrote it, or start a new run."
+        )
     optimizer.load_state_dict(optim_state)
     algorithm.collector.load_state_dict(_map_tensors(state["collector"][info.rank], device))
     return Progress(state["update"], state["env_steps"], list(state["recent_returns"][info.rank]))
+
+
+def _kind(value: Any) -> str:
+    return f"a {type(value).__name__}"
+
+
+def _hyperparameter_problem(name: str, saved: Any, own: Any) -> str | None:
+    """Why a saved ``param_groups`` entry cannot stand for the optimizer's own value, or None."""
+    if isinstance(own, bool) or own is None:
+        return None if saved is None or isinstance(saved, bool) else f"{name} is {_kind(saved)}"
+    if isinstance(own, numbers.Real) or isinstance(own, torch.Tensor):
+        if isinstance(saved, torch.Tensor) and saved.numel() == 1:
+            saved = saved.item()
+        if not _is_number(saved) or not np.isfinite(saved):
+            return f"{name} is {_kind(saved)}" if not _is_number(saved) else f"{name} is {saved}"
+        return None
+    if isinstance(own, (tuple, list)):
+        if not isinstance(saved, (tuple, list)) or len(saved) != len(own):
+            return f"{name} is {_kind(saved)}"
+        return next((p for a, b in zip(saved, own) if (p := _hyperparameter_problem(name, a, b))), None)
+    return None
+
+
+def optimizer_state_problem(optimizer: torch.optim.Optimizer, saved: Any) -> str | None:
+    """Why ``saved`` (an ``optimizer.state_dict()`` from a file) does not fit ``optimizer``, or None.
+
+    ``Optimizer.load_state_dict`` checks the group sizes only: a state tensor of another shape
+    or type would fail mid-update (after a resume has rewritten the run's files) or, broadcast,
+    not fail at all. So each entry is checked against its parameter first: a tensor of the
+    parameter's shape and dtype, or a scalar (``step``), or None (SGD's empty momentum).
+    """
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        what = saved.get("state") if isinstance(saved, dict) else saved
+        return f"state is {_kind(what)}, not a table"
+    groups, own_groups = saved.get("param_groups"), optimizer.param_groups
+    if not isinstance(groups, list) or len(groups) != len(own_groups) or not all(isinstance(g, dict) for g in groups):
+        return "its parameter groups are not this optimizer's"
+    params: dict[Any, torch.Tensor] = {}
+    for group, own in zip(groups, own_groups):
+        ids = group.get("params")
+        if not isinstance(ids, list) or len(ids) != len(own["params"]):
+            return "its parameter groups are not this optimizer's"
+        params.update(zip(ids, own["params"]))
+        for name, value in own.items():
+            if name != "params" and name in group:
+                problem = _hyperparameter_problem(name, group[name], value)
+                if problem:
+                    return problem
+    for index, entry in saved["state"].items():
+        if index not in params:
+            return f"state for parameter {shown(index)}, which it has no group for"
+        if not isinstance(entry, dict):
+            return f"parameter {index}'s state is {_kind(entry)}"
+        param = params[index]
+        for name, value in entry.items():
+            if name == "step":
+                ok = _is_number(value) or (isinstance(value, torch.Tensor) and value.numel() == 1)
+                if not ok:
+                    return f"parameter {index}'s step is {_kind(value)}"
+            elif value is None:
+                continue
+            elif not isinstance(value, torch.Tensor):
+                return f"parameter {index}'s {shown(name)[1:-1]} is {_kind(value)}"
+            elif value.dim() and tuple(value.shape) != tuple(param.shape):
+                return f"parameter {index}'s {name} of shape {tuple(value.shape)}, not {tuple(param.shape)}"
+            elif value.dim() and value.dtype != param.dtype:
+                return f"parameter {index}'s {name} of dtype {value.dtype}, not {param.dtype}"
+    return None
 
 
 def restore_trainer_rng(state: dict[str, Any], info, device: torch.device) -> None:

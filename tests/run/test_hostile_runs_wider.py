@@ -25,6 +25,7 @@ from test_hostile_runs import (
     copy_run,
     error_line,
     fifo_watchdog,
+    files_of,
     reseal,
     resume,
     warm_start,
@@ -216,3 +217,50 @@ def test_a_run_resumes_its_own_env_state_exactly_after_the_binding(run, tmp_path
     victim = copy_run(run, tmp_path / "victim")
     assert resume(victim, "total_env_steps=48") == 0
     assert not [w for w in recwarn if "environment state is not used" in str(w.message)]
+
+
+# ------------------------------------------------------- validate before write, for all a resume loads
+def _refused_resume_changes_nothing(victim: Path, capsys, *args: str) -> str:
+    with open(victim / "metrics.jsonl", "a") as f:  # a row after the checkpoint: a resume would cut it
+        f.write('{"update": 3, "env_steps": 48}\n')
+    before = files_of(victim)
+    assert resume(victim, "total_env_steps=48", *args) == 2
+    line = error_line(capsys)
+    assert files_of(victim) == before
+    return line
+
+
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        (lambda o: o["state"][0].update(exp_avg=torch.zeros(3, 3)), "exp_avg of shape (3, 3)"),
+        (lambda o: o["state"][0].update(exp_avg=[1.0, 2.0]), "exp_avg is a list"),
+        (
+            lambda o: o["state"][0].update({k: v.long() for k, v in o["state"][0].items() if k != "step"}),
+            "of dtype torch.int64",
+        ),
+        (lambda o: o["state"][0].update(step="7"), "step is a str"),
+        (lambda o: o["param_groups"][0].update(lr="fast"), "lr is a str"),
+        (lambda o: o.update(state="none"), "state is a str"),
+    ],
+    ids=["shape", "type", "dtype", "step", "lr", "table"],
+)
+def test_optimizer_state_that_does_not_fit_its_parameters_refuses_the_resume_changing_nothing(
+    run, tmp_path, capsys, damage, words
+):
+    victim = copy_run(run, tmp_path / "victim")
+    (victim / "checkpoint.prev.pt").unlink()
+    state = load_checkpoint(victim)
+    damage(state["optimizer"])
+    write_format2(state, checkpoint_path(victim))
+    line = _refused_resume_changes_nothing(victim, capsys)
+    assert "optimizer state" in line and words in line, line
+
+
+def test_an_env_state_of_another_env_refuses_a_trusted_resume_changing_nothing(run, tmp_path, capsys):
+    other = tmp_path / "other"
+    assert train_main([*TINY, "total_env_steps=32", "env.id=Acrobot-v1", f"run_dir={other}"]) == 0
+    victim = copy_run(run, tmp_path / "victim")
+    _graft_env_state(victim, other)
+    line = _refused_resume_changes_nothing(victim, capsys, "--trust-env-state")
+    assert "env state" in line and "observation space" in line, line
