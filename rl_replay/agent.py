@@ -346,7 +346,10 @@ def build_agent(target: str, kwargs: dict[str, Any], observation_space, action_s
     cls = load_agent_class(target)
     try:
         return cls(observation_space, action_space, **kwargs)
-    except TypeError as exc:
+    except SetupError:
+        raise
+    except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
+        # (a negative or absurd size reaches torch as "negative dimension" or an allocator error)
         raise SetupError(
             f"agent.target {shown(target)} rejected agent.kwargs {shown(kwargs)}: {one_line(str(exc))[:300]}"
         ) from None

@@ -68,17 +68,31 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "distributed.backend": ("auto", "gloo", "nccl"),
 }
 
+#: Upper bounds on sizes. A config may come from someone else's run, and a size far past any
+#: real run's allocates before anything can check it (``torch_threads: 100000`` aborts in the
+#: allocator; ``collector.num_steps: 1e9`` grows memory for minutes). The memory a run's agent
+#: and rollout will need is estimated against the machine's before building (``run.setup``).
+MAX_THREADS = 1024
+MAX_ENVS = 1 << 16
+MAX_STEPS = 1 << 24  # per rollout; episode mode stops there too
+MAX_COUNT = 1 << 62  # env steps, seeds, episode lengths: what an int64 counter holds
+
+#: How deeply a config's free-form values (``agent.kwargs``, ``env.kwargs``, wrapper kwargs) may
+#: nest. A checkpoint stores the config inside its own tree, which nests a few levels more and is
+#: refused past ``safe_tree.MAX_DEPTH``: a config accepted here always writes back readable.
+MAX_VALUE_DEPTH = 16
+
 # (lower, lower_inclusive, upper, upper_inclusive); None bounds are open. A None value of
 # an Optional field is always accepted ("when set").
 _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
-    "seed": (0, True, None, False),
-    "total_env_steps": (1, True, None, False),
-    "torch_threads": (1, True, None, False),
-    "env.num_envs": (1, True, None, False),
-    "env.max_episode_steps": (1, True, None, False),
-    "collector.num_steps": (1, True, None, False),
-    "collector.bptt_truncate": (1, True, None, False),
-    "replay.block_steps": (1, True, None, False),
+    "seed": (0, True, MAX_COUNT, True),
+    "total_env_steps": (1, True, MAX_COUNT, True),
+    "torch_threads": (1, True, MAX_THREADS, True),
+    "env.num_envs": (1, True, MAX_ENVS, True),
+    "env.max_episode_steps": (1, True, MAX_COUNT, True),
+    "collector.num_steps": (1, True, MAX_STEPS, True),
+    "collector.bptt_truncate": (1, True, MAX_STEPS, True),
+    "replay.block_steps": (1, True, MAX_STEPS, True),
     "loss.gamma": (0, True, 1, True),
     "loss.gae_lambda": (0, True, 1, True),
     "loss.entropy_coef": (0, True, None, False),
@@ -219,6 +233,10 @@ def validate(cfg: Config) -> Config:
         _check_value(key, value, tp)
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"Non-finite value for config key '{key}': {shown(value)} (must be a finite number)")
+        if _nesting(value) > MAX_VALUE_DEPTH:
+            raise ValueError(
+                f"Config key '{key}' nests deeper than {MAX_VALUE_DEPTH} levels: a config holds no such value"
+            )
         values[key] = value
     for key, allowed in _CHOICES.items():
         if values[key] not in allowed:
@@ -264,6 +282,14 @@ def validate(cfg: Config) -> Config:
             "are mutually exclusive: set at most one"
         )
     return cfg
+
+
+def _nesting(value: Any, depth: int = 0) -> int:
+    """How deeply ``value`` nests (lists and mappings), counted no further than one past the limit."""
+    if depth > MAX_VALUE_DEPTH or not isinstance(value, (list, tuple, Mapping)):
+        return depth
+    items = value.values() if isinstance(value, Mapping) else value
+    return max((_nesting(v, depth + 1) for v in items), default=depth + 1)
 
 
 def _validate_ppo(cfg: Config) -> None:

@@ -147,6 +147,53 @@ def _record_env_episodes(env: gym.Env) -> gym.Env:
     return gym.wrappers.RecordEpisodeStatistics(env, stats_key=RAW_EPISODE_KEY)
 
 
+def _make(env_id: str, kwargs: Mapping[str, Any] | None, make_kwargs: dict[str, Any]) -> gym.Env:
+    """``gym.make`` whose failures are one line naming the env (and, for a missing optional
+    dependency, what to install)."""
+    try:
+        return gym.make(env_id, **make_kwargs)
+    except TypeError as exc:
+        raise SetupError(
+            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
+        ) from None
+    except (gym.error.DependencyNotInstalled, ImportError) as exc:
+        raise SetupError(
+            f"environment '{env_id}' needs an optional dependency that is not installed: {one_line(str(exc))[:300]}"
+        ) from None
+    except SetupError:
+        raise
+    except Exception as exc:
+        raise SetupError(
+            f"environment '{env_id}' could not be made ({type(exc).__name__}: {one_line(str(exc))[:300]})"
+        ) from None
+
+
+def _culprit(exc: BaseException) -> str | None:
+    """The innermost wrapper (or env) a traceback passed through: who raised ``exc``."""
+    name = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, (gym.Wrapper, gym.Env)):
+            name = type(owner).__name__
+        tb = tb.tb_next
+    return name
+
+
+def _try_step(env: gym.Env, env_id: str) -> None:
+    """Reset ``env`` and step it once: a wrapper whose kwargs fail only once called (a reward
+    function that is not callable) is then one line naming it, before anything is written."""
+    try:
+        env.reset()
+        env.step(env.action_space.sample())
+    except Exception as exc:
+        who = _culprit(exc) or env_id
+        raise SetupError(
+            f"environment '{env_id}' failed when stepped, in {who} ({type(exc).__name__}: "
+            f"{one_line(str(exc))[:300]}): check env.kwargs and env.wrappers."
+        ) from None
+
+
 def _apply(env: gym.Env, wrappers: Sequence[Callable], specs: Sequence[Mapping[str, Any]]) -> gym.Env:
     for i, wrapper in enumerate(wrappers):
         try:
@@ -175,12 +222,7 @@ def make_env(
     make_kwargs = _make_kwargs(kwargs, max_episode_steps)
     if render_mode is not None:
         make_kwargs["render_mode"] = render_mode
-    try:
-        env = gym.make(env_id, **make_kwargs)
-    except TypeError as exc:
-        raise SetupError(
-            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
-        ) from None
+    env = _make(env_id, kwargs, make_kwargs)
     env = _apply(_record_env_episodes(env) if loaded else env, loaded, wrappers)
     select = observation_filter(env.observation_space, observation_keys)
     return env if select is None else select(env)
@@ -216,14 +258,12 @@ def make_vector_env(
     # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
     # not a traceback from inside a vector env (or an async worker process); its observation
     # space says which Dict keys each sub-env keeps.
+    probe = _apply(_make(env_id, kwargs, _make_kwargs(kwargs, max_episode_steps)), loaded, wrappers)
     try:
-        probe = gym.make(env_id, **_make_kwargs(kwargs, max_episode_steps))
-    except TypeError as exc:
-        raise SetupError(
-            f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
-        ) from None
-    probe = _apply(probe, loaded, wrappers)
-    probe.close()
+        if loaded:
+            _try_step(probe, env_id)
+    finally:
+        probe.close()
     select = observation_filter(probe.observation_space, observation_keys)
     try:
         if loaded:

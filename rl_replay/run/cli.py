@@ -350,6 +350,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
     from rl_replay.rollout.environment import envs_from_config
     from rl_replay.run.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
     from rl_replay.run.evaluate import evaluate
+    from rl_replay.run.footprint import check_fits
     from rl_replay.run.trainer_state import load_agent_weights
 
     if cfg.torch_threads is not None:
@@ -369,6 +370,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
         )
     probe = envs_from_config(cfg.env, 1)
     try:
+        check_fits(cfg, probe.single_observation_space, probe.single_action_space, train=False)
         agent = build_agent(
             cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space
         )

@@ -25,9 +25,10 @@ import contextlib
 import os
 import re
 import secrets
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rl_replay.config import Config, dump_config, loads_config
 from rl_replay.config.yaml_files import MAX_CONFIG_BYTES
@@ -146,9 +147,53 @@ def _named_modules(cfg: Config) -> Iterator[tuple[str, str]]:
         yield f"{what} {shown(spec['target'])}", parse_target(spec["target"], what)[0]
     for i, name in enumerate(cfg.env.imports):
         yield f"env.imports[{i}]", name
-    module, _ = split_env_id(cfg.env.id)
+    module, env_id = split_env_id(cfg.env.id)
     if module is not None:
         yield f"env.id {shown(cfg.env.id)}", module
+    else:
+        yield from _registered_targets(cfg.env.id, env_id)
+    yield from _kwargs_targets("env.kwargs", cfg.env.kwargs)
+    for i, spec in enumerate(cfg.env.wrappers):
+        yield from _kwargs_targets(f"env.wrappers[{i}].kwargs", spec.get("kwargs") or {})
+
+
+# A string value of the form ``package.module:Name``: what gymnasium's env makers import
+# (``GymV26Environment-v0``'s ``env_id``, an entry point passed as a kwarg).
+_TARGET_TEXT = re.compile(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):[A-Za-z_][\w.-]*")
+
+
+def _kwargs_targets(key: str, kwargs: Any, depth: int = 0) -> Iterator[tuple[str, str]]:
+    """``(key and value, module)`` of every string in ``kwargs`` that names code by import path."""
+    if depth > 32:
+        return
+    if isinstance(kwargs, str):
+        match = _TARGET_TEXT.fullmatch(kwargs)
+        if match:
+            yield f"{key} {shown(kwargs)}", match.group(1)
+    elif isinstance(kwargs, Mapping):
+        for k, v in kwargs.items():
+            yield from _kwargs_targets(f"{key}.{k}", v, depth + 1)
+    elif isinstance(kwargs, (list, tuple)):
+        for i, v in enumerate(kwargs):
+            yield from _kwargs_targets(f"{key}[{i}]", v, depth + 1)
+
+
+def _registered_targets(text: str, env_id: str) -> Iterator[tuple[str, str]]:
+    """The modules a registered id's entry points and registered kwargs would import: an id that
+    another package registered is code outside gymnasium and rl_replay, whatever its name says."""
+    import gymnasium as gym
+
+    import rl_replay.envs  # noqa: F401  (registers the project's own ids)
+
+    spec = gym.registry.get(env_id)
+    if spec is None:
+        return  # refused later as an unknown id (importing nothing)
+    for name, point in (("entry point", spec.entry_point), ("vector entry point", spec.vector_entry_point)):
+        if isinstance(point, str):
+            yield f"the {name} {shown(point)} of env.id {shown(text)}", point.partition(":")[0]
+        elif point is not None:
+            yield f"the {name} of env.id {shown(text)}", getattr(point, "__module__", None) or "?"
+    yield from _kwargs_targets(f"the registered kwargs of env.id {shown(text)}", spec.kwargs or {})
 
 
 def check_imports(run_config: RunConfig) -> None:

@@ -27,12 +27,13 @@ from rl_replay.algorithms.base import Algorithm
 from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_updates
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
-from rl_replay.errors import SetupError
+from rl_replay.errors import SetupError, shown
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run import trust
 from rl_replay.run.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
 from rl_replay.run.env_state_file import env_binding
+from rl_replay.run.footprint import check_fits
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
     METRICS_NAME,
@@ -105,8 +106,8 @@ def _check_resume_config(cfg: Config, saved: dict[str, Any], where: Path) -> Non
             ours, theirs = canonical_agent_target(ours), canonical_agent_target(theirs)
         if ours != theirs:
             raise SetupError(
-                f"cannot resume {where} with {key}={_dotted(now, key)!r}: its checkpoint was written with "
-                f"{key}={_dotted(saved, key)!r}, and a resumed run keeps its environments, agent and "
+                f"cannot resume {where} with {key}={shown(_dotted(now, key))}: its checkpoint was written with "
+                f"{key}={shown(_dotted(saved, key))}, and a resumed run keeps its environments, agent and "
                 f"optimizer. Resume without that override, or start a new run (another run_dir) to change it."
             )
 
@@ -388,6 +389,7 @@ def _build_objects(
     with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
         envs = envs_from_config(cfg.env, vectorization=cfg.env.vectorization)
     cleanup.callback(envs.close)
+    check_fits(cfg, envs.single_observation_space, envs.single_action_space)
     agent: Agent = build_agent(
         cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space
     ).to(device)

@@ -8,10 +8,13 @@ address-space limit a few GiB above what the process already maps.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
 import stat
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,13 +32,16 @@ from test_hostile_runs import (
     reseal,
     resume,
     warm_start,
+    write_foreign_config,
 )
 
 from rl_replay.errors import SetupError
 from rl_replay.run import safe_tree, trust
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from rl_replay.run.cli import evaluate_main, train_main
 from rl_replay.run.env_state_file import ENV_STATE_NAME
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --------------------------------------------------------------------------- the secret's folder
@@ -264,3 +270,128 @@ def test_an_env_state_of_another_env_refuses_a_trusted_resume_changing_nothing(r
     _graft_env_state(victim, other)
     line = _refused_resume_changes_nothing(victim, capsys, "--trust-env-state")
     assert "env state" in line and "observation space" in line, line
+
+
+# ------------------------------------------------------- config values checked as data before building
+def _edited(run: Path, tmp_path: Path, *overrides: str) -> Path:
+    """A copy of ``run`` whose config.yaml is edited (unsigned now: a foreign config)."""
+    victim = copy_run(run, tmp_path / "victim")
+    write_foreign_config(victim, *overrides)
+    return victim
+
+
+def _edited_text(run: Path, tmp_path: Path, line: str) -> Path:
+    """A copy of ``run`` whose config.yaml gets ``line`` at its top level, as a text editor would
+    (no validation on the way: what a hand-made file can hold)."""
+    victim = copy_run(run, tmp_path / "victim")
+    body = (victim / "config.yaml").read_text().partition("\n")[2]  # without its signature
+    key = line.partition(":")[0]
+    (victim / "config.yaml").write_text(re.sub(rf"(?m)^{key}:.*$", line, body))
+    return victim
+
+
+def test_a_huge_thread_count_is_one_line_not_an_allocator_abort(run, tmp_path):
+    victim = _edited_text(run, tmp_path, "torch_threads: 100000")
+    for command in (
+        ["scripts/evaluate.py", str(victim), "--episodes", "1"],
+        ["scripts/train.py", "--resume", str(victim)],
+    ):
+        done = subprocess.run([sys.executable, *command], cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert (
+            done.stderr.strip().splitlines()[-1].startswith("error: Out of range value for config key 'torch_threads'")
+        )
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("agent.kwargs={hidden_sizes: [-4]}", "negative dimension"),
+        ("agent.kwargs={hidden_sizes: [100000, 100000]}", "more than this process can have"),
+        ("env.wrappers=[{target: 'gymnasium.wrappers:TransformReward', kwargs: {func: 1}}]", "in TransformReward"),
+    ],
+    ids=["negative", "huge-agent", "wrapper-when-stepped"],
+)
+def test_bad_sizes_and_wrappers_are_one_line_under_evaluate_and_resume(run, tmp_path, capsys, override, words):
+    victim = _edited(run, tmp_path, override)
+    with address_space_limit():
+        assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+        assert words in error_line(capsys)
+        before = files_of(victim)
+        assert resume(victim, "total_env_steps=48") == 2
+        line = error_line(capsys)
+        assert words in line or "its checkpoint was written with" in line  # (a resume keeps its agent)
+    assert files_of(victim) == before
+
+
+def test_a_billion_step_rollout_on_resume_is_refused_before_it_grows(run, tmp_path, capsys):
+    victim = copy_run(run, tmp_path / "victim")
+    before = files_of(victim)
+    with address_space_limit():
+        assert resume(victim, "collector.num_steps=1000000000", "total_env_steps=4000000000") == 2
+    assert "collector.num_steps" in error_line(capsys)
+    assert files_of(victim) == before
+
+
+def test_a_rollout_larger_than_memory_is_one_line_before_building(run, tmp_path, capsys):
+    with address_space_limit():
+        code = train_main([*TINY, "env.num_envs=64", "collector.num_steps=16000000", f"run_dir={tmp_path / 'new'}"])
+    assert code == 2 and "a rollout of 64 envs x 16000000 steps" in error_line(capsys)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_missing_optional_dependency_is_one_line_naming_what_to_install(run, tmp_path, capsys):
+    pytest.importorskip("gymnasium")
+    if importlib.util.find_spec("Box2D") is not None:
+        pytest.skip("Box2D is installed here")
+    victim = _edited(run, tmp_path, "env.id=LunarLander-v3")
+    assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+    line = error_line(capsys)
+    assert "needs an optional dependency" in line and "pip install" in line and "box2d" in line
+
+
+@pytest.mark.parametrize(
+    "overrides, module",
+    [
+        (("env.id=GymV26Environment-v0", "env.kwargs={env_id: 'os:system'}"), "os"),
+        (
+            ("env.wrappers=[{target: 'gymnasium.wrappers:TransformReward', kwargs: {func: 'subprocess:call'}}]",),
+            "subprocess",
+        ),
+    ],
+    ids=["env-kwargs", "wrapper-kwargs"],
+)
+def test_a_module_named_in_kwargs_counts_as_a_foreign_target(run, tmp_path, capsys, overrides, module):
+    victim = _edited(run, tmp_path, *overrides)
+    assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+    line = error_line(capsys)
+    assert f"names module '{module}', which is not part of rl_replay or gymnasium" in line and "--trust-config" in line
+
+
+def test_an_id_registered_by_another_package_counts_as_a_foreign_target(run, tmp_path, capsys):
+    import gymnasium as gym
+
+    gym.register("RlReplayElsewhere-v0", entry_point="json.decoder:JSONDecoder")  # registered by someone else
+    try:
+        victim = _edited(run, tmp_path, "env.id=RlReplayElsewhere-v0")
+        assert evaluate_main([str(victim), "--episodes", "1"]) == 2
+        assert "names module 'json.decoder'" in error_line(capsys)
+    finally:
+        gym.registry.pop("RlReplayElsewhere-v0")
+
+
+def test_a_config_accepted_is_a_config_that_writes_back_readable(tmp_path):
+    from rl_replay.config import loads_config
+    from rl_replay.config.loader import MAX_VALUE_DEPTH
+
+    def nested(depth):
+        return "{a: " * depth + "1" + "}" * depth
+
+    with pytest.raises(ValueError, match=rf"'env.kwargs' nests deeper than {MAX_VALUE_DEPTH} levels"):
+        loads_config("", [f"env.kwargs={nested(MAX_VALUE_DEPTH + 1)}"])
+    deepest = loads_config("", [f"env.kwargs={nested(MAX_VALUE_DEPTH)}"])
+    from rl_replay.config import config_to_dict
+
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint({"agent": {}, "config": config_to_dict(deepest)}, path)  # as a trainer's checkpoint nests it
+    assert load_checkpoint(path)["config"]["env"]["kwargs"] == config_to_dict(deepest)["env"]["kwargs"]
