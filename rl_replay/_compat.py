@@ -6,7 +6,7 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
 
 * **Checkpoint format 1** (a pickle) is no longer read by any command: it is refused with the
   command that converts a trusted file (``scripts/convert_checkpoint.py --trust``), which is
-  the only code that knows the old layouts (:func:`rl_replay.run.legacy.convert_legacy`).
+  the only code that knows the old layouts (:func:`rl_replay.rundir.legacy.convert_legacy`).
 * **Module names inside pickled environments** (``env_state.pkl``, and the env pickles of a
   converted format-1 checkpoint) and **import paths in an older run's config.yaml**: while 0.1.0
   was developed the reference agents and envs were first the top-level packages ``agents`` /

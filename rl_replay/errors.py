@@ -73,14 +73,14 @@ class SetupError(ValueError):
 class RunDirError(SetupError):
     """The run directory cannot be used as asked (not empty, or in use by another process).
 
-    Raised by :mod:`rl_replay.run.run_dir`.
+    Raised by :mod:`rl_replay.rundir.lock`.
     """
 
 
 class CheckpointError(SetupError):
     """A checkpoint file is missing, empty, truncated, corrupt, or would hold non-finite weights.
 
-    Raised by :mod:`rl_replay.run.checkpoint` and :mod:`rl_replay.run.env_state_file`.
+    Raised by :mod:`rl_replay.rundir.checkpoint` and :mod:`rl_replay.rundir.env_state_file`.
     """
 
 

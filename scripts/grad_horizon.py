@@ -109,8 +109,8 @@ def load_run(run_dir: str, trust_config: bool = False) -> tuple[str, dict, dict,
     ``trust_config`` (docs/checkpoints.md, "The config trust rule").
     """
     from rl_replay.errors import SetupError, one_line
-    from rl_replay.run.checkpoint import load_checkpoint
-    from rl_replay.run.run_config import check_imports, read_run_config
+    from rl_replay.rundir.checkpoint import load_checkpoint
+    from rl_replay.rundir.config_file import check_imports, read_run_config
 
     try:
         run_config = read_run_config(run_dir, trust_config=trust_config, flag="--trust-config")

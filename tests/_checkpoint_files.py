@@ -7,7 +7,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from rl_replay.run import safe_tree
+from rl_replay.rundir import safe_tree
 
 
 def write_format2(state: dict[str, Any], path: Path) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-# The per-user secret that signs env-state files (rl_replay.run.trust): the tests, and the
+# The per-user secret that signs env-state files (rl_replay.rundir.trust): the tests, and the
 # processes they start, use one of their own instead of the account's ~/.config/rl_replay
 # (setdefault: a spawned worker that imports this module keeps its parent's).
 os.environ.setdefault("RL_REPLAY_CONFIG_DIR", tempfile.mkdtemp(prefix="rl_replay_test_config_"))

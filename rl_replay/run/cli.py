@@ -326,7 +326,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             return 2
 
     from rl_replay.errors import SetupError
-    from rl_replay.run.run_config import imports_of, read_run_config
+    from rl_replay.rundir.config_file import imports_of, read_run_config
 
     run_dir = Path(args.run_dir)
     try:
@@ -348,10 +348,10 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
     from rl_replay.errors import SetupError
     from rl_replay.rollout.env_state import training_statistics
     from rl_replay.rollout.environment import envs_from_config
-    from rl_replay.run.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
     from rl_replay.run.evaluate import evaluate
-    from rl_replay.run.footprint import check_fits
     from rl_replay.run.trainer_state import load_agent_weights
+    from rl_replay.rundir.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
+    from rl_replay.rundir.footprint import check_fits
 
     if cfg.torch_threads is not None:
         # As in training: a small policy on an oversubscribed thread pool is many times slower.
@@ -378,8 +378,8 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
         probe.close()
     load_agent_weights(agent, state["agent"], ckpt)
     if args.wandb:
-        from rl_replay.run.files import check_directory
         from rl_replay.run.logger import wandb_preflight
+        from rl_replay.rundir.files import check_directory
 
         wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
         check_directory(run_dir / "wandb", "wandb directory")  # wandb writes there: not through a link
@@ -448,8 +448,8 @@ def convert_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from rl_replay.errors import SetupError
-    from rl_replay.run import trust
-    from rl_replay.run.legacy import convert_legacy
+    from rl_replay.rundir import trust
+    from rl_replay.rundir.legacy import convert_legacy
 
     try:
         path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())

@@ -148,8 +148,8 @@ def log_evaluation(
     """
     from pathlib import Path
 
-    from rl_replay.run.files import check_directory
     from rl_replay.run.logger import wandb_preflight
+    from rl_replay.rundir.files import check_directory
 
     run_dir = Path(run_dir)
     mode = wandb_preflight(cfg.log.wandb_mode)

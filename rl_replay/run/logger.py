@@ -3,7 +3,7 @@
 ``metrics.jsonl`` is the record of a run: one JSON line per logged update, every metric
 kept; a non-finite value (no episode finished, a diverged loss) is written as ``null``. It is
 appended to without following a symlink and read as a stream of bounded lines
-(:mod:`rl_replay.run.files`); a line that parses but is not a row (no integer ``update`` and
+(:mod:`rl_replay.rundir.files`); a line that parses but is not a row (no integer ``update`` and
 ``env_steps``) is one line naming it.
 
 wandb gets the same rows, with ``step=update`` and ``env_steps`` declared as the x-axis
@@ -30,13 +30,22 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from rl_replay.errors import RunDirError, SetupError, shown
-from rl_replay.run import files
+from rl_replay.errors import SetupError
+from rl_replay.rundir import files
+from rl_replay.rundir.metrics_file import (
+    METRICS_NAME,
+    WANDB_MARK_NAME,
+    is_count,
+    iter_metrics,
+    read_mark,
+    read_metrics,
+    truncate_metrics,
+    unsent_wandb_id,
+)
 
 __all__ = [
     "ProgressLines",
@@ -51,12 +60,7 @@ __all__ = [
     "summarize",
 ]
 
-METRICS_NAME = "metrics.jsonl"
-#: Last update handed to wandb (see RunLogger): on resume, rows after it are sent again.
-WANDB_MARK_NAME = "wandb_logged.json"
 WANDB_MODES = ("online", "offline", "disabled")
-# A metrics row is a few KiB; a longer line is not one (a sparse hole reads as an endless line).
-MAX_ROW_BYTES = 1 << 20
 # wandb's own aliases for its modes
 _MODE_ALIASES = {"run": "online", "dryrun": "offline"}
 ONLINE_CHECK_SECONDS = 10.0
@@ -128,91 +132,6 @@ def _jsonable(value: Any) -> Any:
     """Floats as JSON numbers; NaN and +-inf as null (JSON has no non-finite numbers)."""
     value = float(value)
     return value if math.isfinite(value) else None
-
-
-def iter_metrics(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (a run directory or the file), read as a stream.
-
-    A line that is not JSON (one cut short by a kill) is skipped. Raises
-    :class:`~rl_replay.errors.RunDirError` (one line) for a row that is JSON but not a metrics
-    row, and :class:`~rl_replay.run.files.UnsafeFileError` for a file that is not a regular file
-    or holds a line longer than a row can be.
-    """
-    for _, record in _rows(Path(path)):
-        yield record
-
-
-def _rows(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
-    """``(line, row)`` of each row of :func:`iter_metrics`."""
-    if path.is_dir():
-        path = path / METRICS_NAME
-    if not os.path.lexists(path):
-        return
-    for number, line in files.iter_lines(path, "metrics file", max_line=MAX_ROW_BYTES):
-        try:
-            record = json.loads(line)
-        except (ValueError, RecursionError):
-            continue  # a line cut short by a kill
-        if not (isinstance(record, dict) and _is_count(record.get("update")) and _is_count(record.get("env_steps", 0))):
-            raise RunDirError(
-                f"metrics file {path} line {number} is not a metrics row (a JSON object with an integer 'update' and "
-                f"'env_steps'): {shown(record)}. Remove that line (or the file) to use the run."
-            )
-        yield line, record
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (a run directory or the file): :func:`iter_metrics` as a list."""
-    return list(iter_metrics(path))
-
-
-def _read_mark(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """The wandb mark of a run (``{"update", "wandb_id"}``), or ``{}`` if it has none that reads."""
-    try:
-        mark = json.loads(files.read_regular(Path(run_dir) / WANDB_MARK_NAME, "wandb mark", limit=4096))
-    except (OSError, ValueError, RecursionError):
-        return {}
-    return mark if isinstance(mark, dict) else {}
-
-
-def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
-    """The wandb id of a run in ``run_dir`` that never sent a row (None if there is none).
-
-    A run restarted from update 0 (stopped before its first checkpoint) continues that
-    wandb run instead of leaving an empty one beside a new one.
-    """
-    mark = _read_mark(run_dir)
-    wandb_id = mark.get("wandb_id")
-    ok = isinstance(wandb_id, str) and wandb_id.isalnum() and len(wandb_id) <= 64
-    return wandb_id if ok and mark.get("update") == 0 else None
-
-
-def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
-    """Drop lines logged after ``last_update`` (written by a run killed after its checkpoint).
-
-    The kept rows go to a new file that replaces the old one (a symlink in its place is
-    replaced, not written through).
-    """
-    path = Path(path)
-    if not os.path.lexists(path):
-        return
-    fd, tmp = files.create_exclusive(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for line, record in _rows(path):
-                if record["update"] <= last_update:
-                    out.write(line.decode("utf-8", errors="replace") + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class RunSummary:
@@ -408,8 +327,8 @@ class RunLogger:
 
     # ------------------------------------------------------------------ wandb rows
     def _mark(self) -> int:
-        update = _read_mark(self.run_dir).get("update")
-        return update if isinstance(update, int) and _is_count(update) else 0
+        update = read_mark(self.run_dir).get("update")
+        return update if isinstance(update, int) and is_count(update) else 0
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:

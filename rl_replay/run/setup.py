@@ -30,10 +30,6 @@ from rl_replay.engine import keep_freed_memory
 from rl_replay.errors import SetupError, shown
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
-from rl_replay.run import trust
-from rl_replay.run.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
-from rl_replay.run.env_state_file import env_binding
-from rl_replay.run.footprint import check_fits
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
     METRICS_NAME,
@@ -43,8 +39,14 @@ from rl_replay.run.logger import (
     unsent_wandb_id,
     wandb_preflight,
 )
-from rl_replay.run.run_config import imports_of, new_run_id, read_run_config, write_run_config
-from rl_replay.run.run_dir import (
+from rl_replay.run.trainer import Trainer
+from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
+from rl_replay.rundir import trust
+from rl_replay.rundir.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
+from rl_replay.rundir.config_file import imports_of, new_run_id, read_run_config, write_run_config
+from rl_replay.rundir.env_state_file import env_binding
+from rl_replay.rundir.footprint import check_fits
+from rl_replay.rundir.lock import (
     RunLock,
     claim_default,
     claim_fresh,
@@ -53,8 +55,6 @@ from rl_replay.run.run_dir import (
     resume_kind,
     writing,
 )
-from rl_replay.run.trainer import Trainer
-from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 
 __all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
 
@@ -133,8 +133,8 @@ def build(
 
     A resumed run's ``config.yaml`` imports modules outside rl_replay and gymnasium only if
     this user's signature verifies it, or with ``trust_config``
-    (:mod:`rl_replay.run.run_config`). Its environment state is unpickled only if this user's
-    MAC verifies it (:mod:`rl_replay.run.trust`), or with ``trust_env_state``; otherwise it
+    (:mod:`rl_replay.rundir.config_file`). Its environment state is unpickled only if this user's
+    MAC verifies it (:mod:`rl_replay.rundir.trust`), or with ``trust_env_state``; otherwise it
     starts fresh episodes and says why.
     """
     # The key that signs what this run writes, checked (and made) before anything is written.

@@ -23,13 +23,13 @@ from rl_replay.algorithms.schedules import entropy_coef_at
 from rl_replay.config import Config, num_updates
 from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
-from rl_replay.run.checkpoint import checkpoint_path
 from rl_replay.run.interrupt import StopOnSignal
 from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
-from rl_replay.run.run_dir import RunLock, writing
 from rl_replay.run.trainer_state import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
+from rl_replay.rundir.checkpoint import checkpoint_path
+from rl_replay.rundir.lock import RunLock, writing
 
 __all__ = ["Trainer"]
 

@@ -1,10 +1,10 @@
 """A trainer's state: what its checkpoint holds, one code path for single-process and FSDP1 runs.
 
 Three things are called "checkpoint" in this project; this module is the trainer's state that goes
-into one. The file format is :mod:`rl_replay.run.checkpoint`, and ``checkpoint_fsdp_forward`` is the
+into one. The file format is :mod:`rl_replay.rundir.checkpoint`, and ``checkpoint_fsdp_forward`` is the
 reference helper's name for a replay block (activation checkpointing's sense of the word).
 
-Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.run.checkpoint.save_checkpoint`:
+Layout of ``run_dir/checkpoint.pt`` (written with :func:`rl_replay.rundir.checkpoint.save_checkpoint`:
 numbers and JSON only, nothing that runs code when read):
 
 =================  ==============================================================
@@ -52,8 +52,8 @@ from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
 from rl_replay.errors import CheckpointError, SetupError, one_line, shown
-from rl_replay.run import trust
-from rl_replay.run.checkpoint import (
+from rl_replay.rundir import trust
+from rl_replay.rundir.checkpoint import (
     checkpoint_path,
     load_latest,
     non_finite_tensors,
@@ -61,7 +61,7 @@ from rl_replay.run.checkpoint import (
     require_counts,
     save_checkpoint,
 )
-from rl_replay.run.env_state_file import env_binding, read_env_state, save_env_state
+from rl_replay.rundir.env_state_file import env_binding, read_env_state, save_env_state
 
 __all__ = [
     "trainer_state",
@@ -237,13 +237,13 @@ def read_trainer_state(
     """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
 
     ``binding`` is what this run's env state must have been written for
-    (:func:`rl_replay.run.env_state_file.env_binding`: the run's identity and env config).
+    (:func:`rl_replay.rundir.env_state_file.env_binding`: the run's identity and env config).
 
     The env pickles are put back into the collector states only where
-    :func:`rl_replay.run.env_state_file.read_env_state` gives them (this user's MAC, or
+    :func:`rl_replay.rundir.env_state_file.read_env_state` gives them (this user's MAC, or
     ``trust_env_state``), and only if every rank has them; otherwise each collector state says
     why it starts fresh episodes. Returns ``(state, path, warning)`` as
-    :func:`rl_replay.run.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
+    :func:`rl_replay.rundir.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
     env state).
     """
     state, path, warning = load_latest(run_dir)

@@ -34,9 +34,9 @@ def main() -> int:
     import torch
 
     from rl_replay.config import load_config
-    from rl_replay.run.env_state_file import run_binding
     from rl_replay.run.setup import build
     from rl_replay.run.trainer_state import load_trainer, read_trainer_state, save_trainer
+    from rl_replay.rundir.env_state_file import run_binding
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

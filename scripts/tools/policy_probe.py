@@ -38,9 +38,9 @@ def probe(run_dir: Path, episodes: int, lags: list[int], seed: int, trust_config
     from rl_replay.agent import build_agent
     from rl_replay.errors import SetupError
     from rl_replay.rollout.environment import envs_from_config
-    from rl_replay.run.checkpoint import load_checkpoint, require
-    from rl_replay.run.run_config import imports_of, read_run_config
     from rl_replay.run.trainer_state import load_agent_weights
+    from rl_replay.rundir.checkpoint import load_checkpoint, require
+    from rl_replay.rundir.config_file import imports_of, read_run_config
     from rl_replay.spaces import obs_converter
 
     run_config = read_run_config(run_dir, trust_config=trust_config, flag="--trust-config")

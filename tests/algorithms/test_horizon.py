@@ -149,7 +149,7 @@ def memory_cfg(run_dir, *extra):
 
 
 def test_trainer_logs_the_horizon_without_changing_training(tmp_path):
-    from rl_replay.run.checkpoint import load_checkpoint
+    from rl_replay.rundir.checkpoint import load_checkpoint
 
     build(memory_cfg(tmp_path / "plain")).train()
     build(memory_cfg(tmp_path / "horizon", "log.horizon_every=2")).train()

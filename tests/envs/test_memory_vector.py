@@ -14,9 +14,9 @@ import rl_replay.envs  # noqa: F401  (registers rl_replay/MemoryCue-v0)
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
 from rl_replay.rollout.environment import make_vector_env
-from rl_replay.run.checkpoint import load_checkpoint
 from rl_replay.run.logger import read_metrics
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 ID = "rl_replay/MemoryCue-v0"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 # Floors from the top (docs/architecture.md): a module may import its own floor and those below.
-FLOORS = {"run": 5, "algorithms": 4, "rollout": 3, "engine": 1}
+FLOORS = {"run": 6, "rundir": 5, "algorithms": 4, "rollout": 3, "engine": 1}
 SHARED = 2  # the top-level modules, config/, and the reference agents and envs
 
 

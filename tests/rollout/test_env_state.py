@@ -31,10 +31,10 @@ from rl_replay.rollout.env_state import (
     vector_statistics,
     wrapper_statistics,
 )
-from rl_replay.run.checkpoint import load_checkpoint
 from rl_replay.run.evaluate import evaluate
 from rl_replay.run.logger import read_metrics
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import load_checkpoint
 from rl_replay.targets import unpickle
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""rl_replay/run/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
+"""rl_replay/rundir/checkpoint.py: checkpoint files written atomically, verified on load, never lost.
 
 Covers the file format (a header with the payload's sha256 and size, then a safetensors
 file), verified loading and the one-line error for an empty, truncated, corrupt, unreadable,
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-import rl_replay.run.files as files_module
+import rl_replay.rundir.files as files_module
 from rl_replay.errors import CheckpointError, SetupError
-from rl_replay.run.checkpoint import (
+from rl_replay.rundir.checkpoint import (
     checkpoint_path,
     load_checkpoint,
     load_latest,

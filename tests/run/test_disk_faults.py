@@ -17,8 +17,8 @@ from _runs import (
     tiny,
 )
 
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 
 @pytest.fixture

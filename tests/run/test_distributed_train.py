@@ -166,10 +166,10 @@ def _build_worker(rank: int, world_size: int, run_dir: str) -> None:
     from rl_replay.agent import Agent
     from rl_replay.config import load_config
     from rl_replay.errors import SetupError
-    from rl_replay.run.checkpoint import load_checkpoint
-    from rl_replay.run.env_state_file import read_env_state, run_binding
     from rl_replay.run.setup import build
-    from rl_replay.run.trust import user_secret
+    from rl_replay.rundir.checkpoint import load_checkpoint
+    from rl_replay.rundir.env_state_file import read_env_state, run_binding
+    from rl_replay.rundir.trust import user_secret
 
     overrides = [
         f"run_dir={run_dir}",
@@ -425,8 +425,8 @@ def _updates(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_torchrun_train_resume_evaluate(tmp_path):
     from rl_replay.errors import SetupError
-    from rl_replay.run.checkpoint import load_checkpoint
     from rl_replay.run.setup import build
+    from rl_replay.rundir.checkpoint import load_checkpoint
 
     run_dir = tmp_path / "run"
     common = ["log.progress=false", "log.wandb_mode=disabled"]
@@ -458,8 +458,8 @@ def _signal_worker(rank: int, world_size: int, run_dir: str, out_dir: str) -> No
 
     from rl_replay.config import load_config
     from rl_replay.errors import TrainingInterrupted
-    from rl_replay.run.checkpoint import load_checkpoint
     from rl_replay.run.setup import build
+    from rl_replay.rundir.checkpoint import load_checkpoint
 
     cfg = load_config(
         MLP_CPU_CONFIG,

@@ -26,10 +26,10 @@ import torch
 from _checkpoint_files import write_format2
 
 from rl_replay.config import load_config, save_config
-from rl_replay.run import safe_tree, trust
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import evaluate_main, train_main
-from rl_replay.run.env_state_file import ENV_STATE_NAME
+from rl_replay.rundir import safe_tree, trust
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.rundir.env_state_file import ENV_STATE_NAME
 
 TINY = (
     "env.id=CartPole-v1",

@@ -36,10 +36,10 @@ from test_hostile_runs import (
 )
 
 from rl_replay.errors import SetupError
-from rl_replay.run import safe_tree, trust
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from rl_replay.run.cli import evaluate_main, train_main
-from rl_replay.run.env_state_file import ENV_STATE_NAME
+from rl_replay.rundir import safe_tree, trust
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from rl_replay.rundir.env_state_file import ENV_STATE_NAME
 
 REPO = Path(__file__).resolve().parents[2]
 

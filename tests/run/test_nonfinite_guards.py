@@ -14,8 +14,8 @@ from _runs import (
 )
 
 from rl_replay.errors import NonFiniteError
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 
 def test_divergence_stops_before_the_step_naming_update_term_and_checkpoint(tmp_path):

@@ -1,4 +1,4 @@
-"""rl_replay/run/run_dir.py: one run directory belongs to one run, written by one process.
+"""rl_replay/rundir/lock.py: one run directory belongs to one run, written by one process.
 
 Covers ``claim_fresh`` (creates or accepts an empty directory, refuses one holding files or
 a file in its place, in one line naming both ways out), ``claim_default`` (``name``,
@@ -19,7 +19,7 @@ import time
 import pytest
 
 from rl_replay.errors import RunDirError, SetupError
-from rl_replay.run.run_dir import (
+from rl_replay.rundir.lock import (
     LOCK_NAME,
     RunLock,
     claim_default,

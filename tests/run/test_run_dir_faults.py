@@ -28,8 +28,8 @@ from _runs import (
 
 from rl_replay.config import load_config
 from rl_replay.errors import RunDirError, SetupError
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 
 def test_fresh_run_refuses_a_directory_holding_a_run(finished_run, tmp_path):
@@ -117,7 +117,7 @@ def test_lock_refuses_a_second_writer_and_dies_with_its_process(finished_run, tm
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom rl_replay.run.run_dir import RunLock\n"
+            "import sys, time\nfrom rl_replay.rundir.lock import RunLock\n"
             f"lock = RunLock({str(run)!r})\nprint('locked', flush=True)\ntime.sleep(600)",
         ],
         cwd=REPO,

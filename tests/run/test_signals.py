@@ -21,8 +21,8 @@ from _runs import (
     wait_for_metrics,
 )
 
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])

@@ -19,8 +19,8 @@ import torch
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_failed_build_closes_envs_and_releases_the_run_dir(tmp_path, monkeypatch
     import fcntl
 
     import rl_replay.run.setup as trainer_module
-    from rl_replay.run.run_dir import LOCK_NAME
+    from rl_replay.rundir.lock import LOCK_NAME
 
     build(tiny_cfg(tmp_path / "run", 1)).train()
     made = []

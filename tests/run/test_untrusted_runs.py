@@ -28,11 +28,11 @@ from _checkpoint_files import write_format2, write_headed_pickle
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
-from rl_replay.run import env_state_file, safe_tree, trust
-from rl_replay.run.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.run.cli import convert_main, evaluate_main
-from rl_replay.run.env_state_file import ENV_STATE_NAME, read_env_state, run_binding
 from rl_replay.run.setup import build
+from rl_replay.rundir import env_state_file, safe_tree, trust
+from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
+from rl_replay.rundir.env_state_file import ENV_STATE_NAME, read_env_state, run_binding
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -276,7 +276,7 @@ def test_env_state_is_found_by_the_checksum_its_checkpoint_names(run, tmp_path):
     key = trust.user_secret()
     digest = load_checkpoint(victim)["env_state"]
     (victim / ENV_STATE_NAME).rename(victim / "env_state.prev.pkl")
-    from rl_replay.run.env_state_file import save_env_state
+    from rl_replay.rundir.env_state_file import save_env_state
 
     save_env_state([b"not the checkpoint's"], tmp_path / "elsewhere", key, run_binding(victim))
     (tmp_path / "elsewhere" / ENV_STATE_NAME).rename(victim / ENV_STATE_NAME)

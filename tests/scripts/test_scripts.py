@@ -15,9 +15,9 @@ from _runs import start
 from rl_replay.agent import build_agent
 from rl_replay.config import load_config
 from rl_replay.rollout.environment import make_vector_env
-from rl_replay.run.checkpoint import load_checkpoint
 from rl_replay.run.evaluate import evaluate
 from rl_replay.run.setup import build
+from rl_replay.rundir.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = str(REPO / "scripts" / "train.py")

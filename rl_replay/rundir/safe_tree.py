@@ -11,7 +11,7 @@ pickle, so a file from someone else can hold wrong numbers but cannot run anythi
 The round trip is exact: tensors keep dtype and values, numpy arrays and scalars keep their
 dtype, tuples stay tuples, integer dict keys stay integers (an optimizer's state is keyed by
 parameter index). ``bytes`` come back as ``bytes``: what they hold is for the caller to decide
-whether to trust (the environment pickles of :mod:`rl_replay.run.env_state_file` are MAC-checked first).
+whether to trust (the environment pickles of :mod:`rl_replay.rundir.env_state_file` are MAC-checked first).
 
 Reading is bounded as well as code-free: the tree's JSON may nest at most :data:`MAX_DEPTH`
 levels (checked before it is parsed), and a numpy dtype named in it must be a plain number or

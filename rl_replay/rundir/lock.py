@@ -26,9 +26,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rl_replay.errors import RunDirError, RunWriteError
-from rl_replay.run import files
-from rl_replay.run.checkpoint import checkpoint_path, previous_checkpoint_path
-from rl_replay.run.logger import read_metrics
+from rl_replay.rundir import files
+from rl_replay.rundir.checkpoint import checkpoint_path, previous_checkpoint_path
+from rl_replay.rundir.metrics_file import read_metrics
 
 __all__ = [
     "LOCK_NAME",

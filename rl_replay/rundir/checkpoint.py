@@ -1,12 +1,12 @@
 """Checkpoint files that run no code when read, are written atomically and are never lost.
 
 A checkpoint is two files (docs/operations.md, "Sharing runs"); this module is the first, the
-second is :mod:`rl_replay.run.env_state_file`, and :mod:`rl_replay.run.legacy` converts the pickled
+second is :mod:`rl_replay.rundir.env_state_file`, and :mod:`rl_replay.rundir.legacy` converts the pickled
 checkpoints of older versions:
 
 * ``checkpoint.pt``: one header line, then a `safetensors` file holding every number of the
   run (weights, optimizer, counters, RNG states, collector arrays) with the tree's shape as
-  JSON (:mod:`rl_replay.run.safe_tree`)::
+  JSON (:mod:`rl_replay.rundir.safe_tree`)::
 
       RLREPLAY-CHECKPOINT 2 sha256=<64 hex digits> size=<payload bytes>\\n
       <safetensors bytes>
@@ -15,7 +15,7 @@ checkpoints of older versions:
   evaluated or warm-started from.
 * ``env_state.pkl`` (only for sync envs that pickle): the sub-envs pickled whole, which a
   resume needs to continue exactly. Its header adds an HMAC-SHA256 made with this user's
-  secret (:mod:`rl_replay.run.trust`)::
+  secret (:mod:`rl_replay.rundir.trust`)::
 
       RLREPLAY-ENVSTATE 1 sha256=<hex> size=<bytes> key=<key id> hmac-sha256=<hex>\\n
       <safetensors bytes: one pickle per rank, as uint8>
@@ -27,14 +27,14 @@ checkpoints of older versions:
 Both are written the same way: to a temporary file in the same directory, fsynced, read back
 and checked, the old file kept as ``<name>.prev<suffix>`` (``checkpoint.prev.pt``), then
 renamed into place (``os.replace`` is atomic on POSIX). Loading opens a regular file only (no
-symlink, FIFO or device: :mod:`rl_replay.run.files`), compares the file's size with the size its
+symlink, FIFO or device: :mod:`rl_replay.rundir.files`), compares the file's size with the size its
 header declares *before* reading the payload, reads exactly that many bytes (refused if this
 process cannot hold them), checks the sha256 and raises a one-line
 :class:`~rl_replay.errors.CheckpointError` naming the file for an empty, truncated, padded,
 corrupt or foreign one; :func:`load_latest` falls back to the previous checkpoint.
 
 Older checkpoints (format 1, or a bare ``torch.save``) are pickles: they are refused with the
-command that converts one whose origin the user trusts (:func:`rl_replay.run.legacy.convert_legacy`).
+command that converts one whose origin the user trusts (:func:`rl_replay.rundir.legacy.convert_legacy`).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from rl_replay.errors import CheckpointError, one_line, shown
-from rl_replay.run import files, safe_tree
+from rl_replay.rundir import files, safe_tree
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -137,7 +137,7 @@ def read_checkpoint_bytes(path: Path, *, shown: Path | None = None, follow: bool
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:
     """Verify, write and rename ``payload`` into ``path``; keep the old file as the previous one.
 
-    ``payload`` is a tree :mod:`rl_replay.run.safe_tree` stores (no arbitrary objects). Raises
+    ``payload`` is a tree :mod:`rl_replay.rundir.safe_tree` stores (no arbitrary objects). Raises
     :class:`CheckpointError` (and writes nothing) if ``payload["agent"]`` holds a non-finite
     tensor: a diverged model must never replace the last good checkpoint.
     """
@@ -173,7 +173,7 @@ def load_checkpoint(path: str | os.PathLike, *, follow: bool = False) -> dict[st
     """Load and verify a checkpoint (a file, or a run directory's latest) onto the CPU.
 
     Runs no code from the file. Raises FileNotFoundError if it does not exist,
-    :class:`~rl_replay.run.files.UnsafeFileError` if it is not a regular file (a symlink too,
+    :class:`~rl_replay.rundir.files.UnsafeFileError` if it is not a regular file (a symlink too,
     unless ``follow``: a file the user named, not a run directory's) and :class:`CheckpointError`
     (one line, naming the file) if it is empty, truncated, corrupt, not a checkpoint, or a
     legacy pickle (with the command that converts a trusted one).

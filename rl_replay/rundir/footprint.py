@@ -64,7 +64,7 @@ def _gib(nbytes: float) -> str:
 def check_fits(cfg: Any, observation_space: gym.Space, action_space: gym.Space, *, train: bool = True) -> None:
     """Refuse (one line, :class:`~rl_replay.errors.SetupError`) a config whose agent and, when
     ``train``, rollout need more memory than this process can have; builds nothing real."""
-    from rl_replay.run.files import memory_left
+    from rl_replay.rundir.files import memory_left
 
     params = agent_parameters(cfg.agent.target, cfg.agent.kwargs, observation_space, action_space)
     agent = (params or 0) * (_BYTES_PER_TRAINED_PARAMETER if train else 4)

@@ -2,14 +2,14 @@
 from anyone else.
 
 A run directory may come from someone else; reading its weights executes nothing
-(:mod:`rl_replay.run.safe_tree`). The environment state of a checkpoint (the sync sub-envs with
+(:mod:`rl_replay.rundir.safe_tree`). The environment state of a checkpoint (the sync sub-envs with
 their wrappers and RNGs) can only be a pickle, and unpickling runs whatever the pickle names.
 So it is unpickled only when it carries a MAC made with *this user's* secret: a file that
 this user's runs wrote. A file from another user or machine, or one changed after it was
 written, fails the check (a checksum cannot tell: whoever changes the file can rewrite it).
 A run's ``config.yaml`` is signed the same way, under its own purpose: it names code by import
 path, and only a config this user's runs wrote may import modules outside rl_replay and
-gymnasium (:mod:`rl_replay.run.run_config`).
+gymnasium (:mod:`rl_replay.rundir.config_file`).
 
 The secret is 32 random bytes, created on first use as ``<config dir>/rl_replay/secret.key``
 with permissions 0600 (in a 0700 directory); the config directory is ``$XDG_CONFIG_HOME``, or

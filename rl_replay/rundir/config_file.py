@@ -4,7 +4,7 @@ A config names code by import path (``agent.target``, ``env.wrappers[i].target``
 ``env.imports``, an ``env.id`` of the form ``module:EnvId``), and importing a module runs it. A
 run directory may come from anyone, so the run that writes ``config.yaml`` signs it: its first
 line is a YAML comment holding an HMAC-SHA256 of the rest of the file, made with this user's
-secret (:mod:`rl_replay.run.trust`, purpose ``config``)::
+secret (:mod:`rl_replay.rundir.trust`, purpose ``config``)::
 
     # rl_replay config signature: key=<key id> hmac-sha256=<64 hex digits>
     seed: 1
@@ -34,7 +34,7 @@ from rl_replay.config import Config, dump_config, loads_config
 from rl_replay.config.yaml_files import MAX_CONFIG_BYTES
 from rl_replay.errors import shown
 from rl_replay.registry import AGENTS
-from rl_replay.run import files, trust
+from rl_replay.rundir import files, trust
 from rl_replay.targets import (
     allowed_in_foreign_config,
     foreign_config,
@@ -120,7 +120,7 @@ def read_run_config(
 
     ``flag`` is how the command trusts a foreign config (``--trust-config``), named in its
     refusals. Raises FileNotFoundError if there is no ``config.yaml``,
-    :class:`~rl_replay.run.files.UnsafeFileError` if it is not a regular file of at most 1 MiB,
+    :class:`~rl_replay.rundir.files.UnsafeFileError` if it is not a regular file of at most 1 MiB,
     and ValueError for a config that does not load.
     """
     path = Path(run_dir) / CONFIG_NAME

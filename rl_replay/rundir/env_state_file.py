@@ -2,7 +2,7 @@
 
 ``env_state.pkl`` (only for sync envs that pickle) holds the sub-envs pickled whole, which a
 resume needs to continue exactly. Its header adds an HMAC-SHA256 made with this user's secret
-(:mod:`rl_replay.run.trust`)::
+(:mod:`rl_replay.rundir.trust`)::
 
     RLREPLAY-ENVSTATE 2 sha256=<hex> size=<bytes> key=<key id> hmac-sha256=<hex>\\n
     <safetensors bytes: one pickle per rank, as uint8>
@@ -14,7 +14,7 @@ or of other envs, does not verify, whatever an edited checkpoint names.
 :func:`read_env_state` returns the pickles only when the MAC verifies (or the caller says it
 trusts the file); unpickling them is the resume's business. The checkpoint names the sha256 of
 the env-state payload it belongs to, so a pair cut apart by a kill is never mixed. It is written
-and read as the checkpoint is (:mod:`rl_replay.run.files`: atomic, no symlink, bounded reads).
+and read as the checkpoint is (:mod:`rl_replay.rundir.files`: atomic, no symlink, bounded reads).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from rl_replay.errors import CheckpointError, one_line
-from rl_replay.run import files, safe_tree, trust
+from rl_replay.rundir import files, safe_tree, trust
 
 __all__ = ["ENV_STATE_NAME", "env_binding", "run_binding", "save_env_state", "read_env_state", "EnvState"]
 
@@ -45,7 +45,7 @@ def env_binding(env: Any, run_id: str | None) -> bytes:
 
 def run_binding(run_dir: str | os.PathLike) -> bytes:
     """:func:`env_binding` of the run in ``run_dir`` as its ``config.yaml`` names it (read as data)."""
-    from rl_replay.run.run_config import read_run_config
+    from rl_replay.rundir.config_file import read_run_config
 
     run_config = read_run_config(run_dir, trust_config=True, flag="--trust-config")
     return env_binding(run_config.cfg.env, run_config.run_id)

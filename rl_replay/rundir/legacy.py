@@ -1,7 +1,7 @@
 """Checkpoints of older versions (pickles) rewritten in the current format, for files the user trusts.
 
 Format 1 (``RLREPLAY-CHECKPOINT 1`` over a ``torch.save`` pickle) and bare ``torch.save`` files are
-refused by every command (:mod:`rl_replay.run.checkpoint`) with the command that runs
+refused by every command (:mod:`rl_replay.rundir.checkpoint`) with the command that runs
 :func:`convert_legacy`; this is the one place that still knows their layouts
 (docs/checkpoints.md, "Migration from format 1").
 """
@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from rl_replay.errors import CheckpointError
-from rl_replay.run import files
-from rl_replay.run.checkpoint import MAGIC, checkpoint_path, read_checkpoint_bytes, save_checkpoint
-from rl_replay.run.env_state_file import env_binding, save_env_state
-from rl_replay.run.run_config import read_run_config
+from rl_replay.rundir import files
+from rl_replay.rundir.checkpoint import MAGIC, checkpoint_path, read_checkpoint_bytes, save_checkpoint
+from rl_replay.rundir.config_file import read_run_config
+from rl_replay.rundir.env_state_file import env_binding, save_env_state
 
 __all__ = ["convert_legacy"]
 
