@@ -37,7 +37,7 @@ from torch import nn
 from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.registry import AGENTS
 from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
-from rl_replay.targets import canonical_target, resolve
+from rl_replay.targets import OWN, Importer, canonical_target
 
 __all__ = [
     "Agent",
@@ -326,10 +326,10 @@ def has_sequence_forward(policy: Any) -> bool:
     return impl is not None and impl is not Agent.forward_steps
 
 
-def load_agent_class(target: str) -> type[Agent]:
+def load_agent_class(target: str, importer: Importer = OWN) -> type[Agent]:
     """The :class:`Agent` subclass named by ``target``: a short name of :data:`AGENTS`
-    (``gru``) or an import path ``package.module:ClassName``."""
-    cls = resolve(target, "agent.target", AGENTS)
+    (``gru``) or an import path ``package.module:ClassName``, imported through ``importer``."""
+    cls = importer.resolve(target, "agent.target", AGENTS)
     if not (isinstance(cls, type) and issubclass(cls, Agent)):
         raise SetupError(f"agent.target {shown(target)} is {shown(cls)}, not a subclass of rl_replay.Agent.")
     return cls
@@ -341,9 +341,11 @@ def canonical_agent_target(target: str) -> str:
     return canonical_target(target, AGENTS)
 
 
-def build_agent(target: str, kwargs: dict[str, Any], observation_space, action_space) -> Agent:
-    """Instantiate the agent named by ``target`` for the given spaces."""
-    cls = load_agent_class(target)
+def build_agent(
+    target: str, kwargs: dict[str, Any], observation_space, action_space, importer: Importer = OWN
+) -> Agent:
+    """Instantiate the agent named by ``target`` (imported through ``importer``) for the given spaces."""
+    cls = load_agent_class(target, importer)
     try:
         return cls(observation_space, action_space, **kwargs)
     except SetupError:

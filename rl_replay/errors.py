@@ -101,6 +101,8 @@ class RunWriteError(RuntimeError):
 
     def __init__(self, exc: OSError, path: str | os.PathLike, last_checkpoint: str | None, run_dir: str) -> None:
         self.path = exc.filename or os.fspath(path)  # a failed write() does not name its file
+        if not os.path.isabs(self.path):  # a name within the run directory (written through its descriptor)
+            self.path = os.path.join(run_dir, self.path)
         code = errno.errorcode.get(exc.errno or 0)
         reason = f"{exc.strerror or exc}{f' ({code})' if code else ''}"
         kept = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"

@@ -16,8 +16,8 @@ Errors are :class:`~rl_replay.errors.SetupError` (a ``ValueError``), one line of
 checks the grammar without loading the trainer side.
 
 **Foreign configs.** A run's ``config.yaml`` that this user's key did not sign may come from
-anyone, and importing a module runs it. While :func:`foreign_config` is in effect,
-:func:`import_module` imports only modules of :data:`FOREIGN_PACKAGES` (rl_replay and gymnasium,
+anyone, and importing a module runs it. The :class:`Importer` of such a config (passed explicitly
+to whatever builds from it) imports only modules of :data:`FOREIGN_PACKAGES` (rl_replay and gymnasium,
 already imported by then, so nothing is looked up on ``sys.path``: not in the run directory,
 not in the current one); any other module, ``__main__`` included, is one line naming it and the
 flag that trusts the config (docs/checkpoints.md, "The config trust rule").
@@ -25,13 +25,12 @@ flag that trusts the config (docs/checkpoints.md, "The config trust rule").
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import importlib
 import io
 import pickle
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -48,17 +47,14 @@ __all__ = [
     "canonical_target",
     "unpickle",
     "FOREIGN_PACKAGES",
-    "foreign_config",
+    "Importer",
+    "OWN",
     "allowed_in_foreign_config",
     "foreign_refusal",
-    "foreign_why",
 ]
 
 #: The packages whose modules a config this user did not sign may import.
 FOREIGN_PACKAGES = ("rl_replay", "gymnasium")
-
-# Set while a foreign config is being used: why it is foreign and how to trust it (one sentence).
-_FOREIGN: contextvars.ContextVar[str | None] = contextvars.ContextVar("rl_replay_foreign_config", default=None)
 
 
 def allowed_in_foreign_config(module: str) -> bool:
@@ -68,20 +64,30 @@ def allowed_in_foreign_config(module: str) -> bool:
     return current_module_name(module).partition(".")[0] in FOREIGN_PACKAGES
 
 
-@contextlib.contextmanager
-def foreign_config(why: str) -> Iterator[None]:
-    """Within this block :func:`import_module` refuses modules outside :data:`FOREIGN_PACKAGES`;
-    ``why`` ends the refusal (why the config is foreign, and the flag that trusts it)."""
-    token = _FOREIGN.set(why)
-    try:
-        yield
-    finally:
-        _FOREIGN.reset(token)
+@dataclass(frozen=True)
+class Importer:
+    """What a config may import, passed to whatever builds from that config (envs, wrappers, agent).
+
+    ``foreign`` is None for a config the user wrote or trusts: it may import anything. Otherwise
+    it says why the config is foreign and how to trust it (one sentence), and only modules of
+    :data:`FOREIGN_PACKAGES` are imported; any other is one line ending with that sentence.
+    """
+
+    foreign: str | None = None
+
+    def import_module(self, module: str, what: str) -> ModuleType:
+        """:func:`import_module`, refusing unimported a module a foreign config may not name."""
+        if self.foreign is not None and isinstance(module, str) and not allowed_in_foreign_config(module):
+            raise foreign_refusal(what, module, self.foreign)
+        return import_module(module, what)
+
+    def resolve(self, text: Any, what: str, short_names: Mapping[str, str] | None = None) -> Any:
+        """:func:`resolve` through :meth:`import_module`."""
+        return _resolve(text, what, short_names, self.import_module)
 
 
-def foreign_why() -> str | None:
-    """Why the config in use is foreign (None: it is the user's own, or none is in use)."""
-    return _FOREIGN.get()
+#: The importer of a config the user wrote (``--config``, a run's own signed config).
+OWN = Importer()
 
 
 def foreign_refusal(what: str, module: str, why: str) -> SetupError:
@@ -127,13 +133,10 @@ def split_env_id(env_id: str) -> tuple[str | None, str]:
 def import_module(module: str, what: str) -> ModuleType:
     """Import ``module`` (old top-level names mapped to their new ones); one-line SetupError.
 
-    Under :func:`foreign_config`, a module outside :data:`FOREIGN_PACKAGES` is refused unimported.
+    Imports whatever it names: a config that is not the user's goes through :class:`Importer`.
     """
     if not isinstance(module, str) or not _MODULE.fullmatch(module):
         raise SetupError(f"{what}: {shown(module)} is not a module name (expected 'package.module').")
-    why = _FOREIGN.get()
-    if why is not None and not allowed_in_foreign_config(module):
-        raise foreign_refusal(what, module, why)
     try:
         return importlib.import_module(current_module_name(module))
     except ImportError as exc:
@@ -154,8 +157,14 @@ def _expand(text: Any, what: str, short_names: Mapping[str, str] | None) -> str:
 
 def resolve(text: Any, what: str, short_names: Mapping[str, str] | None = None) -> Any:
     """The object a target names: a short name from ``short_names``, or ``module:Name``."""
+    return _resolve(text, what, short_names, import_module)
+
+
+def _resolve(
+    text: Any, what: str, short_names: Mapping[str, str] | None, importer: Callable[[str, str], ModuleType]
+) -> Any:
     module_name, name = parse_target(_expand(text, what, short_names), what)
-    module = import_module(module_name, f"{what} {shown(text)}")
+    module = importer(module_name, f"{what} {shown(text)}")
     obj = getattr(module, name, None)
     if obj is None:
         raise SetupError(f"{what} {shown(text)}: module '{module.__name__}' has no attribute '{name}'.")

@@ -109,22 +109,20 @@ def load_run(run_dir: str, trust_config: bool = False) -> tuple[str, dict, dict,
     ``trust_config`` (docs/checkpoints.md, "The config trust rule").
     """
     from rl_replay.errors import SetupError, one_line
-    from rl_replay.rundir.checkpoint import load_checkpoint
-    from rl_replay.rundir.config_file import check_imports, read_run_config
+    from rl_replay.rundir.door import RunDirectory, Trust
 
     try:
-        run_config = read_run_config(run_dir, trust_config=trust_config, flag="--trust-config")
-        check_imports(run_config)
+        with RunDirectory.open(run_dir, trust=Trust(config=trust_config)) as run:
+            cfg = run.config().cfg  # a foreign config's targets are checked here
+            if cfg.env.id != "rl_replay/MemoryCue-v0":
+                raise SetupError(
+                    f"--run {run_dir} trained on {cfg.env.id!r}; the diagnostic replays MemoryCue episodes, "
+                    "so it needs a rl_replay/MemoryCue-v0 run."
+                )
+            weights = run.weights(run.checkpoint("the gradient-horizon diagnostic"))
     except (SetupError, ValueError, FileNotFoundError) as exc:
         raise SystemExit(f"grad_horizon: {one_line(str(exc))}") from None
-    cfg = run_config.cfg
-    if cfg.env.id != "rl_replay/MemoryCue-v0":
-        raise SystemExit(
-            f"grad_horizon: --run {run_dir} trained on {cfg.env.id!r}; the diagnostic "
-            "replays MemoryCue episodes, so it needs a rl_replay/MemoryCue-v0 run."
-        )
-    state = load_checkpoint(run_dir)
-    return cfg.agent.target, dict(cfg.agent.kwargs), state["agent"], int(cfg.env.kwargs.get("noise_dims", 0))
+    return cfg.agent.target, dict(cfg.agent.kwargs), weights, int(cfg.env.kwargs.get("noise_dims", 0))
 
 
 def measure(

@@ -24,7 +24,7 @@ import numpy as np
 from rl_replay.config import EnvConfig
 from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.spaces import usable_keys
-from rl_replay.targets import foreign_why, import_module, resolve, split_env_id
+from rl_replay.targets import OWN, Importer, split_env_id
 
 __all__ = [
     "import_env_modules",
@@ -51,20 +51,21 @@ _REGISTER_HINT = (
 )
 
 
-def import_env_modules(modules: Sequence[str]) -> None:
-    """Import each module (they register their env ids on import)."""
+def import_env_modules(modules: Sequence[str], importer: Importer = OWN) -> None:
+    """Import each module (they register their env ids on import) through ``importer``."""
     import rl_replay.envs  # noqa: F401  (the project's own rl_replay/* ids)
 
     for name in modules:
-        import_module(name, "env.imports")
+        importer.import_module(name, "env.imports")
 
 
-def resolve_env_id(env_id: str, imports: Sequence[str] = ()) -> str:
-    """Import what ``env_id`` needs and return the registered id (``module:`` prefix removed)."""
-    import_env_modules(imports)
+def resolve_env_id(env_id: str, imports: Sequence[str] = (), importer: Importer = OWN) -> str:
+    """Import what ``env_id`` needs (through ``importer``) and return the registered id
+    (``module:`` prefix removed)."""
+    import_env_modules(imports, importer)
     module, env_id = split_env_id(env_id)
     if module is not None:
-        import_module(module, f"env.id {shown(f'{module}:{env_id}')}")
+        importer.import_module(module, f"env.id {shown(f'{module}:{env_id}')}")
     if env_id not in gym.registry:
         stem = env_id.split("/")[-1].split("-")[0].lower()
         known = sorted(k for k in gym.registry if stem and stem in k.lower())
@@ -77,19 +78,20 @@ def resolve_env_id(env_id: str, imports: Sequence[str] = ()) -> str:
 _ACTING_WRAPPERS = ("RecordVideo", "HumanRendering")
 
 
-def load_wrappers(specs: Sequence[Mapping[str, Any]]) -> list[Callable[[gym.Env], gym.Env]]:
-    """Turn ``[{target, kwargs}, ...]`` into wrapper callables ``env -> wrapped env``, in order.
+def load_wrappers(specs: Sequence[Mapping[str, Any]], importer: Importer = OWN) -> list[Callable[[gym.Env], gym.Env]]:
+    """Turn ``[{target, kwargs}, ...]`` into wrapper callables ``env -> wrapped env``, in order,
+    resolving their targets through ``importer``.
 
     ``functools.partial`` of an importable class pickles, so ``async`` vector envs work too.
     """
     wrappers = []
     for i, spec in enumerate(specs):
         what = f"env.wrappers[{i}].target"
-        wrapper = resolve(spec["target"], what)
+        wrapper = importer.resolve(spec["target"], what)
         # A config may come from someone else's run directory: call nothing but a wrapper class.
         if not (isinstance(wrapper, type) and issubclass(wrapper, gym.Wrapper)):
             raise SetupError(f"{what} {shown(spec['target'])} is {shown(wrapper)}, not a gymnasium.Wrapper subclass.")
-        why = foreign_why()
+        why = importer.foreign
         if why is not None and wrapper.__name__ in _ACTING_WRAPPERS:
             raise SetupError(
                 f"{what} {shown(spec['target'])} writes files or opens windows where its kwargs say; {why}"
@@ -214,11 +216,12 @@ def make_env(
     max_episode_steps: int | None = None,
     render_mode: str | None = None,
     observation_keys: Sequence[str] = (),
+    importer: Importer = OWN,
 ) -> gym.Env:
     """One wrapped env (evaluation videos); the same ids, imports, wrappers and observation keys
     as training (with the same episode statistics beneath them as :func:`make_vector_env`)."""
-    env_id = resolve_env_id(env_id, imports)
-    loaded = load_wrappers(wrappers)
+    env_id = resolve_env_id(env_id, imports, importer)
+    loaded = load_wrappers(wrappers, importer)
     make_kwargs = _make_kwargs(kwargs, max_episode_steps)
     if render_mode is not None:
         make_kwargs["render_mode"] = render_mode
@@ -238,6 +241,7 @@ def make_vector_env(
     imports: Sequence[str] = (),
     wrappers: Sequence[Mapping[str, Any]] = (),
     observation_keys: Sequence[str] = (),
+    importer: Importer = OWN,
 ) -> gym.vector.VectorEnv:
     """Build ``num_envs`` copies of ``env_id``, each wrapped by ``wrappers`` in order, then by
     the selection of a Dict observation's keys (:func:`observation_filter`).
@@ -251,10 +255,10 @@ def make_vector_env(
 
     The project's own environments (``rl_replay/...``) are registered on import of ``rl_replay.envs``.
     """
-    env_id = resolve_env_id(env_id, imports)
+    env_id = resolve_env_id(env_id, imports, importer)
     if vectorization == "vector_entry_point":
         return _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys)
-    loaded = load_wrappers(wrappers)
+    loaded = load_wrappers(wrappers, importer)
     # Try the wrappers once on a throwaway env so a bad wrapper is one clear line here,
     # not a traceback from inside a vector env (or an async worker process); its observation
     # space says which Dict keys each sub-env keeps.
@@ -310,10 +314,10 @@ def _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, 
 
 
 def envs_from_config(
-    env: EnvConfig, num_envs: int | None = None, *, vectorization: str = "sync"
+    env: EnvConfig, num_envs: int | None = None, *, vectorization: str = "sync", importer: Importer = OWN
 ) -> gym.vector.VectorEnv:
     """:func:`make_vector_env` with every setting of a config's ``env`` section
-    (``num_envs`` copies, default ``env.num_envs``)."""
+    (``num_envs`` copies, default ``env.num_envs``), importing through the config's ``importer``."""
     return make_vector_env(
         env.id,
         env.num_envs if num_envs is None else num_envs,
@@ -323,6 +327,7 @@ def envs_from_config(
         imports=env.imports,
         wrappers=env.wrappers,
         observation_keys=env.observation_keys,
+        importer=importer,
     )
 
 

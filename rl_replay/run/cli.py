@@ -326,63 +326,37 @@ def evaluate_main(argv: list[str] | None = None) -> int:
             return 2
 
     from rl_replay.errors import SetupError
-    from rl_replay.rundir.config_file import imports_of, read_run_config
+    from rl_replay.rundir.door import RunDirectory, Trust
 
-    run_dir = Path(args.run_dir)
     try:
-        if not run_dir.is_dir():
-            raise FileNotFoundError(
-                f"no run directory {run_dir}: give the directory of a run (it holds config.yaml and checkpoint.pt)"
-            )
-        run_config = read_run_config(run_dir, args.env_overrides, trust_config=args.trust_config, flag="--trust-config")
-        with imports_of(run_config):
-            return _evaluate(args, run_dir, run_config.cfg)
+        with RunDirectory.open(args.run_dir, trust=Trust(config=args.trust_config)) as run:
+            return _evaluate(args, run)
     except (SetupError, ValueError, FileNotFoundError) as exc:
         _error(exc)
         return 2
 
 
-def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
-    """``evaluate_main`` once the run's config is read: every bad input raises (SetupError...)."""
-    from rl_replay.agent import build_agent
+def _evaluate(args: argparse.Namespace, run) -> int:
+    """``evaluate_main`` once the run directory is open: every bad input raises (SetupError...)."""
     from rl_replay.errors import SetupError
     from rl_replay.rollout.env_state import training_statistics
-    from rl_replay.rollout.environment import envs_from_config
     from rl_replay.run.evaluate import evaluate
-    from rl_replay.run.trainer_state import load_agent_weights
-    from rl_replay.rundir.checkpoint import load_checkpoint, non_finite_tensors, require, require_counts
-    from rl_replay.rundir.footprint import check_fits
 
+    run_config = run.config(args.env_overrides)  # a foreign config's targets are checked here
+    cfg, importer = run_config.cfg, run.importer(run_config)
     if cfg.torch_threads is not None:
         # As in training: a small policy on an oversubscribed thread pool is many times slower.
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    state = load_checkpoint(run_dir)  # numbers only: runs nothing from the file
-    ckpt = run_dir / "checkpoint.pt"
-    require(state, ckpt, ("update", "env_steps"), "evaluation")
-    require_counts(state, ckpt, ("update", "env_steps"))
-    bad = non_finite_tensors(state["agent"])
-    if bad:
-        raise SetupError(
-            f"checkpoint {ckpt} holds non-finite agent weights ({', '.join(bad[:4])}); "
-            "it cannot be evaluated. Evaluate a checkpoint written before the run diverged."
-        )
-    probe = envs_from_config(cfg.env, 1)
-    try:
-        check_fits(cfg, probe.single_observation_space, probe.single_action_space, train=False)
-        agent = build_agent(
-            cfg.agent.target, cfg.agent.kwargs, probe.single_observation_space, probe.single_action_space
-        )
-    finally:
-        probe.close()
-    load_agent_weights(agent, state["agent"], ckpt)
+    state = run.checkpoint("evaluation")  # numbers only: runs nothing from the file
+    ckpt = run.path / "checkpoint.pt"
+    agent = run.agent(run_config, state)  # built through the config's importer, weights finite and fitting
     if args.wandb:
         from rl_replay.run.logger import wandb_preflight
-        from rl_replay.rundir.files import check_directory
 
         wandb_preflight(cfg.log.wandb_mode)  # fail before evaluating, not after
-        check_directory(run_dir / "wandb", "wandb directory")  # wandb writes there: not through a link
+        run.dir.check_directory("wandb", "wandb directory")  # wandb writes there: not through a link
     collectors = state.get("collector")
     env_statistics = None
     if isinstance(collectors, list) and all(isinstance(c, dict) for c in collectors):
@@ -413,6 +387,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
         env_statistics=env_statistics,
         env_observation_keys=cfg.env.observation_keys,
         vectorization=cfg.env.vectorization,
+        importer=importer,
     )
     print(
         f"return {result['return_mean']:.2f} +- {result['return_std']:.2f} over "
@@ -424,7 +399,7 @@ def _evaluate(args: argparse.Namespace, run_dir: Path, cfg) -> int:
         from rl_replay.run.evaluate import log_evaluation
 
         mode = log_evaluation(
-            run_dir,
+            run.path,
             cfg,
             result,
             checkpoint=state,
@@ -449,10 +424,10 @@ def convert_main(argv: list[str] | None = None) -> int:
 
     from rl_replay.errors import SetupError
     from rl_replay.rundir import trust
-    from rl_replay.rundir.legacy import convert_legacy
+    from rl_replay.rundir.door import convert_run
 
     try:
-        path, kept = convert_legacy(args.path, trust_file=args.trust, key=trust.user_secret())
+        path, kept = convert_run(args.path, trust_file=args.trust, key=trust.user_secret())
     except (SetupError, FileNotFoundError) as exc:
         _error(exc)
         return 2

@@ -11,6 +11,7 @@ from rl_replay.rollout.env_state import apply_statistics
 from rl_replay.rollout.environment import make_env, make_vector_env
 from rl_replay.rollout.episodes import Episode, EpisodeTracker, env_action
 from rl_replay.spaces import obs_converter
+from rl_replay.targets import OWN, Importer
 
 __all__ = ["evaluate", "log_evaluation"]
 
@@ -33,6 +34,7 @@ def evaluate(
     env_statistics: list[dict] | None = None,
     env_observation_keys: tuple[str, ...] | list[str] = (),
     vectorization: str = "sync",
+    importer: Importer = OWN,
 ) -> dict[str, float]:
     """Play ``episodes`` full episodes; returns mean/std return, mean length, success rate.
 
@@ -45,7 +47,7 @@ def evaluate(
     (``NormalizeObservation``...): every env gets them, frozen, so the agent sees inputs scaled
     as in training. None leaves the wrappers' own (fresh) statistics.
     ``vectorization`` is the run's ``env.vectorization`` (``async`` plays as ``sync``: the
-    episodes are the same).
+    episodes are the same). ``importer`` is the run config's (:class:`~rl_replay.targets.Importer`).
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
@@ -63,6 +65,7 @@ def evaluate(
             max_episode_steps=max_episode_steps,
             render_mode="rgb_array",
             observation_keys=env_observation_keys,
+            importer=importer,
         )
         recorded = RecordVideo(env, video_dir, episode_trigger=lambda episode: True, disable_logger=True)
         num_envs = 1
@@ -77,6 +80,7 @@ def evaluate(
             imports=env_imports,
             wrappers=env_wrappers,
             observation_keys=env_observation_keys,
+            importer=importer,
         )
     # An env's own vector env takes no wrappers, so it has no statistics to be given.
     if env_statistics is not None and not own:
@@ -149,13 +153,14 @@ def log_evaluation(
     from pathlib import Path
 
     from rl_replay.run.logger import wandb_preflight
-    from rl_replay.rundir.files import check_directory
+    from rl_replay.rundir.files import held
 
     run_dir = Path(run_dir)
     mode = wandb_preflight(cfg.log.wandb_mode)
     if mode == "disabled":
         return mode
-    check_directory(run_dir / "wandb", "wandb directory")
+    with held(run_dir) as d:
+        d.check_directory("wandb", "wandb directory")
     import wandb
 
     name = cfg.log.run_name or run_dir.name

@@ -232,7 +232,8 @@ class RunLogger:
     never needs to ask which rank it is on.
 
     Args:
-        run_dir: the run directory (already created).
+        run_dir: the run directory (already created): held by the caller (a
+            :class:`~rl_replay.rundir.files.Dir`), or a path this logger opens and closes.
         config: the resolved config as a dict (sent to wandb).
         is_main: whether this process writes anything.
         wandb_mode: ``offline`` (default; sync later with ``wandb sync``), ``online`` or
@@ -247,7 +248,7 @@ class RunLogger:
 
     def __init__(
         self,
-        run_dir: str | os.PathLike,
+        run_dir: files.Dir | str | os.PathLike,
         *,
         config: dict[str, Any],
         is_main: bool = True,
@@ -266,7 +267,9 @@ class RunLogger:
         start_update: int = 0,
     ) -> None:
         self.is_main = is_main
-        self.run_dir = Path(run_dir)
+        self._owned = not isinstance(run_dir, files.Dir)
+        self._dir: files.Dir | None = None
+        self.run_dir = run_dir.path if isinstance(run_dir, files.Dir) else Path(run_dir)
         self._file = None
         self._wandb = None
         self._bar = None
@@ -275,21 +278,23 @@ class RunLogger:
         self.wandb_id = wandb_id
         if not is_main:
             return
+        self._dir = files.Dir.open(run_dir) if isinstance(run_dir, (str, os.PathLike)) else run_dir
+        d = self._dir
         # The run's history so far (truncated to the checkpoint on resume) seeds the summaries;
         # the rows after wandb's mark, up to the checkpoint, are kept to be sent again (_resend).
         mark = self._mark()
         self._summary = RunSummary()  # of the rows handed to wandb, i.e. covered by a checkpoint
         history = []
-        for record in iter_metrics(self.run_dir):
+        for record in iter_metrics(d):
             if record["update"] <= start_update:
                 self._summary.add(record)
                 if record["update"] > mark:
                     history.append(record)
-        fd = files.open_in_place(self.run_dir / METRICS_NAME, os.O_WRONLY | os.O_APPEND, "metrics file")
+        fd = d.open_in_place(METRICS_NAME, os.O_WRONLY | os.O_APPEND, "metrics file")
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
         mode = resolve_wandb_mode(wandb_mode)
         if mode != "disabled":
-            files.check_directory(self.run_dir / "wandb", "wandb directory")
+            d.check_directory("wandb", "wandb directory")
             import wandb  # lazy: the engine and the tests of other parts never need it
 
             settings = wandb.Settings(init_timeout=15) if mode == "online" else None
@@ -297,6 +302,7 @@ class RunLogger:
                 project=wandb_project,
                 entity=wandb_entity,
                 name=run_name,
+                # (a path: wandb's service process writes there; the check above refused a link)
                 dir=str(self.run_dir),
                 mode=mode,  # type: ignore[arg-type]
                 config={**config, "run": dict(extras or {})},
@@ -308,7 +314,7 @@ class RunLogger:
                 settings=settings,
             )
             self.wandb_id = self._wandb.id
-            if not (self.run_dir / WANDB_MARK_NAME).exists():
+            if not d.exists(WANDB_MARK_NAME):
                 self._write_mark(0)  # the run's id, so that a restart before any row keeps it
             # Every metric is plotted against env_steps (summed over ranks), not wandb's _step.
             self._wandb.define_metric("env_steps")
@@ -327,7 +333,8 @@ class RunLogger:
 
     # ------------------------------------------------------------------ wandb rows
     def _mark(self) -> int:
-        update = read_mark(self.run_dir).get("update")
+        assert self._dir is not None
+        update = read_mark(self._dir).get("update")
         return update if isinstance(update, int) and is_count(update) else 0
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
@@ -341,9 +348,8 @@ class RunLogger:
             self._write_mark(int(rows[-1]["update"]))
 
     def _write_mark(self, update: int) -> None:
-        files.replace_with_text(
-            self.run_dir / WANDB_MARK_NAME, json.dumps({"update": update, "wandb_id": self.wandb_id})
-        )
+        assert self._dir is not None
+        self._dir.replace_with_text(WANDB_MARK_NAME, json.dumps({"update": update, "wandb_id": self.wandb_id}))
 
     def _resend(self, rows: list[dict[str, Any]]) -> None:
         """On resume: the rows after wandb's mark up to the checkpoint, which wandb may not have (a
@@ -410,3 +416,6 @@ class RunLogger:
                 self._pending.clear()
             self._wandb.finish()
             self._wandb = None
+        if self._owned and self._dir is not None:
+            self._dir.close()
+            self._dir = None

@@ -27,14 +27,12 @@ from rl_replay.algorithms.base import Algorithm
 from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_updates
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
-from rl_replay.errors import SetupError, shown
+from rl_replay.errors import CheckpointError, RunDirError, SetupError, one_line, shown
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
-    METRICS_NAME,
     RunLogger,
-    iter_metrics,
     truncate_metrics,
     unsent_wandb_id,
     wandb_preflight,
@@ -42,19 +40,23 @@ from rl_replay.run.logger import (
 from rl_replay.run.trainer import Trainer
 from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 from rl_replay.rundir import trust
-from rl_replay.rundir.checkpoint import load_checkpoint, load_latest, non_finite_tensors, remove_stale_temporaries
-from rl_replay.rundir.config_file import imports_of, new_run_id, read_run_config, write_run_config
+from rl_replay.rundir.checkpoint import (
+    load_checkpoint,
+    non_finite_tensors,
+    remove_stale_temporaries,
+    stale_temporaries,
+)
+from rl_replay.rundir.config_file import new_run_id, write_run_config
+from rl_replay.rundir.door import RunDirectory, Trust
 from rl_replay.rundir.env_state_file import env_binding
+from rl_replay.rundir.files import Dir
 from rl_replay.rundir.footprint import check_fits
 from rl_replay.rundir.lock import (
-    RunLock,
-    claim_default,
-    claim_fresh,
     default_name,
     logged_updates,
-    resume_kind,
     writing,
 )
+from rl_replay.targets import OWN, Importer
 
 __all__ = ["build", "make_optimizer", "seed_everything", "RESUME_FIXED_KEYS"]
 
@@ -141,16 +143,29 @@ def build(
     trust.user_secret()
     if resume is None:
         assert cfg is not None
-        return _build(cfg, None, False, trust_env_state, None)
-    resume = Path(resume)
-    restart = resume_kind(resume) == "restart"
-    run_config = read_run_config(resume, overrides, trust_config=trust_config, flag="--trust-config")
-    with imports_of(run_config):
-        return _build(replace(run_config.cfg, run_dir=str(resume)), resume, restart, trust_env_state, run_config.run_id)
+        return _build(cfg, None, False, OWN, None)
+    # Every rank opens the run (each reads its checkpoint); rank 0 alone takes its lock, in _build.
+    try:
+        directory = RunDirectory.open(resume, trust=Trust(config=trust_config, env_state=trust_env_state))
+    except FileNotFoundError:
+        raise RunDirError(
+            f"cannot resume {resume}: no such directory. Start a new run there with run_dir={resume}"
+        ) from None
+    try:
+        restart = directory.resume_kind() == "restart"
+        run_config = directory.config(overrides)
+        cfg = replace(run_config.cfg, run_dir=str(resume))
+        return _build(cfg, directory, restart, directory.importer(run_config), run_config.run_id)
+    except BaseException:
+        directory.close()
+        raise
 
 
-def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: bool, run_id: str | None) -> Trainer:
-    """``build`` once the config is known; ``run_id`` is a resumed run's identity as its signed
+def _build(
+    cfg: Config, directory: RunDirectory | None, restart: bool, importer: Importer, run_id: str | None
+) -> Trainer:
+    """``build`` once the config is known. ``directory`` is a resumed run's, held open (None: a new
+    run); ``importer`` is what its config may import; ``run_id`` is its identity as its signed
     config names it (None: a new run, or a config that names none, which gets a new one)."""
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
     if cfg.torch_threads is not None:
@@ -162,44 +177,52 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
         check_distributed_config(cfg)
     # Unwound (newest first) only if building fails: pop_all() hands everything to the trainer.
     with contextlib.ExitStack() as cleanup:
-        lock: RunLock | None = None
         state, ckpt = None, None
-        if resume is not None:
+        if directory is not None:
             # Refuse a run that is still being written before reading anything; the pid is
             # written into the lock once everything read has been checked.
-            lock = _hold(cleanup, dist_utils.on_main(lambda: RunLock(resume, record=False), info))
-            dist_utils.on_main(lambda: _check_metrics(resume), info)
+            resumed = directory
+            dist_utils.on_main(resumed.take_lock, info)
+            dist_utils.on_main(lambda: _check_untouched(resumed), info)
             if not restart:
                 binding = env_binding(cfg.env, run_id)
-                state, ckpt = _read_resume_state(cfg, resume, info, device, binding, trust_env_state)
+                state, ckpt = _read_resume_state(cfg, directory, info, device, binding)
         # A warm start's weights are read before anything is built or written: a bad path fails first.
-        init_weights = _read_init_weights(cfg.init_from) if resume is None and cfg.init_from else None
-        algorithm, num_params = _build_objects(cfg, info, device, cleanup, init_weights=init_weights)
+        init_weights = _read_init_weights(cfg.init_from) if directory is None and cfg.init_from else None
+        algorithm, num_params = _build_objects(cfg, info, device, cleanup, init_weights=init_weights, importer=importer)
         progress = Progress()
         if state is not None:
-            progress = _load_resume_state(algorithm, state, ckpt, resume, info, device)  # type: ignore[arg-type]
+            progress = _load_resume_state(algorithm, state, ckpt, directory.path, info, device)  # type: ignore[arg-type, union-attr]
         # Nothing has been written yet; from here on the run exists on disk.
-        if resume is None:
-            lock = _hold(cleanup, dist_utils.on_main(lambda: _claim_new(cfg), info))
-            run_dir = Path(dist_utils.broadcast_from_main(str(lock.run_dir) if lock else None, info))
+        if directory is None:
+            directory = dist_utils.on_main(lambda: _claim_new(cfg), info)
+            run_dir = Path(dist_utils.broadcast_from_main(str(directory.path) if directory else None, info))
         else:
-            run_dir = resume
-            if lock is not None:
-                lock.record_pid()
+            run_dir = directory.path
+            dist_utils.on_main(directory.record_pid, info)
             if restart and info.is_main:
                 print(
-                    f"warning: {resume} has no checkpoint: the run stopped before its first one "
-                    f"({logged_updates(resume)}); restarting it there from update 0 with its config.yaml.",
+                    f"warning: {run_dir} has no checkpoint: the run stopped before its first one "
+                    f"({logged_updates(directory.dir)}); restarting it there from update 0 with its config.yaml.",
                     file=sys.stderr,
                     flush=True,
                 )
+        if directory is not None:
+            cleanup.callback(directory.close)
         cfg = replace(cfg, run_dir=str(run_dir))
         run_id = run_id or dist_utils.broadcast_from_main(new_run_id() if info.is_main else None, info)
         cut_to = state["update"] if state is not None else 0 if restart else None
-        wandb_id = state["wandb_id"] if state is not None else unsent_wandb_id(resume) if restart else None  # type: ignore[arg-type]
+        wandb_id = (
+            state["wandb_id"]
+            if state is not None
+            else unsent_wandb_id(directory.dir)
+            if restart and directory
+            else None
+        )
         with writing(run_dir, run_dir, progress.last_checkpoint):
-            _write_run_dir(cfg, run_dir, cut_to, info, run_id)
-            logger = _open_logger(cfg, run_dir, info, device, num_params, progress, wandb_mode, wandb_id)
+            _write_run_dir(cfg, directory, cut_to, info, run_id)
+            where = directory.dir if directory is not None else run_dir
+            logger = _open_logger(cfg, where, info, device, num_params, progress, wandb_mode, wandb_id)
         cleanup.callback(logger.close)
         trainer = Trainer(
             cfg,
@@ -209,9 +232,11 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
             info=info,
             device=device,
             num_params=num_params,
-            lock=lock,
+            lock=directory.lock if directory is not None else None,
             progress=progress,
             run_id=run_id,
+            importer=importer,
+            directory=directory,
         )
         if state is not None:
             restore_trainer_rng(state, info, device)  # last: nothing after it draws random numbers
@@ -219,31 +244,25 @@ def _build(cfg: Config, resume: Path | None, restart: bool, trust_env_state: boo
     return trainer
 
 
-def _check_metrics(run_dir: Path) -> None:
-    """Read every row of the run's ``metrics.jsonl`` (a row that is not one is refused now,
-    before the resume changes anything)."""
-    for _ in iter_metrics(run_dir):
-        pass
-
-
-def _hold(cleanup: contextlib.ExitStack, lock: RunLock | None) -> RunLock | None:
-    """Have ``cleanup`` release ``lock`` (None on ranks other than 0) if building fails."""
-    if lock is not None:
-        cleanup.callback(lock.release)
-    return lock
+def _check_untouched(directory: RunDirectory) -> None:
+    """Read what a resume will rewrite before it changes anything: every row of ``metrics.jsonl``
+    (one that is not a row is refused now) and the stale temporaries it will remove (one that is
+    not a file is refused by name)."""
+    directory.metrics()
+    stale_temporaries(directory.dir)
 
 
 def _read_resume_state(
     cfg: Config,
-    resume: Path,
+    directory: RunDirectory,
     info: dist_utils.DistInfo,
     device: torch.device,
     binding: bytes,
-    trust_env_state: bool = False,
 ) -> tuple[dict[str, Any], Path]:
     """The checkpoint state to resume from and its path; refuses overrides it cannot honour
     and RNG states that cannot be restored."""
-    state, ckpt, warning = read_trainer_state(resume, info, binding, trust_env_state=trust_env_state)
+    resume = directory.path
+    state, ckpt, warning = read_trainer_state(directory, info, binding)
     if warning and info.is_main:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _check_resume_config(cfg, state["config"], resume)
@@ -276,20 +295,23 @@ def _load_resume_state(
     return progress
 
 
-def _write_run_dir(cfg: Config, run_dir: Path, cut_to: int | None, info: dist_utils.DistInfo, run_id: str) -> None:
+def _write_run_dir(
+    cfg: Config, directory: RunDirectory | None, cut_to: int | None, info: dist_utils.DistInfo, run_id: str
+) -> None:
     """Rank 0 writes ``config.yaml``; a resume first cuts ``metrics.jsonl`` back to update
     ``cut_to`` (its checkpoint's, or 0 for a restart) and removes stale temporary files."""
     if info.is_main:
+        assert directory is not None
         if cut_to is not None:
-            remove_stale_temporaries(run_dir)
-            truncate_metrics(run_dir / METRICS_NAME, cut_to)
-        write_run_config(cfg, run_dir, trust.user_secret(), run_id)
+            remove_stale_temporaries(directory.dir)
+            truncate_metrics(directory.dir, cut_to)
+        write_run_config(cfg, directory.dir, trust.user_secret(), run_id)
     dist_utils.barrier(info)
 
 
 def _open_logger(
     cfg: Config,
-    run_dir: Path,
+    run_dir: Dir | Path,
     info: dist_utils.DistInfo,
     device: torch.device,
     num_params: int,
@@ -305,7 +327,7 @@ def _open_logger(
         wandb_mode=wandb_mode,
         wandb_project=cfg.log.wandb_project,
         wandb_entity=cfg.log.wandb_entity,
-        run_name=cfg.log.run_name or run_dir.name,
+        run_name=cfg.log.run_name or Path(cfg.run_dir or ".").name,
         wandb_id=wandb_id,
         group=cfg.log.group,
         tags=cfg.log.tags,
@@ -319,29 +341,27 @@ def _open_logger(
 
 
 def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
-    """The agent state dict of the checkpoint ``init_from`` names (a run directory or a file)."""
+    """The agent state dict of the checkpoint ``init_from`` names (a run directory, through its
+    door, or a checkpoint file the user named), its weights checked finite."""
     path = Path(source)
     try:
         if path.is_dir():
-            state, _, warning = load_latest(path)
-            if warning:
-                print(f"warning: init_from={source!r}: {warning}", file=sys.stderr, flush=True)
-        else:
-            state = load_checkpoint(path, follow=True)  # a file the user named
+            with RunDirectory.open(path) as run:
+                state, ckpt, warning = run.latest()
+                if warning:
+                    print(f"warning: init_from={shown(source)}: {one_line(warning)}", file=sys.stderr, flush=True)
+                return run.weights(state, ckpt)
+        state = load_checkpoint(path, follow=True)  # a file the user named
+        if non_finite_tensors(state["agent"]):
+            raise CheckpointError(f"checkpoint {path} holds non-finite agent weights: a diverged run.")
+        return state["agent"]
     except FileNotFoundError:
         raise SetupError(
-            f"init_from={source!r}: no checkpoint there. Give a run directory that holds "
+            f"init_from={shown(source)}: no checkpoint there. Give a run directory that holds "
             "checkpoint.pt, or the path of a checkpoint file."
         ) from None
     except SetupError as exc:  # a damaged or legacy checkpoint, a file that is not a regular one
-        raise SetupError(f"init_from={source!r}: {exc}") from None
-    bad = non_finite_tensors(state["agent"])
-    if bad:
-        raise SetupError(
-            f"init_from={source!r}: its agent weights {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} are "
-            "not finite (a diverged run); warm-start from a checkpoint written before it diverged."
-        )
-    return state["agent"]
+        raise SetupError(f"init_from={shown(source)}: {exc}") from None
 
 
 def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], source: str) -> None:
@@ -378,20 +398,22 @@ def _build_objects(
     device: torch.device,
     cleanup: contextlib.ExitStack,
     init_weights: dict[str, torch.Tensor] | None = None,
+    importer: Importer = OWN,
 ) -> tuple[Algorithm, int]:
     """Envs, agent (checked against the Agent contract), optimizer, collector, the non-finite
     guard and the algorithm that owns them, with the agent's parameter count: nothing on disk.
 
     ``init_weights`` (a warm start, ``cfg.init_from``) are loaded into the agent before FSDP
-    wraps it. The envs are closed by ``cleanup`` if building fails.
+    wraps it. The envs are closed by ``cleanup`` if building fails. Everything the config names
+    is imported through ``importer``.
     """
     seed_everything(cfg.seed + 1000 * info.rank)
     with children_ignore_sigint():  # Ctrl-C is the trainer's to handle, not the env workers'
-        envs = envs_from_config(cfg.env, vectorization=cfg.env.vectorization)
+        envs = envs_from_config(cfg.env, vectorization=cfg.env.vectorization, importer=importer)
     cleanup.callback(envs.close)
-    check_fits(cfg, envs.single_observation_space, envs.single_action_space)
+    check_fits(cfg, envs.single_observation_space, envs.single_action_space, importer=importer)
     agent: Agent = build_agent(
-        cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space
+        cfg.agent.target, cfg.agent.kwargs, envs.single_observation_space, envs.single_action_space, importer
     ).to(device)
     if init_weights is not None:
         _load_init_weights(agent, init_weights, cfg.init_from)  # type: ignore[arg-type]
@@ -436,12 +458,9 @@ def _build_objects(
     return make_algorithm(cfg, collector, model, optimizer, info, device, guard=guard), num_params
 
 
-def _claim_new(cfg: Config) -> RunLock:
+def _claim_new(cfg: Config) -> RunDirectory:
     """Create and lock a fresh run directory (refusing one that holds another run)."""
-    if cfg.run_dir:
-        return claim_fresh(cfg.run_dir)
-    _, lock = claim_default("runs", cfg.log.run_name or default_name(cfg.env.id))
-    return lock
+    return RunDirectory.create(cfg.run_dir or None, name=cfg.log.run_name or default_name(cfg.env.id))
 
 
 def _run_extras(cfg: Config, num_params: int, info: dist_utils.DistInfo, device: torch.device) -> dict:

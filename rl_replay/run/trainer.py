@@ -29,7 +29,9 @@ from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
 from rl_replay.run.trainer_state import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
 from rl_replay.rundir.checkpoint import checkpoint_path
+from rl_replay.rundir.door import RunDirectory
 from rl_replay.rundir.lock import RunLock, writing
+from rl_replay.targets import OWN, Importer
 
 __all__ = ["Trainer"]
 
@@ -57,11 +59,15 @@ class Trainer:
         lock: RunLock | None = None,
         progress: Progress | None = None,
         run_id: str | None = None,
+        importer: Importer = OWN,
+        directory: RunDirectory | None = None,
     ) -> None:
         progress = progress or Progress()
         self.cfg = cfg
         self.run_dir = run_dir
         self.run_id = run_id  # the run's identity, signed into its config.yaml; its env state is bound to it
+        self.importer = importer  # what the run's config may import (its evaluations make envs again)
+        self.directory = directory  # the run directory held open (rank 0: locked, written through)
         self.algorithm = algorithm
         self.logger = logger
         self.info = info
@@ -210,6 +216,7 @@ class Trainer:
                 env_statistics=pool_statistics(vector_statistics(self.collector.envs)),
                 env_observation_keys=cfg.env.observation_keys,
                 vectorization=cfg.env.vectorization,
+                importer=self.importer,
             )
         np.random.set_state(np_state)
         random.setstate(py_state)
@@ -253,3 +260,5 @@ class Trainer:
         self.logger.close()
         if self.lock is not None:
             self.lock.release()
+        if self.directory is not None:
+            self.directory.close()

@@ -38,7 +38,6 @@ import contextlib
 import hashlib
 import json
 import numbers
-import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -55,13 +54,14 @@ from rl_replay.errors import CheckpointError, SetupError, one_line, shown
 from rl_replay.rundir import trust
 from rl_replay.rundir.checkpoint import (
     checkpoint_path,
-    load_latest,
+    load_agent_weights,
     non_finite_tensors,
     require,
     require_counts,
     save_checkpoint,
 )
-from rl_replay.rundir.env_state_file import env_binding, read_env_state, save_env_state
+from rl_replay.rundir.door import RunDirectory
+from rl_replay.rundir.env_state_file import env_binding, save_env_state
 
 __all__ = [
     "trainer_state",
@@ -182,6 +182,7 @@ def save_trainer(trainer) -> Path:
     :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
     """
     path = checkpoint_path(trainer.run_dir)
+    directory = trainer.directory  # held open by rank 0, which writes
     state = trainer_state(trainer)
     error: BaseException | None = None
     if state is not None:
@@ -193,8 +194,8 @@ def save_trainer(trainer) -> Path:
             # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
             if any(p is not None for p in pickles) and not non_finite_tensors(state["agent"]):
                 binding = env_binding(trainer.cfg.env, trainer.run_id)
-                payload["env_state"] = save_env_state(pickles, trainer.run_dir, trust.user_secret(), binding)
-            save_checkpoint(payload, path)
+                payload["env_state"] = save_env_state(pickles, directory.dir, trust.user_secret(), binding)
+            save_checkpoint(payload, directory.dir)
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
     # Barrier: no rank continues before rank 0 has written (or failed to write) the file.
@@ -231,22 +232,20 @@ RESUME_KEYS = (
 )
 
 
-def read_trainer_state(
-    run_dir: str | Path, info, binding: bytes, *, trust_env_state: bool = False
-) -> tuple[dict[str, Any], Path, str | None]:
+def read_trainer_state(directory: RunDirectory, info, binding: bytes) -> tuple[dict[str, Any], Path, str | None]:
     """Each rank reads the run's latest readable checkpoint (on the CPU) and checks it.
 
     ``binding`` is what this run's env state must have been written for
     (:func:`rl_replay.rundir.env_state_file.env_binding`: the run's identity and env config).
 
     The env pickles are put back into the collector states only where
-    :func:`rl_replay.rundir.env_state_file.read_env_state` gives them (this user's MAC, or
-    ``trust_env_state``), and only if every rank has them; otherwise each collector state says
+    :meth:`~rl_replay.rundir.door.RunDirectory.env_state` gives them (this user's MAC, or
+    the directory's :class:`~rl_replay.rundir.door.Trust`), and only if every rank has them; otherwise each collector state says
     why it starts fresh episodes. Returns ``(state, path, warning)`` as
     :func:`rl_replay.rundir.checkpoint.load_latest` (``warning`` also names a trusted-but-unverified
     env state).
     """
-    state, path, warning = load_latest(run_dir)
+    state, path, warning = directory.latest()
     require(state, path, RESUME_KEYS, "--resume")
     require_counts(state, path, ("update", "env_steps", "world_size"))
     wandb_id = state.get("wandb_id")
@@ -266,9 +265,7 @@ def read_trainer_state(
     if not all(isinstance(r, list) and all(_is_number(x) for x in r) for r in returns):
         raise CheckpointError(f"checkpoint {path} holds recent returns that are not lists of numbers.")
     digest = state.get("env_state")
-    found = (
-        read_env_state(run_dir, digest, trust.user_secret(), binding, trust_file=trust_env_state) if digest else None
-    )
+    found = directory.env_state(digest, trust.user_secret(), binding) if digest else None
     usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
     if info.distributed:  # every rank resumes its envs, or none does
         import torch.distributed as dist
@@ -450,30 +447,3 @@ def check_rng(rng: Any, device: torch.device | str = "cpu") -> None:
 
 
 # ---------------------------------------------------------------------------- agent weights
-def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
-    """``agent.load_state_dict(weights)``; a mismatch is one CheckpointError line naming ``path``
-    and the keys that are missing, unexpected or of another shape."""
-    own = agent.state_dict()
-    weights = current_agent_keys(weights, own)
-    missing = [k for k in own if k not in weights]
-    unexpected = [k for k in weights if k not in own]
-    shapes = [
-        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
-        for k in own
-        if k in weights and weights[k].shape != own[k].shape
-    ]
-
-    def few(names: list[str]) -> str:
-        return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
-
-    problems = (
-        ([f"missing {few(missing)}"] if missing else [])
-        + ([f"unexpected {few(unexpected)}"] if unexpected else [])
-        + ([f"other shapes: {few(shapes)}"] if shapes else [])
-    )
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path} does not fit the agent its config.yaml builds "
-            f"({'; '.join(problems)}): the checkpoint is not of this run's agent."
-        )
-    agent.load_state_dict(weights)

@@ -39,14 +39,18 @@ command that converts one whose origin the user trusts (:func:`rl_replay.rundir.
 
 from __future__ import annotations
 
+import contextlib
+import fnmatch
 import hashlib
 import os
-from collections.abc import Iterable
+import stat
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from rl_replay._compat import current_agent_keys
 from rl_replay.errors import CheckpointError, one_line, shown
 from rl_replay.rundir import files, safe_tree
 
@@ -60,9 +64,11 @@ __all__ = [
     "checkpoint_path",
     "previous_checkpoint_path",
     "remove_stale_temporaries",
+    "stale_temporaries",
     "non_finite_tensors",
     "require",
     "require_counts",
+    "load_agent_weights",
     "CONVERT_COMMAND",
     "MAGIC",
     "read_checkpoint_bytes",
@@ -108,11 +114,29 @@ def _is_bare_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
-def read_checkpoint_bytes(path: Path, *, shown: Path | None = None, follow: bool = False) -> bytes:
-    """The verified safetensors payload of a format-2 checkpoint (``follow``: ``path`` was named
-    by the user and may be a symlink; a run directory's own file may not)."""
-    shown = shown or path
-    with files.open_regular(path, "checkpoint", follow=follow) as (f, size):
+@contextlib.contextmanager
+def _at(where: files.Dir | str | os.PathLike, name: str | None) -> Iterator[tuple[files.Dir, str, bool]]:
+    """``(directory, file name, follow)`` of a checkpoint given as a held run directory (and a
+    name in it), a run directory's path, or the path of a file the user named (which may be a
+    link); a directory opened here is closed on exit."""
+    if isinstance(where, files.Dir):
+        yield where, name or CHECKPOINT_NAME, False
+        return
+    path = Path(where)
+    if name is None and path.is_dir():
+        with files.Dir.open(path) as d:
+            yield d, CHECKPOINT_NAME, False
+        return
+    d, leaf = files.open_parent(path / name if name else path)
+    with d:
+        yield d, leaf, name is None
+
+
+def read_checkpoint_bytes(d: files.Dir, name: str, *, shown: Path | None = None, follow: bool = False) -> bytes:
+    """The verified safetensors payload of the format-2 checkpoint ``name`` in ``d`` (``follow``:
+    the user named the file and it may be a symlink; a run directory's own file may not)."""
+    shown = shown or d.shown(name)
+    with d.open_regular(name, "checkpoint", follow=follow) as (f, size):
         if size == 0:
             raise CheckpointError(f"checkpoint {shown} is empty (0 bytes): it was cut off while being written.")
         head = f.read(len(MAGIC))
@@ -134,23 +158,25 @@ def read_checkpoint_bytes(path: Path, *, shown: Path | None = None, follow: bool
 
 
 # ---------------------------------------------------------------------------- checkpoints
-def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:
-    """Verify, write and rename ``payload`` into ``path``; keep the old file as the previous one.
+def save_checkpoint(payload: dict[str, Any], where: files.Dir | str | os.PathLike, name: str | None = None) -> None:
+    """Verify, write and rename ``payload`` into a checkpoint; keep the old file as the previous one.
 
+    ``where`` is a held run directory (``name``: ``checkpoint.pt`` unless given) or a file's path.
     ``payload`` is a tree :mod:`rl_replay.rundir.safe_tree` stores (no arbitrary objects). Raises
     :class:`CheckpointError` (and writes nothing) if ``payload["agent"]`` holds a non-finite
     tensor: a diverged model must never replace the last good checkpoint.
     """
-    path = Path(path)
-    bad = non_finite_tensors(payload.get("agent", {}))
-    if bad:
-        raise CheckpointError(
-            f"refusing to write {path}: agent weights {', '.join(bad[:4])}"
-            f"{' ...' if len(bad) > 4 else ''} are not finite; the previous checkpoint is kept."
-        )
-    data = safe_tree.dumps(payload, {"format": f"rl_replay-checkpoint-{FORMAT}"})
-    header = MAGIC + f"{FORMAT} sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n".encode()
-    files.write_atomic(path, header, data, lambda tmp: read_checkpoint_bytes(tmp, shown=path))
+    with _at(where, name) as (d, leaf, _):
+        path = d.shown(leaf)
+        bad = non_finite_tensors(payload.get("agent", {}))
+        if bad:
+            raise CheckpointError(
+                f"refusing to write {path}: agent weights {', '.join(bad[:4])}"
+                f"{' ...' if len(bad) > 4 else ''} are not finite; the previous checkpoint is kept."
+            )
+        data = safe_tree.dumps(payload, {"format": f"rl_replay-checkpoint-{FORMAT}"})
+        header = MAGIC + f"{FORMAT} sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n".encode()
+        d.write_atomic(leaf, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, shown=path))
 
 
 def _decode(data: bytes, path: Path) -> dict[str, Any]:
@@ -169,21 +195,22 @@ def _decode(data: bytes, path: Path) -> dict[str, Any]:
     return state
 
 
-def load_checkpoint(path: str | os.PathLike, *, follow: bool = False) -> dict[str, Any]:
-    """Load and verify a checkpoint (a file, or a run directory's latest) onto the CPU.
+def load_checkpoint(
+    where: files.Dir | str | os.PathLike, name: str | None = None, *, follow: bool = False
+) -> dict[str, Any]:
+    """Load and verify a checkpoint onto the CPU: ``name`` (default ``checkpoint.pt``) of a held run
+    directory, a run directory's latest, or a file the user named (which may be a symlink).
 
     Runs no code from the file. Raises FileNotFoundError if it does not exist,
-    :class:`~rl_replay.rundir.files.UnsafeFileError` if it is not a regular file (a symlink too,
-    unless ``follow``: a file the user named, not a run directory's) and :class:`CheckpointError`
-    (one line, naming the file) if it is empty, truncated, corrupt, not a checkpoint, or a
-    legacy pickle (with the command that converts a trusted one).
+    :class:`~rl_replay.rundir.files.UnsafeFileError` if it is not a regular file (a symlink in a
+    run directory too) and :class:`CheckpointError` (one line, naming the file) if it is empty,
+    truncated, corrupt, not a checkpoint, or a legacy pickle (with the command that converts a
+    trusted one).
     """
-    path = Path(path)
-    if path.is_dir():
-        path, follow = checkpoint_path(path), False
-    if not os.path.lexists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}")
-    return _decode(read_checkpoint_bytes(path, follow=follow), path)
+    with _at(where, name) as (d, leaf, user_named):
+        if not d.exists(leaf):
+            raise FileNotFoundError(f"no checkpoint at {d.shown(leaf)}")
+        return _decode(read_checkpoint_bytes(d, leaf, follow=follow or user_named), d.shown(leaf))
 
 
 def require(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str], needed_for: str) -> None:
@@ -206,45 +233,95 @@ def require_counts(state: dict[str, Any], path: str | os.PathLike, keys: Iterabl
         )
 
 
-def load_latest(run_dir: str | os.PathLike) -> tuple[dict[str, Any], Path, str | None]:
+def load_latest(where: files.Dir | str | os.PathLike) -> tuple[dict[str, Any], Path, str | None]:
     """The run's latest readable checkpoint: ``(state, path, warning)``.
 
     Falls back to ``checkpoint.prev.pt`` when ``checkpoint.pt`` is missing or damaged;
     ``warning`` then says so (None otherwise). Raises the latest file's error if neither loads.
     """
-    latest, previous = checkpoint_path(run_dir), previous_checkpoint_path(run_dir)
-    try:
-        return load_checkpoint(latest), latest, None
-    except (CheckpointError, FileNotFoundError) as exc:
-        if not os.path.lexists(previous):
-            raise
+    with _at(where, None) as (d, _, _):
         try:
-            state = load_checkpoint(previous)
-        except CheckpointError:
-            raise exc from None
-        return (
-            state,
-            previous,
-            f"{exc} Resuming from the previous checkpoint {previous} (update {state.get('update')}).",
-        )
+            return load_checkpoint(d, CHECKPOINT_NAME), d.shown(CHECKPOINT_NAME), None
+        except (CheckpointError, FileNotFoundError) as exc:
+            if not d.exists(PREVIOUS_NAME):
+                raise
+            try:
+                state = load_checkpoint(d, PREVIOUS_NAME)
+            except CheckpointError:
+                raise exc from None
+            previous = d.shown(PREVIOUS_NAME)
+            return (
+                state,
+                previous,
+                f"{exc} Resuming from the previous checkpoint {previous} (update {state.get('update')}).",
+            )
 
 
-def remove_stale_temporaries(run_dir: str | os.PathLike) -> list[Path]:
+#: The temporary files a write that was killed leaves (checkpoint, env state, config, metrics, wandb mark).
+STALE_PATTERNS = (
+    ".checkpoint*.tmp*",
+    ".env_state*.tmp*",
+    ".config.yaml.*.tmp",
+    "metrics.jsonl.tmp",
+    ".metrics.jsonl.*.tmp",
+    ".wandb_logged.json.*.tmp",
+)
+
+
+def stale_temporaries(d: files.Dir) -> list[str]:
+    """The names of the temporaries a killed write left in ``d``; refuses (one line, naming it) one
+    that is not a regular file or a symlink: nothing this project writes, so not removed blindly."""
+    found = []
+    for name in sorted(d.listdir()):
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in STALE_PATTERNS):
+            info = d.lstat(name)
+            if info is not None and not (stat.S_ISREG(info.st_mode) or stat.S_ISLNK(info.st_mode)):
+                raise files.UnsafeFileError(
+                    f"{d.shown(name)} has the name of a temporary file a killed write leaves, but it is "
+                    f"{files.kind_of(info.st_mode)}: remove it (it is not rl_replay's) and try again."
+                )
+            found.append(name)
+    return found
+
+
+def remove_stale_temporaries(where: files.Dir | str | os.PathLike) -> list[Path]:
     """Delete temporary files left by a checkpoint (or env state, config, metrics) write that was killed.
 
-    Returns the files removed. Call it only while holding the run directory's lock (no
-    other writer is active).
+    Returns the files removed. Call it only while holding the run directory's lock (no other
+    writer is active); one that is not a file is refused first (:func:`stale_temporaries`).
     """
     removed = []
-    patterns = (
-        ".checkpoint*.tmp*",
-        ".env_state*.tmp*",
-        ".config.yaml.*.tmp",
-        "metrics.jsonl.tmp",
-        ".metrics.jsonl.*.tmp",
-    )
-    for pattern in (*patterns, ".wandb_logged.json.*.tmp"):
-        for tmp in Path(run_dir).glob(pattern):
-            tmp.unlink(missing_ok=True)  # (unlink removes a symlink itself, never its target)
-            removed.append(tmp)
+    with files.held(where) as d:
+        for name in stale_temporaries(d):
+            d.unlink(name, missing_ok=True)  # (unlink removes a symlink itself, never its target)
+            removed.append(d.shown(name))
     return removed
+
+
+def load_agent_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor], path: str | os.PathLike) -> None:
+    """``agent.load_state_dict(weights)``; a mismatch is one CheckpointError line naming ``path``
+    and the keys that are missing, unexpected or of another shape."""
+    own = agent.state_dict()
+    weights = current_agent_keys(weights, own)
+    missing = [k for k in own if k not in weights]
+    unexpected = [k for k in weights if k not in own]
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in own
+        if k in weights and weights[k].shape != own[k].shape
+    ]
+
+    def few(names: list[str]) -> str:
+        return ", ".join(names[:4]) + (f" (+{len(names) - 4} more)" if len(names) > 4 else "")
+
+    problems = (
+        ([f"missing {few(missing)}"] if missing else [])
+        + ([f"unexpected {few(unexpected)}"] if unexpected else [])
+        + ([f"other shapes: {few(shapes)}"] if shapes else [])
+    )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path} does not fit the agent its config.yaml builds "
+            f"({'; '.join(problems)}): the checkpoint is not of this run's agent."
+        )
+    agent.load_state_dict(weights)

@@ -13,21 +13,19 @@ secret (:mod:`rl_replay.rundir.trust`, purpose ``config``)::
 :func:`read_run_config` reads the file (a regular file of at most 1 MiB, no symlink), parses the
 bytes it verified and says whether it is this user's. A config that is not (another user's run,
 a file edited since, a run written before configs were signed) is *foreign*: its targets are
-checked by :func:`check_imports` before anything is built, and while it is in use
-(:func:`imports_of`) nothing outside rl_replay and gymnasium is imported; anything else is one
+checked by :func:`check_imports` before anything is built, and what builds from it imports through
+its :class:`~rl_replay.targets.Importer`: nothing outside rl_replay and gymnasium; anything else is one
 line naming the module and the flag that trusts the config (``--trust-config``). A config given
 on the command line (``--config``) is the user's own and is not checked.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import secrets
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rl_replay.config import Config, dump_config, loads_config
@@ -37,7 +35,6 @@ from rl_replay.registry import AGENTS
 from rl_replay.rundir import files, trust
 from rl_replay.targets import (
     allowed_in_foreign_config,
-    foreign_config,
     foreign_refusal,
     is_short_name,
     parse_target,
@@ -51,7 +48,6 @@ __all__ = [
     "write_run_config",
     "read_run_config",
     "check_imports",
-    "imports_of",
 ]
 
 CONFIG_NAME = "config.yaml"
@@ -83,18 +79,18 @@ class RunConfig:
     run_id: str | None = None
 
 
-def write_run_config(cfg: Config, run_dir: str | os.PathLike, key: bytes, run_id: str | None = None) -> None:
-    """Write ``run_dir/config.yaml`` signed with ``key``, naming the run's identity ``run_id``
+def write_run_config(cfg: Config, d: files.Dir, key: bytes, run_id: str | None = None) -> None:
+    """Write ``config.yaml`` in the run directory ``d``, signed with ``key``, naming the run's identity ``run_id``
     (atomically; a symlink there is replaced).
 
     What is written must read back: the same limits apply as to a config read from a run.
     """
     body = dump_config(cfg)
-    loads_config(body, (), source=f"the config written to {Path(run_dir) / CONFIG_NAME}")
+    loads_config(body, (), source=f"the config written to {d.shown(CONFIG_NAME)}")
     mac = trust.sign(_signed(body.encode(), run_id), key, "config")
     run = f" run={run_id}" if run_id else ""
     line = f"{_PREFIX.decode()}key={trust.fingerprint(key)}{run} hmac-sha256={mac}\n"
-    files.replace_with_text(Path(run_dir) / CONFIG_NAME, line + body)
+    d.replace_with_text(CONFIG_NAME, line + body)
 
 
 def _own(raw: bytes) -> tuple[bytes, str | None, str | None]:
@@ -114,7 +110,7 @@ def _own(raw: bytes) -> tuple[bytes, str | None, str | None]:
 
 
 def read_run_config(
-    run_dir: str | os.PathLike, overrides: Sequence[str] = (), *, trust_config: bool = False, flag: str
+    run_dir: files.Dir | str | os.PathLike, overrides: Sequence[str] = (), *, trust_config: bool = False, flag: str
 ) -> RunConfig:
     """The config of the run in ``run_dir`` with ``overrides``, and whether it is this user's.
 
@@ -123,8 +119,11 @@ def read_run_config(
     :class:`~rl_replay.rundir.files.UnsafeFileError` if it is not a regular file of at most 1 MiB,
     and ValueError for a config that does not load.
     """
-    path = Path(run_dir) / CONFIG_NAME
-    raw = files.read_regular(path, "config", limit=MAX_CONFIG_BYTES)
+    if not isinstance(run_dir, files.Dir):
+        with files.Dir.open(run_dir) as d:
+            return read_run_config(d, overrides, trust_config=trust_config, flag=flag)
+    path = run_dir.shown(CONFIG_NAME)
+    raw = run_dir.read_regular(CONFIG_NAME, "config", limit=MAX_CONFIG_BYTES)
     text, why, run_id = _own(raw)
     cfg = loads_config(text, overrides, source=str(path))
     if why is None or trust_config:
@@ -206,15 +205,3 @@ def check_imports(run_config: RunConfig) -> None:
     for what, module in _named_modules(run_config.cfg):
         if not allowed_in_foreign_config(module):
             raise foreign_refusal(what, module, run_config.foreign)
-
-
-@contextlib.contextmanager
-def imports_of(run_config: RunConfig) -> Iterator[None]:
-    """While a foreign config is in use: :func:`check_imports` first, then no import outside
-    rl_replay and gymnasium (:func:`rl_replay.targets.foreign_config`); the user's own: nothing."""
-    check_imports(run_config)
-    if run_config.foreign is None:
-        yield
-    else:
-        with foreign_config(run_config.foreign):
-            yield

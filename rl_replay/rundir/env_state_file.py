@@ -39,11 +39,11 @@ _UNBOUND_MAGIC = b"RLREPLAY-ENVSTATE 1 "  # written before env states were bound
 def env_binding(env: Any, run_id: str | None) -> bytes:
     """What an env state belongs to, covered by its MAC: the run's identity and its env config
     (id, kwargs, wrappers, number of envs, ...). ``env`` is the config's ``env`` section."""
-    section = dataclasses.asdict(env) if dataclasses.is_dataclass(env) else dict(env)
+    section = dataclasses.asdict(env) if dataclasses.is_dataclass(env) and not isinstance(env, type) else dict(env)
     return json.dumps({"run": run_id, "env": section}, sort_keys=True, default=repr).encode()
 
 
-def run_binding(run_dir: str | os.PathLike) -> bytes:
+def run_binding(run_dir: files.Dir | str | os.PathLike) -> bytes:
     """:func:`env_binding` of the run in ``run_dir`` as its ``config.yaml`` names it (read as data)."""
     from rl_replay.rundir.config_file import read_run_config
 
@@ -51,18 +51,19 @@ def run_binding(run_dir: str | os.PathLike) -> bytes:
     return env_binding(run_config.cfg.env, run_config.run_id)
 
 
-def save_env_state(pickles: list[bytes | None], run_dir: str | os.PathLike, key: bytes, binding: bytes) -> str:
-    """Write the per-rank env pickles as ``run_dir/env_state.pkl`` with a MAC under ``key`` over
-    them and ``binding`` (:func:`env_binding`: the run and env config they belong to).
+def save_env_state(pickles: list[bytes | None], d: files.Dir, key: bytes, binding: bytes) -> str:
+    """Write the per-rank env pickles as ``env_state.pkl`` in the run directory ``d`` with a MAC
+    under ``key`` over them and ``binding`` (:func:`env_binding`: the run and env config they
+    belong to).
 
     Returns the sha256 of the payload, which the checkpoint records to name its env state.
     """
-    path = Path(run_dir) / ENV_STATE_NAME
+    path = d.shown(ENV_STATE_NAME)
     data = safe_tree.dumps(list(pickles), {"format": "rl_replay-env-state-2"})
     digest = hashlib.sha256(data).hexdigest()
     mac = trust.sign(_bound(binding, data), key)
     header = _ENV_MAGIC + f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} hmac-sha256={mac}\n".encode()
-    files.write_atomic(path, header, data, lambda tmp: _read_env_file(tmp, shown=path))
+    d.write_atomic(ENV_STATE_NAME, header, data, lambda tmp: _read_env_file(d, tmp, shown=path))
     return digest
 
 
@@ -70,9 +71,9 @@ def _bound(binding: bytes, data: bytes) -> bytes:
     return len(binding).to_bytes(8, "little") + binding + data
 
 
-def _read_env_file(path: Path, *, shown: Path | None = None) -> tuple[dict[str, str], bytes]:
-    shown = shown or path
-    with files.open_regular(path, "env state") as (f, size):
+def _read_env_file(d: files.Dir, name: str, *, shown: Path | None = None) -> tuple[dict[str, str], bytes]:
+    shown = shown or d.shown(name)
+    with d.open_regular(name, "env state") as (f, size):
         head = f.read(len(_ENV_MAGIC))
         if head == _UNBOUND_MAGIC:
             raise CheckpointError(
@@ -95,7 +96,7 @@ class EnvState:
 
 
 def read_env_state(
-    run_dir: str | os.PathLike, digest: str, key: bytes, binding: bytes, *, trust_file: bool = False
+    run_dir: files.Dir | str | os.PathLike, digest: str, key: bytes, binding: bytes, *, trust_file: bool = False
 ) -> EnvState:
     """The env pickles a checkpoint names (by payload sha256 ``digest``), if they may be unpickled.
 
@@ -105,13 +106,17 @@ def read_env_state(
     ``pickles`` is None and ``note`` says why: no such file, damaged, written by another
     user or machine, or changed after it was written. Nothing here unpickles.
     """
-    latest = Path(run_dir) / ENV_STATE_NAME
+    if not isinstance(run_dir, files.Dir):
+        with files.Dir.open(run_dir) as d:
+            return read_env_state(d, digest, key, binding, trust_file=trust_file)
+    d = run_dir
     problems = []
-    for path in (latest, files.previous_path(latest)):
-        if not os.path.lexists(path):
+    for name in (ENV_STATE_NAME, files.previous_name(ENV_STATE_NAME)):
+        path = d.shown(name)
+        if not d.exists(name):
             continue
         try:
-            fields, data = _read_env_file(path)
+            fields, data = _read_env_file(d, name)
         except CheckpointError as exc:
             problems.append(str(exc))
             continue
@@ -142,4 +147,4 @@ def read_env_state(
             return EnvState(None, f"{path} does not hold env pickles")
         return EnvState(pickles, note)
     detail = f" ({problems[0]})" if problems else ""
-    return EnvState(None, f"no env-state file of this checkpoint in {run_dir}{detail}")
+    return EnvState(None, f"no env-state file of this checkpoint in {d.path}{detail}")

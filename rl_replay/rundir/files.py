@@ -15,9 +15,12 @@ names is taken at its word:
   the file's size before anything is read), and by the memory the process can still have.
 * **New files are created exclusively** (``O_CREAT | O_EXCL``) and renamed into place; a rename
   replaces a symlink itself, never what it points to.
+* **The directory is held by its descriptor** (:class:`Dir`): opened once, without following a
+  link, and every file of it reached relative to that descriptor, so a directory swapped for a
+  link mid-command moves no read or write elsewhere.
 
 The checkpoint and env-state files are *headed*: one line ``MAGIC key=value ...`` naming the
-payload's ``sha256`` and ``size``, then the payload. :func:`write_atomic` writes one (keeping the
+payload's ``sha256`` and ``size``, then the payload. :meth:`Dir.write_atomic` writes one (keeping the
 previous file), :func:`header_fields` and :func:`read_payload` read one back.
 
 Every refusal is an :class:`UnsafeFileError` (a :class:`~rl_replay.errors.RunDirError`), one line.
@@ -30,8 +33,8 @@ import errno
 import hashlib
 import os
 import resource
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -40,20 +43,16 @@ from rl_replay.errors import CheckpointError, RunDirError
 
 __all__ = [
     "UnsafeFileError",
-    "open_regular",
+    "Dir",
+    "open_parent",
+    "held",
     "read_regular",
-    "iter_lines",
-    "open_in_place",
-    "create_exclusive",
-    "replace_with_text",
-    "check_directory",
+    "is_regular",
+    "kind_of",
     "check_affordable",
     "memory_left",
-    "is_regular",
     "HEADER_MAX",
-    "previous_path",
-    "fsync_dir",
-    "write_atomic",
+    "previous_name",
     "header_fields",
     "read_payload",
 ]
@@ -75,7 +74,7 @@ class UnsafeFileError(RunDirError):
     """A run file is not a regular file of this run, or is larger than it may be."""
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
     return next((name for test, name in _KINDS if test(mode)), "not a regular file")
 
 
@@ -86,6 +85,292 @@ def _refuse(path: str | os.PathLike, what: str, kind: str) -> UnsafeFileError:
     )
 
 
+class Dir:
+    """A directory held by its descriptor; every file in it is reached relative to that descriptor.
+
+    It is opened once (``O_DIRECTORY``, and for a run directory ``O_NOFOLLOW``), then each file
+    is opened, created, renamed and removed with ``dir_fd``: swapping the directory's path for a
+    symlink (or for another directory) after it was opened moves nothing, and what a command
+    reads and writes stays in the directory it opened. ``path`` is for messages only.
+    """
+
+    def __init__(self, fd: int, path: str | os.PathLike) -> None:
+        self.fd: int | None = fd
+        self.path = Path(path)
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, what: str = "run directory", *, follow: bool = False) -> Dir:
+        """Open ``path`` as a directory (``follow``: the user named it and it may be a symlink).
+
+        Raises FileNotFoundError if it does not exist and :class:`UnsafeFileError` (one line) if it
+        is not a directory, or a symlink when ``follow`` is False.
+        """
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+        try:
+            fd = os.open(path, flags)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise UnsafeFileError(
+                    f"{what} {os.fspath(path)} is a symbolic link: a run directory is opened without following "
+                    f"links. Give the directory itself ({os.path.realpath(path)})."
+                ) from None
+            if exc.errno == errno.ENOTDIR:
+                raise UnsafeFileError(f"{what} {os.fspath(path)} is not a directory.") from None
+            raise
+        return cls(fd, path)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def __enter__(self) -> Dir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # (a Dir dropped unclosed must not leak its descriptor)
+        with contextlib.suppress(Exception):
+            self.close()
+
+    def _fd(self) -> int:
+        if self.fd is None:
+            raise ValueError(f"directory {self.path} is closed")
+        return self.fd
+
+    def shown(self, name: str) -> Path:
+        """``name`` as messages show it."""
+        return self.path / name
+
+    def lstat(self, name: str) -> os.stat_result | None:
+        """``lstat`` of ``name`` (None if there is none)."""
+        try:
+            return os.stat(name, dir_fd=self._fd(), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def exists(self, name: str) -> bool:
+        """Whether an entry ``name`` exists (a dangling symlink included)."""
+        return self.lstat(name) is not None
+
+    def is_regular(self, name: str) -> bool:
+        """Whether ``name`` itself (not what a symlink points to) is a regular file."""
+        info = self.lstat(name)
+        return info is not None and stat.S_ISREG(info.st_mode)
+
+    def listdir(self) -> list[str]:
+        return os.listdir(self._fd())
+
+    def _open_fd(self, name: str, flags: int, what: str, *, follow: bool = False, mode: int = 0o644) -> int:
+        """``os.open`` that refuses anything but a regular file (and, unless ``follow``, a symlink)."""
+        shown = self.shown(name)
+        if not follow:
+            info = self.lstat(name)
+            if info is None:
+                if not flags & os.O_CREAT:
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(shown))
+            elif not stat.S_ISREG(info.st_mode):
+                raise _refuse(shown, what, kind_of(info.st_mode))
+        try:
+            fd = os.open(
+                name,
+                flags | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW),
+                mode,
+                dir_fd=self._fd(),
+            )
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink made after the lstat
+                raise _refuse(shown, what, "a symbolic link") from None
+            if isinstance(exc, FileNotFoundError):
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(shown)) from None
+            raise
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
+            raise _refuse(shown, what, kind_of(info.st_mode))
+        os.set_blocking(fd, True)
+        return fd
+
+    @contextlib.contextmanager
+    def open_regular(self, name: str, what: str, *, follow: bool = False) -> Iterator[tuple[BinaryIO, int]]:
+        """``(file, size)`` of the regular file ``name`` opened for reading, closed on exit.
+
+        ``what`` names the file in errors ("checkpoint"). ``follow`` lets a file the user named be
+        a symlink (never a run directory's own files). Raises FileNotFoundError if it does not
+        exist and :class:`UnsafeFileError` if it is not a regular file.
+        """
+        fd = self._open_fd(name, os.O_RDONLY, what, follow=follow)
+        f = os.fdopen(fd, "rb")
+        try:
+            yield f, os.fstat(fd).st_size
+        finally:
+            f.close()
+
+    def read_regular(self, name: str, what: str, *, limit: int, follow: bool = False) -> bytes:
+        """The bytes of the regular file ``name``, refused if larger than ``limit`` bytes."""
+        shown = self.shown(name)
+        with self.open_regular(name, what, follow=follow) as (f, size):
+            if size > limit:
+                raise UnsafeFileError(f"{what} {shown} is {size} bytes; such a file holds at most {limit}.")
+            data = f.read(limit + 1)
+        if len(data) > limit:  # it grew while being read
+            raise UnsafeFileError(f"{what} {shown} is over {limit} bytes; such a file holds at most {limit}.")
+        return data
+
+    def iter_lines(self, name: str, what: str, *, max_line: int) -> Iterator[tuple[int, bytes]]:
+        """``(line number, line)`` of a regular file, each line without its ``\\n``, read as a stream.
+
+        A line longer than ``max_line`` bytes is an :class:`UnsafeFileError`: a file of one endless
+        line (a sparse hole reads as zeros) is refused after ``max_line`` bytes, not read whole.
+        """
+        with self.open_regular(name, what) as (f, _):
+            number = 0
+            while True:
+                line = f.readline(max_line + 1)
+                if not line:
+                    return
+                number += 1
+                if len(line) > max_line and not line.endswith(b"\n"):
+                    raise UnsafeFileError(
+                        f"{what} {self.shown(name)} line {number} is longer than {max_line} bytes: it is not a "
+                        "line of this file."
+                    )
+                yield number, line.rstrip(b"\n")
+
+    def open_in_place(self, name: str, flags: int, what: str, *, mode: int = 0o644) -> int:
+        """A descriptor of a file written in place (``O_APPEND``, or the lock), created if absent.
+
+        Refuses a symlink, anything not a regular file and a file with other hard links: a write
+        through any of them would land outside the run directory.
+        """
+        try:
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=self._fd())
+        except FileExistsError:
+            fd = self._open_fd(name, flags, what)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _refuse(self.shown(name), what, "a symbolic link") from None
+            raise
+        links = os.fstat(fd).st_nlink
+        if links > 1:
+            os.close(fd)
+            raise UnsafeFileError(
+                f"{what} {self.shown(name)} has {links} hard links: writing it would change the same file elsewhere. "
+                "Replace it by a copy (cp) of its own and try again."
+            )
+        return fd
+
+    def create_exclusive(self, name: str, *, suffix: str = ".tmp") -> tuple[int, str]:
+        """A new file beside ``name`` (``O_EXCL``, no link followed, mode 0600): ``(fd, its name)``."""
+        for _ in range(100):
+            tmp = f".{name}.{secrets.token_hex(6)}{suffix}"
+            try:
+                fd = os.open(
+                    tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd()
+                )
+            except FileExistsError:
+                continue
+            return fd, tmp
+        raise FileExistsError(errno.EEXIST, "no free temporary name", os.fspath(self.shown(name)))  # pragma: no cover
+
+    def replace(self, src: str, dst: str) -> None:
+        """Rename ``src`` over ``dst`` within this directory (a symlink at ``dst`` is replaced)."""
+        os.replace(src, dst, src_dir_fd=self._fd(), dst_dir_fd=self._fd())
+
+    def unlink(self, name: str, *, missing_ok: bool = False) -> None:
+        try:
+            os.unlink(name, dir_fd=self._fd())
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+
+    def fsync(self) -> None:
+        """fsync the directory (a rename in it is then on disk)."""
+        with contextlib.suppress(OSError):
+            os.fsync(self._fd())
+
+    def replace_with_text(self, name: str, text: str) -> None:
+        """Write ``text`` to a new file beside ``name``, fsync it and rename it into place.
+
+        The rename replaces whatever ``name`` is (a symlink included) and writes nothing elsewhere.
+        """
+        fd, tmp = self.create_exclusive(name)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            self.replace(tmp, name)
+        except BaseException:
+            self.unlink(tmp, missing_ok=True)
+            raise
+
+    def check_directory(self, name: str, what: str) -> None:
+        """Refuse ``name`` if it exists and is not a directory of its own (a symlink to one included)."""
+        info = self.lstat(name)
+        if info is not None and not stat.S_ISDIR(info.st_mode):
+            raise UnsafeFileError(
+                f"{what} {self.shown(name)} is {kind_of(info.st_mode)}, not a directory of the run: what is written "
+                "there would land elsewhere. Remove it and try again."
+            )
+
+    def _copy(self, src: str, dst: str) -> None:
+        with self.open_regular(src, "file") as (f, _):
+            out = os.open(
+                dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd()
+            )
+            with os.fdopen(out, "wb") as g:
+                while chunk := f.read(1 << 20):
+                    g.write(chunk)
+
+    def write_atomic(self, name: str, header: bytes, data: bytes | memoryview, check: Callable[[str], Any]) -> None:
+        """Write ``header + data`` to a temporary file, fsync, ``check`` it (given the temporary's
+        name in this directory), keep the old ``name`` as its previous file and rename the new one
+        into place. Nothing is left behind on failure."""
+        fd, tmp = self.create_exclusive(name)
+        link = tmp + ".prev"
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            check(tmp)  # what is on disk is what we meant to write
+            if self.is_regular(name):  # (a symlink or other odd entry is replaced, never kept or followed)
+                # Keep the current file as the previous one. A hard link leaves ``name`` in
+                # place, so at every moment there is a file under the usual name.
+                try:
+                    os.link(name, link, src_dir_fd=self._fd(), dst_dir_fd=self._fd(), follow_symlinks=False)
+                except OSError:  # file systems without hard links: a copy
+                    self._copy(name, link)
+                self.replace(link, previous_name(name))
+            self.replace(tmp, name)
+            self.fsync()
+        except BaseException:
+            for leftover in (tmp, link):
+                self.unlink(leftover, missing_ok=True)
+            raise
+
+
+@contextlib.contextmanager
+def held(where: Dir | str | os.PathLike) -> Iterator[Dir]:
+    """``where`` itself if it is a held :class:`Dir`, else the directory at that path, opened (no
+    link followed) for the block and closed after it."""
+    if isinstance(where, Dir):
+        yield where
+    else:
+        with Dir.open(where) as d:
+            yield d
+
+
+def open_parent(path: str | os.PathLike) -> tuple[Dir, str]:
+    """``(the directory of path, its name)`` for a file the user named (its directory may be reached
+    through links); close the Dir when done."""
+    path = Path(path)
+    return Dir.open(path.parent, "directory", follow=True), path.name
+
+
 def is_regular(path: str | os.PathLike) -> bool:
     """Whether ``path`` itself (not what a symlink points to) is a regular file."""
     try:
@@ -94,137 +379,11 @@ def is_regular(path: str | os.PathLike) -> bool:
         return False
 
 
-def _open_fd(path: str | os.PathLike, flags: int, what: str, *, follow: bool = False, mode: int = 0o644) -> int:
-    """``os.open`` that refuses anything but a regular file (and, unless ``follow``, a symlink)."""
-    if not follow:
-        try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            if not flags & os.O_CREAT:
-                raise
-        else:
-            if not stat.S_ISREG(info.st_mode):
-                raise _refuse(path, what, _kind(info.st_mode))
-    try:
-        fd = os.open(path, flags | os.O_NONBLOCK | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW), mode)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink made after the lstat
-            raise _refuse(path, what, "a symbolic link") from None
-        raise
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        os.close(fd)
-        raise _refuse(path, what, _kind(info.st_mode))
-    os.set_blocking(fd, True)
-    return fd
-
-
-@contextlib.contextmanager
-def open_regular(path: str | os.PathLike, what: str, *, follow: bool = False) -> Iterator[tuple[BinaryIO, int]]:
-    """``(file, size)`` of the regular file ``path`` opened for reading, closed on exit.
-
-    ``what`` names the file in errors ("checkpoint"). ``follow`` lets a path the user named
-    be a symlink (never a run directory's own files). Raises FileNotFoundError if it does not
-    exist and :class:`UnsafeFileError` if it is not a regular file.
-    """
-    fd = _open_fd(path, os.O_RDONLY, what, follow=follow)
-    f = os.fdopen(fd, "rb")
-    try:
-        yield f, os.fstat(fd).st_size
-    finally:
-        f.close()
-
-
 def read_regular(path: str | os.PathLike, what: str, *, limit: int, follow: bool = False) -> bytes:
-    """The bytes of the regular file ``path``, refused if larger than ``limit`` bytes."""
-    with open_regular(path, what, follow=follow) as (f, size):
-        if size > limit:
-            raise UnsafeFileError(f"{what} {os.fspath(path)} is {size} bytes; such a file holds at most {limit}.")
-        data = f.read(limit + 1)
-    if len(data) > limit:  # it grew while being read
-        raise UnsafeFileError(f"{what} {os.fspath(path)} is over {limit} bytes; such a file holds at most {limit}.")
-    return data
-
-
-def iter_lines(path: str | os.PathLike, what: str, *, max_line: int) -> Iterator[tuple[int, bytes]]:
-    """``(line number, line)`` of a regular file, each line without its ``\\n``, read as a stream.
-
-    A line longer than ``max_line`` bytes is an :class:`UnsafeFileError`: a file of one endless
-    line (a sparse hole reads as zeros) is refused after ``max_line`` bytes, not read whole.
-    """
-    with open_regular(path, what) as (f, _):
-        number = 0
-        while True:
-            line = f.readline(max_line + 1)
-            if not line:
-                return
-            number += 1
-            if len(line) > max_line and not line.endswith(b"\n"):
-                raise UnsafeFileError(
-                    f"{what} {os.fspath(path)} line {number} is longer than {max_line} bytes: it is not a line of this file."
-                )
-            yield number, line.rstrip(b"\n")
-
-
-def open_in_place(path: str | os.PathLike, flags: int, what: str, *, mode: int = 0o644) -> int:
-    """A descriptor of a run file written in place (``O_APPEND``, or the lock), created if absent.
-
-    Refuses a symlink, anything not a regular file and a file with other hard links: a write
-    through any of them would land outside the run directory.
-    """
-    try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    except FileExistsError:
-        fd = _open_fd(path, flags, what)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise _refuse(path, what, "a symbolic link") from None
-        raise
-    links = os.fstat(fd).st_nlink
-    if links > 1:
-        os.close(fd)
-        raise UnsafeFileError(
-            f"{what} {os.fspath(path)} has {links} hard links: writing it would change the same file elsewhere. "
-            "Replace it by a copy (cp) of its own and try again."
-        )
-    return fd
-
-
-def create_exclusive(directory: str | os.PathLike, name: str) -> tuple[int, str]:
-    """A new temporary file in ``directory`` (``mkstemp``: ``O_EXCL``, mode 0600): ``(fd, path)``."""
-    return tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-
-
-def replace_with_text(path: str | os.PathLike, text: str) -> None:
-    """Write ``text`` to a new file beside ``path``, fsync it and rename it into place.
-
-    The rename replaces whatever ``path`` is (a symlink included) and writes nothing elsewhere.
-    """
-    path = Path(path)
-    fd, tmp = create_exclusive(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-
-
-def check_directory(path: str | os.PathLike, what: str) -> None:
-    """Refuse ``path`` if it exists and is not a directory of its own (a symlink to one included)."""
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(info.st_mode):
-        raise UnsafeFileError(
-            f"{what} {os.fspath(path)} is {_kind(info.st_mode)}, not a directory of the run: what is written "
-            "there would land elsewhere. Remove it and try again."
-        )
+    """:meth:`Dir.read_regular` of a file named by its path."""
+    d, name = open_parent(path)
+    with d:
+        return d.read_regular(name, what, limit=limit, follow=follow)
 
 
 def _address_space_left() -> int | None:
@@ -262,55 +421,10 @@ def check_affordable(nbytes: int, path: str | os.PathLike, what: str) -> None:
 
 
 # ------------------------------------------------------------------------- headed files
-def previous_path(path: Path) -> Path:
+def previous_name(name: str) -> str:
     """``checkpoint.pt`` -> ``checkpoint.prev.pt``, ``env_state.pkl`` -> ``env_state.prev.pkl``."""
-    return path.with_name(path.stem + ".prev" + path.suffix)
-
-
-def fsync_dir(directory: Path) -> None:
-    """fsync a directory (a rename in it is then on disk)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, header: bytes, data: bytes | memoryview, check: Callable[[Path], Any]) -> None:
-    """Write ``header + data`` to a temporary file, fsync, ``check`` it, keep the old ``path``
-    as its previous file and rename the new one into place. Nothing is left behind on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = create_exclusive(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(header)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        check(Path(tmp))  # what is on disk is what we meant to write
-        if is_regular(path):  # (a symlink or other odd entry is replaced, never kept or followed)
-            # Keep the current file as the previous one. A hard link leaves ``path`` in
-            # place, so at every moment there is a file under the usual name.
-            link = Path(tmp + ".prev")
-            try:
-                os.link(path, link, follow_symlinks=False)
-            except OSError:  # file systems without hard links
-                import shutil
-
-                shutil.copy2(path, link, follow_symlinks=False)
-            os.replace(link, previous_path(path))
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        for leftover in (tmp, tmp + ".prev"):
-            if os.path.exists(leftover):
-                os.unlink(leftover)
-        raise
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}.prev.{suffix}" if dot else f"{name}.prev"
 
 
 def header_fields(line: bytes, magic: bytes, shown: Path, what: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rl_replay.errors import SetupError
+from rl_replay.targets import OWN, Importer
 
 __all__ = ["agent_parameters", "rollout_bytes", "check_fits"]
 
@@ -27,7 +28,9 @@ _BYTES_PER_TRAINED_PARAMETER = 4 * 4
 _BYTES_PER_STEP = 64
 
 
-def agent_parameters(target: str, kwargs: dict[str, Any], observation_space, action_space) -> int | None:
+def agent_parameters(
+    target: str, kwargs: dict[str, Any], observation_space, action_space, importer: Importer = OWN
+) -> int | None:
     """The number of parameters the agent would have, counted on the ``meta`` device (no memory);
     None when the agent cannot be built there (it reads values in its constructor)."""
     from rl_replay.agent import build_agent
@@ -35,7 +38,7 @@ def agent_parameters(target: str, kwargs: dict[str, Any], observation_space, act
     try:
         # (fork_rng: a run's real agent is initialised from the same random numbers as without this)
         with torch.random.fork_rng(devices=[]), torch.device("meta"):
-            agent = build_agent(target, kwargs, observation_space, action_space)
+            agent = build_agent(target, kwargs, observation_space, action_space, importer)
     except SetupError:
         raise
     except Exception:  # an agent whose constructor needs real values: not estimated
@@ -61,12 +64,14 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / (1 << 30):.1f} GiB"
 
 
-def check_fits(cfg: Any, observation_space: gym.Space, action_space: gym.Space, *, train: bool = True) -> None:
+def check_fits(
+    cfg: Any, observation_space: gym.Space, action_space: gym.Space, *, train: bool = True, importer: Importer = OWN
+) -> None:
     """Refuse (one line, :class:`~rl_replay.errors.SetupError`) a config whose agent and, when
     ``train``, rollout need more memory than this process can have; builds nothing real."""
     from rl_replay.rundir.files import memory_left
 
-    params = agent_parameters(cfg.agent.target, cfg.agent.kwargs, observation_space, action_space)
+    params = agent_parameters(cfg.agent.target, cfg.agent.kwargs, observation_space, action_space, importer)
     agent = (params or 0) * (_BYTES_PER_TRAINED_PARAMETER if train else 4)
     rollout = rollout_bytes(cfg.env.num_envs, cfg.collector.num_steps, observation_space) if train else 0
     left = memory_left()

@@ -17,11 +17,11 @@ import torch
 
 from rl_replay.errors import CheckpointError
 from rl_replay.rundir import files
-from rl_replay.rundir.checkpoint import MAGIC, checkpoint_path, read_checkpoint_bytes, save_checkpoint
+from rl_replay.rundir.checkpoint import CHECKPOINT_NAME, MAGIC, read_checkpoint_bytes, save_checkpoint
 from rl_replay.rundir.config_file import read_run_config
 from rl_replay.rundir.env_state_file import env_binding, save_env_state
 
-__all__ = ["convert_legacy"]
+__all__ = ["convert_legacy", "convert_in"]
 
 
 def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> tuple[Path, Path | None]:
@@ -32,13 +32,22 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
     original kept as ``<name>.legacy``); the env pickles go to ``env_state.pkl``, signed with
     ``key``. A file that is already format 2 is left alone.
     """
-    path = Path(path)
-    if path.is_dir():
-        path = checkpoint_path(path)
-    if not path.exists():
+    where = Path(path)
+    if where.is_dir():
+        d, name = files.Dir.open(where), CHECKPOINT_NAME
+    else:
+        d, name = files.open_parent(where)
+    with d:
+        return convert_in(d, name, trust_file=trust_file, key=key)
+
+
+def convert_in(d: files.Dir, name: str, *, trust_file: bool, key: bytes) -> tuple[Path, Path | None]:
+    """:func:`convert_legacy` of the checkpoint ``name`` in the held directory ``d``."""
+    path = d.shown(name)
+    if not d.exists(name):
         raise FileNotFoundError(f"no checkpoint at {path}")
     try:
-        read_checkpoint_bytes(path)
+        read_checkpoint_bytes(d, name)
         return path, None  # already format 2
     except CheckpointError as exc:
         if "a pickle" not in str(exc):
@@ -48,7 +57,9 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
             f"converting {path} unpickles it, which runs any code it names: pass --trust "
             "if you trust where it came from."
         )
-    raw = path.read_bytes()
+    with d.open_regular(name, "checkpoint") as (f, size):
+        files.check_affordable(size, path, "checkpoint")
+        raw = f.read(size)
     if raw.startswith(MAGIC):
         line, _, data = raw.partition(b"\n")
         fields = files.header_fields(line, MAGIC + b"1 ", path, "checkpoint")
@@ -73,14 +84,14 @@ def convert_legacy(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> 
     pickles = [c.pop("envs", None) if isinstance(c, dict) else None for c in state.get("collector", [])]
     if any(p is not None for p in pickles):
         # Bound to the run as its config.yaml names it (a run of that age names no identity).
-        run_config = read_run_config(path.parent, trust_config=True, flag="--trust")
+        run_config = read_run_config(d, trust_config=True, flag="--trust")
         binding = env_binding(run_config.cfg.env, run_config.run_id)
-        state["env_state"] = save_env_state(pickles, path.parent, key, binding)
-    kept = path.with_name(path.name + ".legacy")
-    os.replace(path, kept)
+        state["env_state"] = save_env_state(pickles, d, key, binding)
+    kept = name + ".legacy"
+    d.replace(name, kept)
     try:
-        save_checkpoint(state, path)
+        save_checkpoint(state, d, name)
     except BaseException:
-        os.replace(kept, path)
+        d.replace(kept, name)
         raise
-    return path, kept
+    return path, d.shown(kept)

@@ -6,6 +6,7 @@ read as a stream, each line bounded, a line cut short by a kill skipped.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ __all__ = [
     "truncate_metrics",
     "unsent_wandb_id",
     "read_mark",
+    "rows_named",
     "is_count",
 ]
 
@@ -34,29 +36,48 @@ WANDB_MARK_NAME = "wandb_logged.json"
 MAX_ROW_BYTES = 1 << 20
 
 
-def iter_metrics(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (a run directory or the file), read as a stream.
-
-    A line that is not JSON (one cut short by a kill) is skipped. Raises
-    :class:`~rl_replay.errors.RunDirError` (one line) for a row that is JSON but not a metrics
-    row, and :class:`~rl_replay.rundir.files.UnsafeFileError` for a file that is not a regular file
-    or holds a line longer than a row can be.
-    """
-    for _, record in _rows(Path(path)):
-        yield record
-
-
-def _rows(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
-    """``(line, row)`` of each row of :func:`iter_metrics`."""
-    if path.is_dir():
-        path = path / METRICS_NAME
-    if not os.path.lexists(path):
+@contextlib.contextmanager
+def _at(where: files.Dir | str | os.PathLike) -> Iterator[tuple[files.Dir, str]]:
+    """``(directory, name)`` of a metrics file: a held run directory, a run directory's path, or
+    the path of the file itself."""
+    if isinstance(where, files.Dir):
+        yield where, METRICS_NAME
         return
-    for number, line in files.iter_lines(path, "metrics file", max_line=MAX_ROW_BYTES):
+    path = Path(where)
+    if path.is_dir():
+        with files.Dir.open(path) as d:
+            yield d, METRICS_NAME
+    else:
+        d, name = files.open_parent(path)
+        with d:
+            yield d, name
+
+
+def iter_metrics(where: files.Dir | str | os.PathLike, notes: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl`` (a run directory, held or by path, or the file), read as a stream.
+
+    A line that is not JSON (the last one cut short by a kill) is skipped; ``notes`` gets one line
+    saying so. Raises :class:`~rl_replay.errors.RunDirError` (one line) for a row that is JSON but
+    not a metrics row, and :class:`~rl_replay.rundir.files.UnsafeFileError` for a file that is not
+    a regular file (a link included) or holds a line longer than a row can be.
+    """
+    with _at(where) as (d, name):
+        for _, record in _rows(d, name, notes):
+            yield record
+
+
+def _rows(d: files.Dir, name: str, notes: list[str] | None = None) -> Iterator[tuple[bytes, dict[str, Any]]]:
+    """``(line, row)`` of each row of :func:`iter_metrics`."""
+    if not d.exists(name):
+        return
+    path = d.shown(name)
+    for number, line in d.iter_lines(name, "metrics file", max_line=MAX_ROW_BYTES):
         try:
             record = json.loads(line)
         except (ValueError, RecursionError):
-            continue  # a line cut short by a kill
+            if notes is not None:
+                notes.append(f"note: {path} line {number} is not a whole row (cut short by a kill?); skipped.")
+            continue
         if not (isinstance(record, dict) and is_count(record.get("update")) and is_count(record.get("env_steps", 0))):
             raise RunDirError(
                 f"metrics file {path} line {number} is not a metrics row (a JSON object with an integer 'update' and "
@@ -65,55 +86,62 @@ def _rows(path: Path) -> Iterator[tuple[bytes, dict[str, Any]]]:
         yield line, record
 
 
+def rows_named(d: files.Dir, name: str, notes: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """The rows of the metrics file ``name`` in the held directory ``d`` (see :func:`iter_metrics`)."""
+    for _, record in _rows(d, name, notes):
+        yield record
+
+
 def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The rows of a ``metrics.jsonl`` (a run directory or the file): :func:`iter_metrics` as a list."""
-    return list(iter_metrics(path))
+def read_metrics(where: files.Dir | str | os.PathLike, notes: list[str] | None = None) -> list[dict[str, Any]]:
+    """The rows of a ``metrics.jsonl``: :func:`iter_metrics` as a list."""
+    return list(iter_metrics(where, notes))
 
 
-def read_mark(run_dir: str | os.PathLike) -> dict[str, Any]:
+def read_mark(where: files.Dir | str | os.PathLike) -> dict[str, Any]:
     """The wandb mark of a run (``{"update", "wandb_id"}``), or ``{}`` if it has none that reads."""
     try:
-        mark = json.loads(files.read_regular(Path(run_dir) / WANDB_MARK_NAME, "wandb mark", limit=4096))
+        with files.held(where) as d:
+            mark = json.loads(d.read_regular(WANDB_MARK_NAME, "wandb mark", limit=4096))
     except (OSError, ValueError, RecursionError):
         return {}
     return mark if isinstance(mark, dict) else {}
 
 
-def unsent_wandb_id(run_dir: str | os.PathLike) -> str | None:
-    """The wandb id of a run in ``run_dir`` that never sent a row (None if there is none).
+def unsent_wandb_id(d: files.Dir | str | os.PathLike) -> str | None:
+    """The wandb id of the run in ``d`` that never sent a row (None if there is none).
 
     A run restarted from update 0 (stopped before its first checkpoint) continues that
     wandb run instead of leaving an empty one beside a new one.
     """
-    mark = read_mark(run_dir)
+    mark = read_mark(d)
     wandb_id = mark.get("wandb_id")
     ok = isinstance(wandb_id, str) and wandb_id.isalnum() and len(wandb_id) <= 64
     return wandb_id if ok and mark.get("update") == 0 else None
 
 
-def truncate_metrics(path: str | os.PathLike, last_update: int) -> None:
+def truncate_metrics(where: files.Dir | str | os.PathLike, last_update: int) -> None:
     """Drop lines logged after ``last_update`` (written by a run killed after its checkpoint).
 
+    ``where`` is a held run directory, or the path of a run directory or of its metrics file.
     The kept rows go to a new file that replaces the old one (a symlink in its place is
     replaced, not written through).
     """
-    path = Path(path)
-    if not os.path.lexists(path):
-        return
-    fd, tmp = files.create_exclusive(path.parent, path.name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            for line, record in _rows(path):
-                if record["update"] <= last_update:
-                    out.write(line.decode("utf-8", errors="replace") + "\n")
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
+    with _at(where) as (d, name):
+        if not d.exists(name):
+            return
+        fd, tmp = d.create_exclusive(name)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                for line, record in _rows(d, name):
+                    if record["update"] <= last_update:
+                        out.write(line.decode("utf-8", errors="replace") + "\n")
+                out.flush()
+                os.fsync(out.fileno())
+            d.replace(tmp, name)
+        except BaseException:
+            d.unlink(tmp, missing_ok=True)
+            raise

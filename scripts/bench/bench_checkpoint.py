@@ -36,6 +36,7 @@ def main() -> int:
     from rl_replay.config import load_config
     from rl_replay.run.setup import build
     from rl_replay.run.trainer_state import load_trainer, read_trainer_state, save_trainer
+    from rl_replay.rundir.door import RunDirectory
     from rl_replay.rundir.env_state_file import run_binding
 
     torch.set_num_threads(1)
@@ -72,7 +73,8 @@ def main() -> int:
             }
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                state, _, _ = read_trainer_state(run_dir, trainer.info, run_binding(run_dir))
+                with RunDirectory.open(run_dir) as run:
+                    state, _, _ = read_trainer_state(run, trainer.info, run_binding(run.dir))
                 load_trainer(trainer.algorithm, state, trainer.info, trainer.device, run_dir)
                 loads.append(time.perf_counter() - start)
         finally:

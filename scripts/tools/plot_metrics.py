@@ -42,9 +42,17 @@ def read_rows(run_dir: Path, source: str) -> list[dict]:
         from rl_replay.run.wandb_files import training_rows
 
         return training_rows(run_dir)
-    from rl_replay.run.logger import read_metrics
+    from rl_replay.errors import one_line
+    from rl_replay.rundir.door import read_run_metrics
 
-    return read_metrics(run_dir)
+    notes: list[str] = []
+    try:
+        rows = read_run_metrics(run_dir, notes)  # through the door: no link followed, lines bounded
+    except FileNotFoundError:
+        return []  # (said as "no rows in RUN_DIR/metrics.jsonl")
+    for note in notes:
+        print(one_line(note), file=sys.stderr)
+    return rows
 
 
 def _cell(value) -> str:
@@ -58,7 +66,10 @@ def _cell(value) -> str:
 def table(rows: list[dict], keys: list[str], every: int) -> str:
     """``keys`` of every ``every``-th row (and the last) as aligned text columns."""
     shown = [r for i, r in enumerate(rows, 1) if i % every == 0 or i == len(rows)]
-    cells = [keys] + [[_cell(r.get(k)) for k in keys] for r in shown]
+    from rl_replay.errors import one_line
+
+    # (keys come from the run's file: a control character there would drive the terminal)
+    cells = [[one_line(k) for k in keys]] + [[one_line(_cell(r.get(k))) for k in keys] for r in shown]
     widths = [max(len(row[i]) for row in cells) for i in range(len(keys))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells)
 
@@ -127,11 +138,17 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    from rl_replay.errors import SetupError, one_line
+
     run_dir = Path(args.run_dir)
-    rows = read_rows(run_dir, args.source)
+    try:
+        rows = read_rows(run_dir, args.source)
+    except (SetupError, FileNotFoundError) as exc:
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
     if not rows:
         where = run_dir / ("wandb/offline-run-*" if args.source == "wandb" else "metrics.jsonl")
-        print(f"error: no rows in {where}", file=sys.stderr)
+        print(f"error: no rows in {one_line(str(where))}", file=sys.stderr)
         return 2
     source = "the offline wandb run" if args.source == "wandb" else "metrics.jsonl"
     if args.out is not None:
@@ -143,14 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [k for k in keys if k not in present]
     if unknown:
         print(
-            f"error: no row of {source} has {', '.join(unknown)}; its keys: {', '.join(sorted(present))}",
+            one_line(f"error: no row of {source} has {', '.join(unknown)}; its keys: {', '.join(sorted(present))}"),
             file=sys.stderr,
         )
         return 2
     from rl_replay.run.logger import summarize
 
     every = args.every or max(1, math.ceil(len(rows) / TABLE_ROWS))
-    print(f"{run_dir}: {len(rows)} rows from {source}")
+    print(one_line(f"{run_dir}: {len(rows)} rows from {source}"))
     print(table(rows, keys, every))
     clean = [{k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in r.items()} for r in rows]
     for key, value in summarize(clean).items():

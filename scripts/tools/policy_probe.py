@@ -35,18 +35,15 @@ def probe(run_dir: Path, episodes: int, lags: list[int], seed: int, trust_config
     """The statistics listed in the module's docstring, as a dict (see ``main`` for the printout)."""
     import gymnasium as gym
 
-    from rl_replay.agent import build_agent
     from rl_replay.errors import SetupError
     from rl_replay.rollout.environment import envs_from_config
-    from rl_replay.run.trainer_state import load_agent_weights
-    from rl_replay.rundir.checkpoint import load_checkpoint, require
-    from rl_replay.rundir.config_file import imports_of, read_run_config
+    from rl_replay.rundir.door import RunDirectory, Trust
     from rl_replay.spaces import obs_converter
 
-    run_config = read_run_config(run_dir, trust_config=trust_config, flag="--trust-config")
-    cfg = run_config.cfg
-    with imports_of(run_config):
-        envs = envs_from_config(cfg.env, episodes)
+    with RunDirectory.open(run_dir, trust=Trust(config=trust_config)) as run:
+        run_config = run.config()  # a foreign config's targets are checked here
+        cfg = run_config.cfg
+        envs = envs_from_config(cfg.env, episodes, importer=run.importer(run_config))
         try:
             space, actions = envs.single_observation_space, envs.single_action_space
             if not (isinstance(space, gym.spaces.Dict) and {"obs", "prev_action"} <= set(space.spaces)):
@@ -56,10 +53,7 @@ def probe(run_dir: Path, episodes: int, lags: list[int], seed: int, trust_config
                 )
             if not isinstance(actions, gym.spaces.Discrete):
                 raise SetupError(f"{run_dir}'s action space is {actions}; the probe needs a Discrete one")
-            state_dict = load_checkpoint(run_dir)
-            require(state_dict, run_dir / "checkpoint.pt", ("agent",), "the policy probe")
-            agent = build_agent(cfg.agent.target, cfg.agent.kwargs, space, actions)
-            load_agent_weights(agent, state_dict["agent"], run_dir / "checkpoint.pt")
+            agent = run.agent(run_config, run.checkpoint("the policy probe"))
             agent.eval()
             return _play(agent, envs, obs_converter(space), int(actions.n), lags, seed, cfg.collector.num_steps)
         finally:
@@ -139,17 +133,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--episodes must be >= 1, got {args.episodes}")
     if any(lag < 0 for lag in args.lags):
         parser.error(f"--lags must be >= 0, got {args.lags}")
-    if not (args.run_dir / "config.yaml").is_file() or not (args.run_dir / "checkpoint.pt").is_file():
-        parser.error(f"{args.run_dir} is not a run directory with a checkpoint (config.yaml, checkpoint.pt)")
     import torch
 
     torch.set_num_threads(1)
-    from rl_replay.errors import SetupError
+    from rl_replay.errors import SetupError, one_line
 
     try:
         r = probe(args.run_dir, args.episodes, args.lags, args.seed, args.trust_config)
     except (SetupError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
     print(f"{r['steps']} steps of {args.episodes} episodes, sampled actions; entropy {r['entropy']:.3f}")
     print("action histogram: " + " ".join(f"{p:.3f}" for p in r["histogram"]))

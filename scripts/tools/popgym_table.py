@@ -104,10 +104,24 @@ PER_RUN = ("seed", "run_dir", "total_env_steps", "torch_threads", "log.", "check
 
 
 def run_config(run: Path):
-    """The run's config, read from its config.yaml as data (nothing imported)."""
-    from rl_replay.config import loads_config
+    """The run's config, read through the run directory's door as data (nothing imported)."""
+    from rl_replay.rundir.door import RunDirectory
 
-    return loads_config((run / "config.yaml").read_bytes(), source=str(run / "config.yaml"))
+    with RunDirectory.open(run) as opened:
+        return opened.config(build=False).cfg
+
+
+def run_metrics(run: Path) -> list[dict]:
+    """The run's metrics rows through the door (no link followed, lines bounded); a cut last
+    line is skipped with a note on stderr."""
+    from rl_replay.errors import one_line
+    from rl_replay.rundir.door import read_run_metrics
+
+    notes: list[str] = []
+    records = read_run_metrics(run, notes)
+    for note in notes:
+        print(one_line(note), file=sys.stderr)
+    return records
 
 
 def env_id(run: Path) -> str:
@@ -209,7 +223,7 @@ def table(
     ``earlier`` (env rows of tables this tool wrote) join for the envs none of ``runs`` is of."""
     by_env: dict[str, list[dict]] = defaultdict(list)
     for run in runs:
-        records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        records = run_metrics(run)
         row = {
             "run": str(run),
             "mmer": mmer(records, report_every),
@@ -358,14 +372,21 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or leave --plot out)")
-    check_one_recipe_per_env(args.runs)  # before anything is evaluated
-    earlier = [e for path in args.earlier for e in read_earlier(path, args.report_every)]
-    seen = [e["env"] for e in earlier]
-    if len(set(seen)) != len(seen):
-        twice = sorted({env for env in seen if seen.count(env) > 1})
-        parser.error(f"--with files hold rows of {', '.join(twice)} more than once: pass one table per env")
-    result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every, earlier)
-    print(markdown(result))
+    from rl_replay.errors import SetupError, one_line
+
+    try:
+        check_one_recipe_per_env(args.runs)  # before anything is evaluated
+        earlier = [e for path in args.earlier for e in read_earlier(path, args.report_every)]
+        seen = [e["env"] for e in earlier]
+        if len(set(seen)) != len(seen):
+            twice = sorted({env for env in seen if seen.count(env) > 1})
+            parser.error(f"--with files hold rows of {', '.join(twice)} more than once: pass one table per env")
+        result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every, earlier)
+    except (SetupError, FileNotFoundError) as exc:  # a run refused at its door: one line
+        print(f"error: {one_line(str(exc))}", file=sys.stderr)
+        return 2
+    # What a run directory holds (env ids, paths) is shown, never obeyed: control characters escaped.
+    print("\n".join(one_line(line) for line in markdown(result).splitlines()))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:

@@ -20,7 +20,6 @@ windowed curves of all runs on one axis, with the threshold (needs ``pip install
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -28,13 +27,19 @@ from pathlib import Path
 
 
 def load(path: str | Path) -> list[dict]:
-    """The records of a run directory's ``metrics.jsonl`` (or of that file itself)."""
-    path = Path(path)
-    if path.is_dir():
-        path = path / "metrics.jsonl"
-    if not path.exists():
-        raise SystemExit(f"summarize_curve: {path} does not exist; pass a run directory or a metrics.jsonl.")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a run directory's ``metrics.jsonl`` (or of that file itself), read as a run
+    from someone else is (no link followed, lines bounded); a cut last line is skipped with a note."""
+    from rl_replay.errors import SetupError, one_line
+    from rl_replay.rundir.door import read_run_metrics
+
+    notes: list[str] = []
+    try:
+        records = read_run_metrics(path, notes)
+    except (SetupError, FileNotFoundError) as exc:
+        raise SystemExit(f"summarize_curve: {one_line(str(exc))}") from None
+    for note in notes:
+        print(one_line(note), file=sys.stderr)
+    return records
 
 
 def summarize(
@@ -127,6 +132,8 @@ def main(argv=None) -> int:
         help="leave the threshold out of the --plot figure (a metric with no target, e.g. horizon/grad_first_obs)",
     )
     args = parser.parse_args(argv)
+    from rl_replay.errors import one_line
+
     if args.window < 1:
         parser.error("--window must be >= 1")
     print(
@@ -140,7 +147,7 @@ def main(argv=None) -> int:
         reached.append(s["steps_to_threshold"] or math.inf)
         fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
         print(
-            f"| {run} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
+            f"| {one_line(run)} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
             f"{'n/a' if s['seconds_to_threshold'] is None else format(s['seconds_to_threshold'] / 60, '.1f') + ' min'} | "
             f"{fmt(s['final'], '.3f')} | {s['env_steps']:,} | {fmt(s['steps_per_sec'], '.0f')} | "
             f"{fmt(s['peak_rss_mib'], '.0f')} |"

@@ -192,10 +192,10 @@ def test_a_failed_write_keeps_the_old_checkpoint_and_leaves_no_temporary(tmp_pat
     before = path.read_bytes()
     real_replace = os.replace
 
-    def replace(src, dst):
-        if os.fspath(dst) == os.fspath(path):
+    def replace(src, dst, **dir_fds):
+        if os.fspath(dst) == path.name:
             raise OSError("disk full")  # the rename of the new file fails
-        real_replace(src, dst)
+        real_replace(src, dst, **dir_fds)
 
     monkeypatch.setattr(files_module.os, "replace", replace)
     with pytest.raises(OSError, match="disk full"):

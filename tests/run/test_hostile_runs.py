@@ -386,7 +386,8 @@ def test_non_finite_weights_refuse_a_warm_start(run, tmp_path, capsys):
     write_format2(state, checkpoint_path(victim))
     assert warm_start(victim, tmp_path / "warm") == 2
     assert re.fullmatch(
-        rf"error: init_from='.*': its agent weights {re.escape(name)} are not finite .*", error_line(capsys)
+        rf"error: init_from='.*': checkpoint .* holds non-finite agent weights \({re.escape(name)}\): a diverged run.*",
+        error_line(capsys),
     )
     assert not (tmp_path / "warm").exists()
 

@@ -62,13 +62,14 @@ def holder(tmp_path):
 # ------------------------------------------------------------------ claim_fresh
 def test_claim_fresh_creates_the_directory_and_locks_it(tmp_path):
     run_dir = tmp_path / "a" / "b" / "run"
-    lock = claim_fresh(run_dir)
+    held, lock = claim_fresh(run_dir)
     try:
-        assert run_dir.is_dir() and lock.held and lock.path == run_dir / LOCK_NAME
+        assert held.path == run_dir and run_dir.is_dir() and lock.held and lock.path == run_dir / LOCK_NAME
         assert (run_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
         assert os.listdir(run_dir) == [LOCK_NAME]
     finally:
         lock.release()
+        held.close()
 
 
 def test_claim_fresh_accepts_an_empty_directory_and_one_holding_only_a_stale_lock(tmp_path):
@@ -77,9 +78,10 @@ def test_claim_fresh_accepts_an_empty_directory_and_one_holding_only_a_stale_loc
     stale.mkdir()
     (stale / LOCK_NAME).write_text("12345\n")  # left by a killed run
     for run_dir in (empty, stale):
-        lock = claim_fresh(run_dir)
+        held, lock = claim_fresh(run_dir)
         assert lock.held and (run_dir / LOCK_NAME).read_text() == f"{os.getpid()}\n"
         lock.release()
+        held.close()
 
 
 def test_claim_fresh_refuses_a_directory_holding_files_naming_both_ways_out(tmp_path):
@@ -167,12 +169,13 @@ def test_claim_default_suffixes_a_taken_name(tmp_path):
     (tmp_path / "runs" / "env-1").mkdir(parents=True)  # taken, e.g. by a run started this second
     claimed = [claim_default(tmp_path / "runs", "env-1") for _ in range(2)]
     try:
-        assert [d.name for d, _ in claimed] == ["env-1-2", "env-1-3"]
-        assert all(lock.held and lock.run_dir == d for d, lock in claimed)
+        assert [d.path.name for d, _ in claimed] == ["env-1-2", "env-1-3"]
+        assert all(lock.held and lock.run_dir == d.path for d, lock in claimed)
         assert os.listdir(tmp_path / "runs" / "env-1") == []  # the taken one is left alone
     finally:
-        for _, lock in claimed:
+        for d, lock in claimed:
             lock.release()
+            d.close()
 
 
 # ------------------------------------------------------------------ the lock

@@ -33,6 +33,7 @@ from rl_replay.run.setup import build
 from rl_replay.rundir import env_state_file, safe_tree, trust
 from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.rundir.env_state_file import ENV_STATE_NAME, read_env_state, run_binding
+from rl_replay.rundir.files import Dir
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
@@ -278,7 +279,9 @@ def test_env_state_is_found_by_the_checksum_its_checkpoint_names(run, tmp_path):
     (victim / ENV_STATE_NAME).rename(victim / "env_state.prev.pkl")
     from rl_replay.rundir.env_state_file import save_env_state
 
-    save_env_state([b"not the checkpoint's"], tmp_path / "elsewhere", key, run_binding(victim))
+    (tmp_path / "elsewhere").mkdir()
+    with Dir.open(tmp_path / "elsewhere") as elsewhere:
+        save_env_state([b"not the checkpoint's"], elsewhere, key, run_binding(victim))
     (tmp_path / "elsewhere" / ENV_STATE_NAME).rename(victim / ENV_STATE_NAME)
     found = read_env_state(victim, digest, key, run_binding(victim))
     assert found.pickles is not None and found.note is None

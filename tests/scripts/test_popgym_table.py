@@ -162,7 +162,7 @@ def _fake_run(tmp_path, name, config, seed, score):
     d.mkdir()
     save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
     d.joinpath("metrics.jsonl").write_text(
-        json.dumps({"env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
+        json.dumps({"update": 1, "env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
     )
     return d
 
