@@ -115,6 +115,11 @@ class Dir:
                     f"links. Give the directory itself ({os.path.realpath(path)})."
                 ) from None
             if exc.errno == errno.ENOTDIR:
+                if not follow and os.path.islink(path):  # (O_DIRECTORY meets the link before O_NOFOLLOW)
+                    raise UnsafeFileError(
+                        f"{what} {os.fspath(path)} is a symbolic link: a run directory is opened without "
+                        f"following links. Give the directory itself ({os.path.realpath(path)})."
+                    ) from None
                 raise UnsafeFileError(f"{what} {os.fspath(path)} is not a directory.") from None
             raise
         return cls(fd, path)

@@ -395,3 +395,127 @@ def test_a_config_accepted_is_a_config_that_writes_back_readable(tmp_path):
     path = tmp_path / "checkpoint.pt"
     save_checkpoint({"agent": {}, "config": config_to_dict(deepest)}, path)  # as a trainer's checkpoint nests it
     assert load_checkpoint(path)["config"]["env"]["kwargs"] == config_to_dict(deepest)["env"]["kwargs"]
+
+
+# ------------------------------------------------------------ a run directory held by its descriptor
+def test_a_directory_swapped_for_a_link_mid_resume_writes_nothing_into_the_other_run(run, tmp_path):
+    from rl_replay.run.setup import build
+
+    victim, other = copy_run(run, tmp_path / "victim"), copy_run(run, tmp_path / "other")
+    before = files_of(other)
+    trainer = build(resume=victim, overrides=("total_env_steps=48",))
+    try:
+        victim.rename(tmp_path / "opened")  # the directory the resume opened, under another name now
+        victim.symlink_to(other)  # and the path it was given points into another run
+        trainer.train()
+    finally:
+        trainer.close()
+    assert files_of(other) == before
+    assert load_checkpoint(tmp_path / "opened")["update"] == 3  # the checkpoint went where the run is
+
+
+def test_a_run_directory_that_is_a_link_is_refused_in_one_line(run, tmp_path, capsys):
+    link = tmp_path / "link"
+    link.symlink_to(run)
+    assert evaluate_main([str(link), "--episodes", "1"]) == 2
+    assert "is a symbolic link" in error_line(capsys)
+    assert resume(link) == 2
+    assert "is a symbolic link" in error_line(capsys)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_stale_temporary_that_is_not_a_file_is_refused_by_name(run, tmp_path, capsys, kind):
+    victim = copy_run(run, tmp_path / "victim")
+    odd = victim / ".checkpoint.pt.abc123.tmp"
+    odd.mkdir() if kind == "directory" else os.mkfifo(odd)
+    before = files_of(victim)
+    assert resume(victim, "total_env_steps=48") == 2
+    line = error_line(capsys)
+    assert ".checkpoint.pt.abc123.tmp has the name of a temporary file" in line and "remove it" in line, line
+    assert files_of(victim) == before and odd.exists()
+
+
+# --------------------------------------------------------------------- every quoted value shortened
+def test_a_resume_refusal_quotes_a_huge_value_shortened(run, tmp_path, capsys):
+    victim = copy_run(run, tmp_path / "victim")
+    assert resume(victim, "agent.kwargs={hidden_sizes: [16], note: '" + "A" * 600_000 + "'}") == 2
+    line = error_line(capsys)
+    assert "its checkpoint was written with" in line and len(line) < 2000, len(line)
+
+
+# -------------------------------------------------------------------------- tools through the door
+def _tool(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args], capture_output=True, text=True, timeout=300
+    )
+
+
+def test_the_tools_skip_a_cut_last_metrics_line_with_a_note(run, tmp_path):
+    victim = copy_run(run, tmp_path / "victim")
+    with open(victim / "metrics.jsonl", "ab") as f:
+        f.write(b'{"update": 3, "env_st')  # a row cut short by a kill
+    for script, extra in (
+        ("tools/summarize_curve.py", ["--key", "rollout/return_mean"]),
+        ("tools/plot_metrics.py", []),
+    ):
+        done = _tool(script, str(victim), *extra)
+        assert done.returncode == 0, done.stderr
+        assert "line 3 is not a whole row" in done.stderr and "skipped" in done.stderr, (script, done.stderr)
+
+
+@pytest.mark.parametrize("script", ["tools/summarize_curve.py", "tools/plot_metrics.py"])
+def test_the_tools_follow_no_link_and_check_sizes_before_reading(run, tmp_path, script):
+    secret = tmp_path / "private.jsonl"
+    secret.write_text('{"update": 1, "env_steps": 1, "rollout/return_mean": 42}\n')
+    linked = copy_run(run, tmp_path / "linked")
+    (linked / "metrics.jsonl").unlink()
+    (linked / "metrics.jsonl").symlink_to(secret)
+    done = _tool(script, str(linked))
+    assert done.returncode != 0 and "is a symbolic link" in done.stderr and "42" not in done.stdout, done
+    huge = copy_run(run, tmp_path / "huge")
+    with open(huge / "metrics.jsonl", "wb") as f:  # one endless line (a sparse hole reads as zeros)
+        f.truncate(1 << 31)
+    done = _tool(script, str(huge))
+    assert done.returncode != 0 and "is longer than" in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+
+
+def test_popgym_table_escapes_what_a_run_says(tmp_path):
+    from rl_replay.config import load_config, save_config
+
+    d = tmp_path / "run"
+    d.mkdir()
+    save_config(load_config(REPO / "configs" / "popgym" / "higher_lower_easy.yaml"), d / "config.yaml")
+    text = (d / "config.yaml").read_text()  # an env id that drives the terminal (YAML's escapes)
+    (d / "config.yaml").write_text(re.sub(r"(?m)^  id: .*$", lambda _: '  id: "popgym-Evil\\e]0;owned\\a-v0"', text))
+    (d / "metrics.jsonl").write_text(
+        json.dumps({"update": 1, "env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": 0.5}) + "\n"
+    )
+    done = _tool("tools/popgym_table.py", str(d))
+    assert "\x1b" not in done.stdout + done.stderr and "\x07" not in done.stdout + done.stderr, done
+    assert "Evil\\x1b]0;owned\\x07" in done.stdout + done.stderr, done
+
+
+def test_non_finite_weights_are_one_line_for_the_tools_that_load_an_agent(tmp_path):
+    run_dir = tmp_path / "cue"
+    code = train_main(
+        [
+            "env.id=rl_replay/MemoryCue-v0",
+            "env.kwargs={delay: 4}",
+            "agent.target=gru",
+            "agent.kwargs={hidden_size: 8}",
+            "env.num_envs=2",
+            "collector.num_steps=8",
+            "total_env_steps=16",
+            "log.progress=false",
+            f"run_dir={run_dir}",
+        ]
+    )
+    assert code == 0
+    state = load_checkpoint(run_dir)
+    name = next(iter(state["agent"]))
+    state["agent"][name] = torch.full_like(state["agent"][name], float("nan"))
+    write_format2(state, checkpoint_path(run_dir))
+    done = _tool("grad_horizon.py", "--run", str(run_dir), "--delays", "4")
+    assert done.returncode != 0 and "non-finite agent weights" in done.stderr, done.stderr[-2000:]
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
