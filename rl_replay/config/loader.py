@@ -76,6 +76,8 @@ MAX_THREADS = 1024
 MAX_ENVS = 1 << 16
 MAX_STEPS = 1 << 24  # per rollout; episode mode stops there too
 MAX_COUNT = 1 << 62  # env steps, seeds, episode lengths: what an int64 counter holds
+MAX_PASSES = 10_000  # PPO epochs over one rollout
+MAX_EPISODES = 1_000_000  # evaluation episodes
 
 #: How deeply a config's free-form values (``agent.kwargs``, ``env.kwargs``, wrapper kwargs) may
 #: nest. A checkpoint stores the config inside its own tree, which nests a few levels more and is
@@ -98,8 +100,8 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "loss.entropy_coef": (0, True, None, False),
     "loss.entropy_coef_final": (0, True, None, False),
     "loss.entropy_decay_env_steps": (1, True, None, False),
-    "ppo.epochs": (1, True, None, False),
-    "ppo.num_minibatches": (1, True, None, False),
+    "ppo.epochs": (1, True, MAX_PASSES, True),
+    "ppo.num_minibatches": (1, True, MAX_STEPS, True),
     "ppo.clip_coef": (0, False, None, False),
     "ppo.target_kl": (0, False, None, False),
     "optim.lr": (0, False, None, False),
@@ -108,7 +110,7 @@ _RANGES: dict[str, tuple[float | None, bool, float | None, bool]] = {
     "log.log_every": (1, True, None, False),
     "log.horizon_every": (0, True, None, False),
     "checkpoint.every": (0, True, None, False),
-    "eval.episodes": (1, True, None, False),
+    "eval.episodes": (1, True, MAX_EPISODES, True),
     "eval.every": (0, True, None, False),
     "distributed.min_num_params": (1, True, None, False),
 }

@@ -130,3 +130,112 @@ def test_mutated_run_files_never_give_a_traceback_a_write_outside_or_unbounded_m
         else:
             os.environ["WANDB_MODE"] = wandb_mode
         shutil.rmtree(home, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------- hostile config values
+#: Real keys of a run's config.yaml, and values an attacker would try in them.
+KEYS = (
+    "seed",
+    "torch_threads",
+    "env.num_envs",
+    "env.max_episode_steps",
+    "env.kwargs",
+    "env.wrappers",
+    "env.observation_keys",
+    "collector.num_steps",
+    "collector.bptt_truncate",
+    "agent.kwargs",
+    "agent.kwargs.hidden_sizes",
+    "optim.lr",
+    "optim.max_grad_norm",
+    "loss.gamma",
+    "ppo.epochs",
+    "replay.block_steps",
+    "eval.episodes",
+    "log.log_every",
+)
+
+
+def _nested(depth: int):
+    value: object = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE = st.one_of(
+    st.integers(-(2**70), -1),
+    st.just(0),
+    st.integers(10**9, 2**70),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300, -1e-300]),
+    st.text(max_size=20),
+    st.lists(st.integers(-(2**40), 2**40), max_size=4),
+    st.dictionaries(st.text(max_size=8), st.integers(-5, 5), max_size=3),
+    st.integers(10, 200).map(_nested),
+    st.none(),
+    st.booleans(),
+)
+
+
+def _set(data: dict, dotted: str, value: object) -> None:
+    *head, last = dotted.split(".")
+    for part in head:
+        if not isinstance(data.get(part), dict):
+            data[part] = {}
+        data = data[part]
+    data[last] = value
+
+
+@settings(
+    max_examples=int(os.environ.get("RL_REPLAY_FUZZ_EXAMPLES", "30")),
+    deadline=timedelta(seconds=120),
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(key=st.sampled_from(KEYS), value=HOSTILE)
+def test_hostile_config_values_give_exit_0_or_one_line_and_change_nothing_outside(run, key, value):
+    import yaml
+
+    home = Path(tempfile.mkdtemp(prefix="fuzz_cfg_"))
+    cwd, wandb_mode = os.getcwd(), os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "disabled"
+    try:
+        victim = copy_run(run, home / "victim")
+        data = yaml.safe_load((victim / "config.yaml").read_text().partition("\n")[2])
+        _set(data, key, value)
+        (victim / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))  # a foreign config now
+        (home / "keep.txt").write_text("the user's file")
+        os.chdir(home)
+        commands = {
+            "evaluate": lambda: evaluate_main([str(victim), "--episodes", "1", "--num-envs", "1"]),
+            "init_from": lambda: train_main(
+                [*TINY, f"total_env_steps={BATCH}", f"init_from={victim}", f"run_dir={home / 'warm'}"]
+            ),
+            # (the budget pinned: a resume that is accepted trains one update, not for ever)
+            "resume": lambda: train_main(["--resume", str(victim), f"total_env_steps={3 * BATCH}"]),
+        }
+        for what, command in commands.items():
+            before = files_of(victim)
+            out, err = io.StringIO(), io.StringIO()
+            with (
+                address_space_limit(),
+                warnings.catch_warnings(),
+                contextlib.redirect_stdout(out),
+                contextlib.redirect_stderr(err),
+            ):
+                warnings.simplefilter("ignore")
+                code = command()
+            check(code, err.getvalue(), f"{what} with {key}={value!r:.80}")
+            if what == "resume" and code:
+                assert files_of(victim) == before, (key, value)  # a refused resume changes nothing
+        assert sorted(p.name for p in home.iterdir()) in (["keep.txt", "victim"], ["keep.txt", "victim", "warm"])
+        assert (home / "keep.txt").read_text() == "the user's file"
+        assert all(not p.is_symlink() for p in home.rglob("*"))
+    finally:
+        os.chdir(cwd)
+        if wandb_mode is None:
+            del os.environ["WANDB_MODE"]
+        else:
+            os.environ["WANDB_MODE"] = wandb_mode
+        shutil.rmtree(home, ignore_errors=True)
