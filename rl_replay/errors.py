@@ -24,6 +24,7 @@ __all__ = [
     "CheckpointError",
     "NonFiniteError",
     "RunWriteError",
+    "EnvStepError",
     "TrainingInterrupted",
     "one_line",
     "shown",
@@ -88,6 +89,14 @@ class NonFiniteError(RuntimeError):
     """Training produced (or an environment returned) NaN or infinity; the message is one line.
 
     Raised by the guards of :mod:`rl_replay.guards` and by the collector.
+    """
+
+
+class EnvStepError(RuntimeError):
+    """An environment or one of its wrappers raised while it was stepped; the message is one line
+    naming the env and the innermost wrapper the exception passed through.
+
+    Raised by the collector and by evaluation (:func:`rl_replay.rollout.environment.step_envs`).
     """
 
 

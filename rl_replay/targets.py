@@ -110,7 +110,7 @@ def parse_target(text: Any, what: str) -> tuple[str, str]:
     ``what`` names the config key in the error, e.g. ``"env.wrappers[0].target"``.
     """
     if not isinstance(text, str):
-        raise SetupError(f"{what} {text!r} must be a string {_FORM}.")
+        raise SetupError(f"{what} {shown(text)} must be a string {_FORM}.")
     if ":" in text:
         module, _, name = text.partition(":")
     else:

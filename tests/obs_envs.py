@@ -115,3 +115,18 @@ for _name, _cls in (
 ):
     if f"test/{_name}-v0" not in gym.registry:
         gym.register(id=f"test/{_name}-v0", entry_point=f"obs_envs:{_cls}")
+
+
+class FailsLater(gym.Wrapper):
+    """Raises on the ``after``-th step it is given (counted across episodes): a wrapper whose fault
+    shows only mid-episode, after a probe step has passed."""
+
+    def __init__(self, env: gym.Env, after: int = 10):
+        super().__init__(env)
+        self.after, self.steps = after, 0
+
+    def step(self, action):
+        self.steps += 1
+        if self.steps >= self.after:
+            raise ZeroDivisionError("a reward scale of 0")
+        return self.env.step(action)

@@ -24,6 +24,7 @@ from rl_replay.agent import Policy
 from rl_replay.errors import NonFiniteError
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
+from rl_replay.rollout.environment import step_envs
 from rl_replay.rollout.episodes import EpisodeTracker, env_action
 from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
 from rl_replay.spaces import obs_converter
@@ -182,7 +183,9 @@ class Collector:
                 action = self.policy.agent.distribution(out).sample()
             append_outputs(outputs, out)
             valid_np = self.episodes.real_steps(skip=finished)
-            obs, reward, terminated, truncated, info = self.envs.step(env_action(action, self.envs.single_action_space))
+            obs, reward, terminated, truncated, info = step_envs(
+                self.envs, env_action(action, self.envs.single_action_space), self._env_id
+            )
             problem = non_finite_env_step(self._env_id, obs, reward)
             if problem and self.reduce_sums is None:
                 raise NonFiniteError(problem)

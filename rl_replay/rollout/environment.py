@@ -22,7 +22,7 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.config import EnvConfig
-from rl_replay.errors import SetupError, one_line, shown
+from rl_replay.errors import EnvStepError, SetupError, one_line, shown
 from rl_replay.spaces import usable_keys
 from rl_replay.targets import OWN, Importer, split_env_id
 
@@ -33,6 +33,7 @@ __all__ = [
     "observation_filter",
     "make_env",
     "make_vector_env",
+    "step_envs",
     "env_episode_return",
 ]
 
@@ -180,6 +181,18 @@ def _culprit(exc: BaseException) -> str | None:
             name = type(owner).__name__
         tb = tb.tb_next
     return name
+
+
+def step_envs(envs: gym.vector.VectorEnv, actions: Any, env_id: str) -> tuple:
+    """``envs.step(actions)``; an exception from the env or a wrapper is one
+    :class:`~rl_replay.errors.EnvStepError` line naming the env and the wrapper it came from."""
+    try:
+        return envs.step(actions)
+    except Exception as exc:
+        raise EnvStepError(
+            f"environment {shown(env_id)} failed when stepped, in {_culprit(exc) or shown(env_id)} "
+            f"({type(exc).__name__}: {one_line(str(exc))[:300]})"
+        ) from None
 
 
 def _try_step(env: gym.Env, env_id: str) -> None:

@@ -165,7 +165,14 @@ def train_main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
 
     from rl_replay.config import load_config
-    from rl_replay.errors import CheckpointError, NonFiniteError, RunWriteError, SetupError, TrainingInterrupted
+    from rl_replay.errors import (
+        CheckpointError,
+        EnvStepError,
+        NonFiniteError,
+        RunWriteError,
+        SetupError,
+        TrainingInterrupted,
+    )
 
     if args.resume and args.config:
         print(
@@ -239,7 +246,7 @@ def train_main(argv: list[str] | None = None) -> int:
         code = exc.exit_code
         if info.is_main:
             print(f"{exc}\nto continue: {_resume_command(trainer.run_dir, info)}", file=sys.stderr)
-    except (NonFiniteError, CheckpointError, RunWriteError) as exc:
+    except (NonFiniteError, CheckpointError, RunWriteError, EnvStepError) as exc:
         if info.is_main or info.distributed:
             _error(exc)
         code = 1
@@ -316,22 +323,24 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     if args.num_envs < 1:
         print(f"error: --num-envs must be a positive number of envs, got {args.num_envs}.", file=sys.stderr)
         return 2
+    from rl_replay.errors import shown
+
     for ov in args.env_overrides:
         key = _override_key(ov)
         if not (key.startswith("env.kwargs.") or key in ("env.kwargs", "env.max_episode_steps")):
             _error(
-                f"evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {ov!r}; "
+                f"evaluate accepts only env.kwargs.* and env.max_episode_steps overrides, got {shown(ov)}; "
                 "the agent and everything else come from the run's config.yaml."
             )
             return 2
 
-    from rl_replay.errors import SetupError
+    from rl_replay.errors import EnvStepError, SetupError
     from rl_replay.rundir.door import RunDirectory, Trust
 
     try:
         with RunDirectory.open(args.run_dir, trust=Trust(config=args.trust_config)) as run:
             return _evaluate(args, run)
-    except (SetupError, ValueError, FileNotFoundError) as exc:
+    except (SetupError, ValueError, FileNotFoundError, EnvStepError) as exc:
         _error(exc)
         return 2
 

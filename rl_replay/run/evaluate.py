@@ -8,7 +8,7 @@ import torch
 from rl_replay.agent import Agent
 from rl_replay.errors import SetupError
 from rl_replay.rollout.env_state import apply_statistics
-from rl_replay.rollout.environment import make_env, make_vector_env
+from rl_replay.rollout.environment import make_env, make_vector_env, step_envs
 from rl_replay.rollout.episodes import Episode, EpisodeTracker, env_action
 from rl_replay.spaces import obs_converter
 from rl_replay.targets import OWN, Importer
@@ -95,13 +95,15 @@ def evaluate(
     was_training = agent.training
     agent.eval()
     try:
-        return _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device)
+        return _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device, env_id)
     finally:
         vector_env.close()
         agent.train(was_training)
 
 
-def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device) -> dict[str, float]:
+def _play(
+    agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed, device, env_id: str
+) -> dict[str, float]:
     obs, _ = vector_env.reset(seed=seed)
     state = agent.initial_state(num_envs, device)
     is_first = torch.ones(num_envs, dtype=torch.bool, device=device)
@@ -112,7 +114,9 @@ def _play(agent, vector_env, to_tensor, episodes, num_envs, deterministic, seed,
         dist = agent.distribution(out)
         action = dist.mode if deterministic else dist.sample()
         valid = tracker.real_steps()
-        obs, reward, terminated, truncated, info = vector_env.step(env_action(action, vector_env.single_action_space))
+        obs, reward, terminated, truncated, info = step_envs(
+            vector_env, env_action(action, vector_env.single_action_space), env_id
+        )
         finished, first = tracker.step(reward, terminated, truncated, info, valid)
         ended += finished
         state = out["state"]

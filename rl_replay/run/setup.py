@@ -371,7 +371,7 @@ def _load_init_weights(agent: torch.nn.Module, weights: dict[str, torch.Tensor],
     except RuntimeError as exc:
         detail = " ".join(line.strip() for line in str(exc).strip().splitlines()[:3])
         raise SetupError(
-            f"init_from={source!r}: its agent does not fit this run's agent ({detail}). A warm start "
+            f"init_from={shown(source)}: its agent does not fit this run's agent ({detail}). A warm start "
             "needs the same agent.target and agent.kwargs and the same observation and action spaces."
         ) from None
 

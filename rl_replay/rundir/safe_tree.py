@@ -128,6 +128,13 @@ def dumps(tree: Any, metadata: dict[str, str] | None = None) -> bytes:
     encoded = writer.encode(tree)
     meta = dict(metadata or {})
     meta[TREE_KEY] = json.dumps(encoded, separators=(",", ":"))
+    # The limits of loads apply at write too: a tree written is a tree that reads back.
+    depth, values = _shape_of(meta[TREE_KEY].encode())
+    if depth > MAX_DEPTH or values > MAX_VALUES:
+        raise ValueError(
+            f"cannot store a tree nesting {depth} levels with about {values:,} values: it would not read back "
+            f"(at most {MAX_DEPTH} levels and {MAX_VALUES:,} values)"
+        )
     return save(writer.tensors, metadata=meta)
 
 

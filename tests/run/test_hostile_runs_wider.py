@@ -519,3 +519,16 @@ def test_non_finite_weights_are_one_line_for_the_tools_that_load_an_agent(tmp_pa
     done = _tool("grad_horizon.py", "--run", str(run_dir), "--delays", "4")
     assert done.returncode != 0 and "non-finite agent weights" in done.stderr, done.stderr[-2000:]
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr[-2000:]
+
+
+def test_a_wrapper_failing_mid_episode_is_one_line_naming_it_under_evaluate_and_resume(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    wrapper = "env.wrappers=[{target: 'obs_envs:FailsLater', kwargs: {after: 17}}]"
+    assert train_main([*TINY, wrapper, "total_env_steps=32", f"run_dir={run_dir}"]) == 0  # 16 steps per env
+    assert evaluate_main([str(run_dir), "--episodes", "5", "--num-envs", "1"]) == 2
+    line = error_line(capsys)
+    assert "failed when stepped, in FailsLater (ZeroDivisionError: a reward scale of 0)" in line, line
+    assert resume(run_dir, "total_env_steps=64") == 1  # mid-run: the run stops, its last checkpoint kept
+    line = error_line(capsys)
+    assert "failed when stepped, in FailsLater (ZeroDivisionError: a reward scale of 0)" in line, line
+    assert load_checkpoint(run_dir)["update"] == 2
