@@ -165,6 +165,8 @@ def _nested(depth: int):
 
 HOSTILE = st.one_of(
     st.integers(-(2**70), -1),
+    st.integers(-8, -1),
+    st.lists(st.integers(-8, -1), min_size=1, max_size=2),
     st.just(0),
     st.integers(10**9, 2**70),
     st.sampled_from([float("nan"), float("inf"), -float("inf"), 1e300, -1e-300]),
@@ -187,7 +189,7 @@ def _set(data: dict, dotted: str, value: object) -> None:
 
 
 @settings(
-    max_examples=int(os.environ.get("RL_REPLAY_FUZZ_EXAMPLES", "30")),
+    max_examples=int(os.environ.get("RL_REPLAY_FUZZ_EXAMPLES", "60")),
     deadline=timedelta(seconds=120),
     derandomize=True,
     database=None,
