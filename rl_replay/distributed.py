@@ -100,8 +100,11 @@ def wrap_fsdp(
     min_num_params: int | None = None,
     cpu_offload: bool = False,
     mixed_precision: str | None = None,
+    sharding_strategy: str = "FULL_SHARD",
 ) -> nn.Module:
-    """Wrap ``model`` in FSDP1 FULL_SHARD with ``use_orig_params=True`` (what replay needs).
+    """Wrap ``model`` in FSDP1 with ``use_orig_params=True`` (what replay needs) and
+    ``sharding_strategy`` (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``HYBRID_SHARD`` or ``NO_SHARD``: FSDP1's
+    own names; HYBRID_SHARD's node is torchrun's ``LOCAL_WORLD_SIZE`` ranks, :func:`hybrid_mesh`).
 
     * Every rank starts from rank 0's parameters and buffers (broadcast before sharding:
       ranks seed differently, and FSDP1's ``sync_module_states`` refuses CPU modules).
@@ -125,20 +128,39 @@ def wrap_fsdp(
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
         mp = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
     policy = _auto_wrap_policy(model, list(wrap_modules), min_num_params)
+    mesh = {"device_mesh": hybrid_mesh(device)} if sharding_strategy == "HYBRID_SHARD" else {}
     broadcast_module_states(model, device)
     with warnings.catch_warnings():
         # FSDP warns that it falls back to NO_SHARD in a world of one rank; that is fine.
         warnings.filterwarnings("ignore", message=".*NO_SHARD.*")
         wrapped = FSDP(
             model,
-            sharding_strategy=ShardingStrategy.FULL_SHARD,
+            sharding_strategy=ShardingStrategy[sharding_strategy],
             use_orig_params=True,
             auto_wrap_policy=policy,
             cpu_offload=CPUOffload(offload_params=True) if cpu_offload else None,
             mixed_precision=mp,
             device_id=device,
+            **mesh,
         )
     return wrapped
+
+
+def hybrid_mesh(device: torch.device):
+    """The (replicate, shard) device mesh of HYBRID_SHARD: shard within a node (torchrun's
+    ``LOCAL_WORLD_SIZE`` ranks), replicate across nodes. Refused (one line) with fewer than two
+    ranks per node: FSDP1 turns a shard group of one rank into NO_SHARD over that rank alone, and
+    the replicas' gradients are then not averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local < 2 or world % local:
+        raise SetupError(
+            f"distributed.sharding_strategy=HYBRID_SHARD shards within a node and needs at least two ranks "
+            f"per node (LOCAL_WORLD_SIZE={local}, world size {world}); use NO_SHARD (one rank per node) or FULL_SHARD."
+        )
+    return init_device_mesh(device.type, (world // local, local), mesh_dim_names=("replicate", "shard"))
 
 
 @torch.no_grad()

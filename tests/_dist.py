@@ -210,13 +210,13 @@ def _fsdp_mlp(rank: int, world: int, wrap=(nn.Linear,)) -> dict:
     }
 
 
-def _fsdp_gru(rank: int, world: int) -> dict:
+def _fsdp_gru(rank: int, world: int, **fsdp_kwargs) -> dict:
     """Recurrent state across blocks, Linear and GRUCell units, replay() API, two
     rollouts accumulating into .grad (the second starts with the first's gradients)."""
     T, B, H = 12, 3, 12
     torch.manual_seed(1)
     ref = GRUPolicy()
-    model = _fsdp(copy.deepcopy(ref), {nn.Linear, nn.GRUCell})
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear, nn.GRUCell}, **fsdp_kwargs)
     obs = [[rank_data(r + 10 * k, T, B, 5) for r in range(world)] for k in range(2)]
     h0 = [rank_data(r + 100, B, H) for r in range(world)]
     out: dict = {}
@@ -345,7 +345,7 @@ class _CountGathers:
         FlatParamHandle._all_gather_flat_param = self._real
 
 
-def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
+def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs) -> dict:
     """The shipped GRU (LSTM, windowed transformer) agent under FSDP1, its core (attention layers) and every Linear units of their
     own: 3-step blocks as one sequence call each (replay_steps(sequence=True)) against plain
     autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
@@ -376,7 +376,7 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru") -> dict:
 
     out = {}
     for sequence in (True, False):
-        model = _fsdp(copy.deepcopy(ref), {nn.Linear, Core})
+        model = _fsdp(copy.deepcopy(ref), {nn.Linear, Core}, **fsdp_kwargs)
         acc = GradientAccumulator()
         with _CountGathers() as gathers:
             state, loss = ref.initial_state(B), 0.0
@@ -421,6 +421,45 @@ def fsdp_parity(rank: int, world: int) -> dict:
     )
 
 
+def _strategy(name: str, world: int, mesh: tuple[int, int] | None = None) -> dict:
+    """FSDP1 keyword arguments for the sharding strategy ``name``; HYBRID_SHARD gets a 2-D
+    (replicate, shard) device mesh of shape ``mesh``, as a launch over nodes builds from
+    LOCAL_WORLD_SIZE."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    kwargs: dict = {"sharding_strategy": ShardingStrategy[name]}
+    if mesh is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kwargs["device_mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
+    return kwargs
+
+
+def fsdp_strategies(rank: int, world: int) -> dict:
+    """The gru and gtrxl parity scenarios under the FSDP1 strategies served besides FULL_SHARD."""
+    cases = {"SHARD_GRAD_OP": ("SHARD_GRAD_OP", None), "NO_SHARD": ("NO_SHARD", None)}
+    scenarios = {}
+    for label, (name, mesh) in cases.items():
+        scenarios[f"{label}/gru"] = lambda r, w, n=name, m=mesh: _fsdp_gru(r, w, **_strategy(n, w, m))
+        scenarios[f"{label}/gtrxl"] = lambda r, w, n=name, m=mesh: _fsdp_agent_sequence(
+            r, w, "gtrxl", **_strategy(n, w, m)
+        )
+    return run_scenarios(scenarios, rank, world)
+
+
+def fsdp_hybrid4(rank: int, world: int) -> dict:
+    """HYBRID_SHARD over "2 nodes x 2 ranks": sharded within a node, replicated across nodes."""
+    mesh = (world // 2, 2)
+    return run_scenarios(
+        {
+            "gru": lambda r, w: _fsdp_gru(r, w, **_strategy("HYBRID_SHARD", w, mesh)),
+            "gtrxl": lambda r, w: _fsdp_agent_sequence(r, w, "gtrxl", **_strategy("HYBRID_SHARD", w, mesh)),
+        },
+        rank,
+        world,
+    )
+
+
 # ---------------------------------------------------------------- FSDP setup errors
 def _expect(exc_type, pattern, fn):
     import pytest
@@ -459,17 +498,14 @@ def _err_orig_params(rank: int, world: int) -> str:
 
 
 def _err_strategy(rank: int, world: int) -> str:
-    from torch.distributed.fsdp import ShardingStrategy
-
-    for strategy in (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD):
-        model = _fsdp(MLPPolicy(), {nn.Linear}, sharding_strategy=strategy)
-        acc = GradientAccumulator()
-        _expect(
-            ReplayError,
-            rf"sharding strategy {strategy.name}.*FULL_SHARD",
-            lambda model=model, acc=acc: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
-        )
-        assert acc.num_blocks == 0
+    model = _fsdp(MLPPolicy(), {nn.Linear}, **_strategy("_HYBRID_SHARD_ZERO2", world, (1, world)))
+    acc = GradientAccumulator()
+    _expect(
+        ReplayError,
+        r"sharding strategy _HYBRID_SHARD_ZERO2; replay serves FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD",
+        lambda: checkpoint_fsdp_forward(model, acc, observation=torch.randn(2, 6)),
+    )
+    assert acc.num_blocks == 0
     return OK
 
 
@@ -555,4 +591,8 @@ def cuda_fsdp_offload() -> dict:
 # ----------------------------------------------------------------- one spawn for all
 def fsdp_all(rank: int, world: int) -> dict:
     """Every world-size-2 scenario, so the test session pays for one spawn only."""
-    return {"parity": fsdp_parity(rank, world), "errors": fsdp_errors(rank, world)}
+    return {
+        "parity": fsdp_parity(rank, world),
+        "strategies": fsdp_strategies(rank, world),
+        "errors": fsdp_errors(rank, world),
+    }

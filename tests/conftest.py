@@ -153,6 +153,19 @@ def fsdp_world2(tmp_path_factory):
     return _dist.run_workers("fsdp_all", 2, tmp_path_factory.mktemp("fsdp_world2"))
 
 
+@pytest.fixture(scope="session")
+def fsdp_hybrid4(tmp_path_factory):
+    """Results of the HYBRID_SHARD scenarios over 4 gloo ranks as 2 "nodes" x 2 (tests/_dist.py
+    ``fsdp_hybrid4``): sharded within a node, replicated across nodes."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with the gloo backend")
+    import _dist
+
+    return [{"hybrid": r} for r in _dist.run_workers("fsdp_hybrid4", 4, tmp_path_factory.mktemp("fsdp_hybrid4"))]
+
+
 def scenario_results(per_rank: list, group: str, name: str) -> list:
     """One scenario's per-rank results; fails the test with a worker's traceback."""
     results = [r[group][name] for r in per_rank]

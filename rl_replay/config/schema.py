@@ -213,6 +213,10 @@ class DistributedConfig:
     """FSDP mixed precision: None | bf16 | fp16"""
     backend: str = "auto"
     """torch.distributed backend: auto | gloo | nccl"""
+    sharding_strategy: str = "FULL_SHARD"
+    """FSDP1 sharding: FULL_SHARD (parameters gathered per unit for each forward and backward) |
+    SHARD_GRAD_OP (kept gathered from forward to backward) | HYBRID_SHARD (FULL_SHARD within a node of
+    LOCAL_WORLD_SIZE ranks, replicated across nodes) | NO_SHARD (replicated, gradients all-reduced)"""
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """FSDP1 checks and hooks of the replay engine.
 
-A replay block serves FSDP1 ``FULL_SHARD`` with ``use_orig_params=True`` only (NOTE [ Replay
+A replay block serves FSDP1 with ``use_orig_params=True`` under ``FULL_SHARD``, ``SHARD_GRAD_OP``,
+``HYBRID_SHARD`` or ``NO_SHARD`` (NOTE [ Replay
 blocks ], Rule 8, in :mod:`rl_replay.engine.replay`): :func:`fsdp_units` finds the units of a model
 and rejects every other setup with a :class:`~rl_replay.engine.ReplayError`; it also gives tensors
 inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors.
@@ -28,13 +29,25 @@ def has_fsdp(module: torch.nn.Module) -> bool:
     return any(isinstance(sub, FSDP) for sub in module.modules())
 
 
+def _served() -> tuple:
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return (
+        ShardingStrategy.FULL_SHARD,
+        ShardingStrategy.SHARD_GRAD_OP,
+        ShardingStrategy.HYBRID_SHARD,
+        ShardingStrategy.NO_SHARD,
+    )
+
+
 def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The FSDP1 units inside ``module``, after rejecting setups replay cannot serve."""
     if "torch.distributed.fsdp" not in sys.modules:
         return []  # nobody imported FSDP, so nothing can be wrapped in it
-    from torch.distributed.fsdp import FSDPModule, ShardingStrategy
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
+    served = _served()
     units = []
     for name, sub in module.named_modules():
         where = f"module '{name}'" if name else f"the root module ({type(sub).__name__})"
@@ -53,12 +66,10 @@ def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
                 "and to FSDP's post-backward hooks. Pass use_orig_params=True."
             )
         strategy = sub.sharding_strategy
-        # FSDP1 itself turns FULL_SHARD into NO_SHARD when the world has one rank.
-        single_rank = getattr(sub, "world_size", None) == 1
-        if strategy != ShardingStrategy.FULL_SHARD and not (single_rank and strategy == ShardingStrategy.NO_SHARD):
+        if strategy not in served:
             raise ReplayError(
-                _PREFIX + f"{where} uses sharding strategy {strategy.name}; replay supports "
-                "FULL_SHARD only. Pass sharding_strategy=ShardingStrategy.FULL_SHARD."
+                _PREFIX + f"{where} uses sharding strategy {strategy.name}; replay serves FULL_SHARD, "
+                "SHARD_GRAD_OP, HYBRID_SHARD or NO_SHARD. Pass one of those as sharding_strategy."
             )
         units.append(sub)
     _hook_tensordict_outputs(units)  # type: ignore[arg-type]

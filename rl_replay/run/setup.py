@@ -428,6 +428,7 @@ def _build_objects(
             min_num_params=d.min_num_params,
             cpu_offload=d.cpu_offload,
             mixed_precision=d.mixed_precision,
+            sharding_strategy=d.sharding_strategy,
         )
     elif cfg.distributed.cpu_offload:
         raise SetupError("distributed.cpu_offload applies to FSDP runs under torchrun only.")

@@ -146,3 +146,55 @@ def test_fsdp_world_size_1_no_shard(single_process_group):
     assert_grads_match({"norm": norm.reshape(1)}, {"norm": ref_norm.reshape(1)}, "fsdp")
     params = {_dist.clean(n): p.detach() for n, p in model.named_parameters()}
     assert_grads_match(params, {n: p.detach() for n, p in ref.named_parameters()}, "fsdp")
+
+
+STRATEGIES = ("SHARD_GRAD_OP", "NO_SHARD")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_fsdp1_strategy_gives_plain_autograds_gradients_averaged_over_ranks(results, strategy):
+    """gru (two rollouts into .grad, then clip and SGD) and gtrxl (3-step sequence blocks, a reset
+    inside one) under each strategy served besides FULL_SHARD."""
+    for res in scenario_results(results, "strategies", f"{strategy}/gru"):
+        for k in (0, 1):
+            assert_grads_match(res[f"grads{k}"], res[f"expected{k}"], "fsdp-strategies")
+            assert_grads_match({"h0": res[f"h0_{k}"]}, {"h0": res[f"h0_ref{k}"]}, "fsdp-strategies")
+        assert_grads_match(res["params"], res["ref_params"], "fsdp-strategies")
+    for res in scenario_results(results, "strategies", f"{strategy}/gtrxl"):
+        for call in ("sequence", "stepwise"):
+            assert res[call]["blocks"] == 3
+            assert_grads_match(res[call]["grads"], res["expected"], "fsdp-strategies", rtol=1e-4, atol=1e-6)
+        if strategy == "NO_SHARD":
+            assert res["sequence"]["gathers"] == 0  # nothing is sharded, so nothing is gathered
+        else:
+            assert 0 < res["sequence"]["gathers"] < res["stepwise"]["gathers"]
+
+
+def test_hybrid_shard_over_two_nodes_of_two_ranks_gives_plain_autograds_gradients(fsdp_hybrid4):
+    """HYBRID_SHARD on a (replicate 2, shard 2) mesh of 4 gloo ranks: gru (two rollouts, clip, SGD)
+    and gtrxl (3-step sequence blocks) equal plain autograd averaged over all four ranks. (FSDP1
+    itself turns a shard group of one rank into NO_SHARD without the cross-replica average, so the
+    run's wrapping needs two ranks per node: rl_replay.distributed.wrap_fsdp.)"""
+    for res in scenario_results(fsdp_hybrid4, "hybrid", "gru"):
+        for k in (0, 1):
+            assert_grads_match(res[f"grads{k}"], res[f"expected{k}"], "fsdp-strategies")
+        assert_grads_match(res["params"], res["ref_params"], "fsdp-strategies")
+    for res in scenario_results(fsdp_hybrid4, "hybrid", "gtrxl"):
+        for call in ("sequence", "stepwise"):
+            assert_grads_match(res[call]["grads"], res["expected"], "fsdp-strategies", rtol=1e-4, atol=1e-6)
+        assert 0 < res["sequence"]["gathers"] < res["stepwise"]["gathers"]
+
+
+@pytest.mark.parametrize("local", ["1", None])
+def test_hybrid_shard_with_one_rank_per_node_is_refused_in_one_line(single_process_group, monkeypatch, local):
+    """FSDP1 would turn a shard group of one rank into NO_SHARD without averaging the replicas'
+    gradients; the run's wrapping refuses it instead, naming what to use."""
+    from rl_replay.distributed import wrap_fsdp
+    from rl_replay.errors import SetupError
+
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    with pytest.raises(SetupError, match=r"HYBRID_SHARD .*needs at least two ranks per node .*use NO_SHARD"):
+        wrap_fsdp(torch.nn.Linear(3, 2), torch.device("cpu"), sharding_strategy="HYBRID_SHARD")

@@ -68,13 +68,24 @@ def clean_name(name: str) -> str:
 
 # --------------------------------------------------------------------- gradient parity
 PARITY_AGENTS = {
-    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"]),
-    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"]),
+    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"], "FULL_SHARD"),
+    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "FULL_SHARD"),
     "transformer": (
         "transformer",
         {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_mult": 2, "context": 2},
         ["TransformerEncoderLayer"],
+        "FULL_SHARD",
     ),
+    # distributed.sharding_strategy: the parameters kept gathered between forward and backward,
+    # or never sharded (gradients all-reduced)
+    "gru-SHARD_GRAD_OP": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "SHARD_GRAD_OP"),
+    "gtrxl-SHARD_GRAD_OP": (
+        "gtrxl",
+        {"d_model": 16, "num_layers": 2, "num_heads": 2, "window": 4, "encoder_sizes": [16]},
+        ["WindowLayer"],
+        "SHARD_GRAD_OP",
+    ),
+    "gru-NO_SHARD": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "NO_SHARD"),
 }
 PARITY_STEPS, PARITY_ENVS = 24, 4
 
@@ -96,14 +107,14 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     assert (info.rank, info.world_size) == (rank, world_size)
     cfg = Config()
     results = {}
-    for name, (target, kwargs, wrap) in PARITY_AGENTS.items():
+    for name, (target, kwargs, wrap, strategy) in PARITY_AGENTS.items():
         envs = make_vector_env("CartPole-v1", PARITY_ENVS)
         torch.manual_seed(0)  # identical initialisation on every rank
         agent = build_agent(target, kwargs, envs.single_observation_space, envs.single_action_space)
         reference = copy.deepcopy(agent)
-        model = wrap_fsdp(agent, device, wrap_modules=wrap)
+        model = wrap_fsdp(agent, device, wrap_modules=wrap, sharding_strategy=strategy)
         assert isinstance(model, FSDP) and model._use_orig_params
-        assert model.sharding_strategy is ShardingStrategy.FULL_SHARD
+        assert model.sharding_strategy is ShardingStrategy[strategy]
         assert len(FSDP.fsdp_modules(model)) > 1, "auto-wrap made no inner units"
         torch.manual_seed(1 + rank)  # action sampling differs per rank
         collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank)
