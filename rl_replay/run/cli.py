@@ -128,6 +128,36 @@ def _resume_command(run_dir: Path, info) -> str:
     return f"{'python ' + script if script else 'rl-replay-train'} --resume {run_dir}"
 
 
+def _resume_auto(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """``--resume auto``: ``(the run directory to resume, its overrides)`` when ``run_dir`` holds a
+    run, else ``(None, the overrides)``: a new run from the config. Said in one line on stderr. A
+    requeued job (Slurm ``--requeue``) runs the same command every time and continues where it stopped.
+
+    Every rank decides before any of them writes (a new run's directory is claimed only after
+    the collective wrapping of the agent), so all ranks take the same branch.
+    """
+    from rl_replay.config import load_config
+
+    if args.config and not Path(args.config).is_file():
+        raise FileNotFoundError(_missing_config(args.config))
+    default = DEFAULT_CONFIG if DEFAULT_CONFIG.exists() else None
+    cfg = load_config(args.config or default, args.overrides)  # (a bad config fails here, before anything)
+    if not cfg.run_dir:
+        raise ValueError(
+            "--resume auto needs the run directory: pass run_dir=... (it resumes the run there, or starts it)."
+        )
+    rest = [o for o in args.overrides if _override_key(o) != "run_dir"]
+    holds_run = os.path.isdir(cfg.run_dir) and os.path.lexists(os.path.join(cfg.run_dir, "config.yaml"))
+    if os.environ.get("RANK", "0") == "0":
+        what = "resuming the run there (its own config.yaml" + (", --config ignored)" if args.config else ")")
+        print(
+            f"--resume auto: {cfg.run_dir} {what if holds_run else 'holds no run: starting it there'}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return (cfg.run_dir if holds_run else None), (rest if holds_run else list(args.overrides))
+
+
 def train_main(argv: list[str] | None = None) -> int:
     """``rl-replay-train``: train, or resume a run; returns the exit code."""
     prog = "rl-replay-train" if argv is None and not sys.argv[0].endswith(".py") else "python scripts/train.py"
@@ -142,7 +172,9 @@ def train_main(argv: list[str] | None = None) -> int:
         "--resume",
         default=None,
         metavar="RUN_DIR",
-        help="continue the run in RUN_DIR with its own config.yaml (overrides allowed)",
+        help="continue the run in RUN_DIR with its own config.yaml (overrides allowed); 'auto': continue "
+        "the run in run_dir=... if it holds one, else start it there from --config (a job that is "
+        "requeued runs the same command every time)",
     )
     parser.add_argument(
         "--trust-env-state",
@@ -174,7 +206,8 @@ def train_main(argv: list[str] | None = None) -> int:
         TrainingInterrupted,
     )
 
-    if args.resume and args.config:
+    auto = args.resume == "auto"
+    if args.resume and args.config and not auto:
         print(
             f"error: --resume {args.resume} continues that run with its own config.yaml, so --config "
             "cannot be combined with it: pass changes as key=value overrides, or drop --resume to "
@@ -196,7 +229,7 @@ def train_main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    if args.resume and any(_override_key(o) == "run_dir" for o in args.overrides):
+    if args.resume and not auto and any(_override_key(o) == "run_dir" for o in args.overrides):
         print(
             f"error: --resume {args.resume} already names the run directory: drop run_dir=... (to "
             "start a new run elsewhere, drop --resume instead).",
@@ -206,10 +239,14 @@ def train_main(argv: list[str] | None = None) -> int:
     try:
         from rl_replay.run.setup import build
 
-        if args.resume:
+        if auto:
+            resume, overrides = _resume_auto(args)
+        else:
+            resume, overrides = args.resume, args.overrides
+        if resume:
             trainer = build(
-                resume=args.resume,
-                overrides=tuple(args.overrides),
+                resume=resume,
+                overrides=tuple(overrides),
                 trust_env_state=args.trust_env_state,
                 trust_config=args.trust_config,
             )

@@ -95,3 +95,20 @@ def test_console_entry_points_resolve(capsys):
 
     assert evaluate_main(["/nonexistent"]) == 2
     assert one_error_line(capsys.readouterr().err).startswith("error: no run directory /nonexistent")
+
+
+def test_resume_auto_starts_a_run_then_continues_it_with_no_row_twice(tmp_path, capsys):
+    """``--resume auto run_dir=R``, what a job that restarts itself runs every time: the first call
+    starts the run in R, later ones continue it from its checkpoint; metrics rows strictly increase."""
+    import json
+
+    from rl_replay.run.cli import train_main
+
+    run_dir = tmp_path / "run"
+    for total, said in ((2 * 16, "holds no run: starting it there"), (4 * 16, "resuming the run there")):
+        assert train_main(["--resume", "auto", *TINY, f"total_env_steps={total}", f"run_dir={run_dir}"]) == 0
+        assert f"--resume auto: {run_dir} {said}" in capsys.readouterr().err
+    updates = [json.loads(line)["update"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert updates == [1, 2, 3, 4]
+    assert train_main(["--resume", "auto", *TINY, "total_env_steps=32"]) == 2  # no run_dir: nothing to decide on
+    assert "--resume auto needs the run directory: pass run_dir=" in one_error_line(capsys.readouterr().err)
