@@ -27,7 +27,7 @@ from rl_replay.algorithms.base import Algorithm
 from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_updates
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
-from rl_replay.errors import CheckpointError, RunDirError, SetupError, one_line, shown
+from rl_replay.errors import RunDirError, SetupError, one_line, shown
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run.interrupt import children_ignore_sigint
@@ -41,8 +41,8 @@ from rl_replay.run.trainer import Trainer
 from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
 from rl_replay.rundir import trust
 from rl_replay.rundir.checkpoint import (
+    finite_weights,
     load_checkpoint,
-    non_finite_tensors,
     remove_stale_temporaries,
     stale_temporaries,
 )
@@ -351,10 +351,7 @@ def _read_init_weights(source: str) -> dict[str, torch.Tensor]:
                 if warning:
                     print(f"warning: init_from={shown(source)}: {one_line(warning)}", file=sys.stderr, flush=True)
                 return run.weights(state, ckpt)
-        state = load_checkpoint(path, follow=True)  # a file the user named
-        if non_finite_tensors(state["agent"]):
-            raise CheckpointError(f"checkpoint {path} holds non-finite agent weights: a diverged run.")
-        return state["agent"]
+        return finite_weights(load_checkpoint(path, follow=True), path)  # a file the user named
     except FileNotFoundError:
         raise SetupError(
             f"init_from={shown(source)}: no checkpoint there. Give a run directory that holds "

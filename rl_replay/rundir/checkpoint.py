@@ -39,12 +39,11 @@ command that converts one whose origin the user trusts (:func:`rl_replay.rundir.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import hashlib
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +68,7 @@ __all__ = [
     "require",
     "require_counts",
     "load_agent_weights",
+    "finite_weights",
     "CONVERT_COMMAND",
     "MAGIC",
     "read_checkpoint_bytes",
@@ -114,24 +114,6 @@ def _is_bare_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
-@contextlib.contextmanager
-def _at(where: files.Dir | str | os.PathLike, name: str | None) -> Iterator[tuple[files.Dir, str, bool]]:
-    """``(directory, file name, follow)`` of a checkpoint given as a held run directory (and a
-    name in it), a run directory's path, or the path of a file the user named (which may be a
-    link); a directory opened here is closed on exit."""
-    if isinstance(where, files.Dir):
-        yield where, name or CHECKPOINT_NAME, False
-        return
-    path = Path(where)
-    if name is None and path.is_dir():
-        with files.Dir.open(path) as d:
-            yield d, CHECKPOINT_NAME, False
-        return
-    d, leaf = files.open_parent(path / name if name else path)
-    with d:
-        yield d, leaf, name is None
-
-
 def read_checkpoint_bytes(d: files.Dir, name: str, *, shown: Path | None = None, follow: bool = False) -> bytes:
     """The verified safetensors payload of the format-2 checkpoint ``name`` in ``d`` (``follow``:
     the user named the file and it may be a symlink; a run directory's own file may not)."""
@@ -166,7 +148,7 @@ def save_checkpoint(payload: dict[str, Any], where: files.Dir | str | os.PathLik
     :class:`CheckpointError` (and writes nothing) if ``payload["agent"]`` holds a non-finite
     tensor: a diverged model must never replace the last good checkpoint.
     """
-    with _at(where, name) as (d, leaf, _):
+    with files.located(where, CHECKPOINT_NAME, name) as (d, leaf, _):
         path = d.shown(leaf)
         bad = non_finite_tensors(payload.get("agent", {}))
         if bad:
@@ -207,10 +189,22 @@ def load_checkpoint(
     truncated, corrupt, not a checkpoint, or a legacy pickle (with the command that converts a
     trusted one).
     """
-    with _at(where, name) as (d, leaf, user_named):
+    with files.located(where, CHECKPOINT_NAME, name) as (d, leaf, user_named):
         if not d.exists(leaf):
             raise FileNotFoundError(f"no checkpoint at {d.shown(leaf)}")
         return _decode(read_checkpoint_bytes(d, leaf, follow=follow or user_named), d.shown(leaf))
+
+
+def finite_weights(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:
+    """``state``'s agent weights, refused (one :class:`CheckpointError` line naming ``path`` and the
+    first tensors) unless every one is finite: a diverged run's weights are never used."""
+    bad = non_finite_tensors(state["agent"])
+    if bad:
+        raise CheckpointError(
+            f"checkpoint {path} holds non-finite agent weights ({', '.join(bad[:4])}"
+            f"{' ...' if len(bad) > 4 else ''}): a diverged run. Use a checkpoint written before it diverged."
+        )
+    return state["agent"]
 
 
 def require(state: dict[str, Any], path: str | os.PathLike, keys: Iterable[str], needed_for: str) -> None:
@@ -239,7 +233,7 @@ def load_latest(where: files.Dir | str | os.PathLike) -> tuple[dict[str, Any], P
     Falls back to ``checkpoint.prev.pt`` when ``checkpoint.pt`` is missing or damaged;
     ``warning`` then says so (None otherwise). Raises the latest file's error if neither loads.
     """
-    with _at(where, None) as (d, _, _):
+    with files.located(where, CHECKPOINT_NAME) as (d, _, _):
         try:
             return load_checkpoint(d, CHECKPOINT_NAME), d.shown(CHECKPOINT_NAME), None
         except (CheckpointError, FileNotFoundError) as exc:

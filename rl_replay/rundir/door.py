@@ -28,21 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rl_replay.errors import CheckpointError, SetupError
 from rl_replay.rundir import files
 from rl_replay.rundir.checkpoint import (
     CHECKPOINT_NAME,
+    finite_weights,
     load_checkpoint,
     load_latest,
-    non_finite_tensors,
     require,
     require_counts,
 )
 from rl_replay.rundir.config_file import CONFIG_NAME, RunConfig, check_imports, read_run_config
 from rl_replay.rundir.env_state_file import EnvState, read_env_state
 from rl_replay.rundir.lock import RunLock, claim_default, claim_fresh, resume_kind
-from rl_replay.rundir.metrics_file import METRICS_NAME
-from rl_replay.rundir.metrics_file import rows_named as iter_metrics_named
+from rl_replay.rundir.metrics_file import METRICS_NAME, rows_named
 from rl_replay.targets import Importer
 
 __all__ = ["Trust", "RunDirectory", "read_run_metrics", "convert_run"]
@@ -170,14 +168,7 @@ class RunDirectory:
 
     def weights(self, state: dict[str, Any], path: Path | None = None) -> dict[str, Any]:
         """``state``'s agent weights, refused (one line) unless every one is finite."""
-        path = path or self.dir.shown(CHECKPOINT_NAME)
-        bad = non_finite_tensors(state["agent"])
-        if bad:
-            raise CheckpointError(
-                f"checkpoint {path} holds non-finite agent weights ({', '.join(bad[:4])}"
-                f"{' ...' if len(bad) > 4 else ''}): a diverged run. Use a checkpoint written before it diverged."
-            )
-        return state["agent"]
+        return finite_weights(state, path or self.dir.shown(CHECKPOINT_NAME))
 
     def agent(self, run_config: RunConfig, state: dict[str, Any]) -> Any:
         """The agent ``run_config`` names, built for its env's spaces (through its importer), with
@@ -206,8 +197,7 @@ class RunDirectory:
 
     def metrics(self, notes: list[str] | None = None, name: str = METRICS_NAME) -> list[dict[str, Any]]:
         """The rows of ``metrics.jsonl`` (none if it is absent); ``notes`` gets a line for a cut one."""
-        with files.held(self.dir) as d:
-            return list(iter_metrics_named(d, name, notes))
+        return list(rows_named(self.dir, name, notes))
 
 
 def convert_run(path: str | os.PathLike, *, trust_file: bool, key: bytes) -> tuple[Path, Path | None]:
@@ -232,11 +222,3 @@ def read_run_metrics(path: str | os.PathLike, notes: list[str] | None = None) ->
         if not run.dir.exists(name):
             raise FileNotFoundError(f"{path} holds no {METRICS_NAME}: pass a run directory or a metrics file")
         return run.metrics(notes, name)
-
-
-def open_for_reading(path: str | os.PathLike, *, trust: Trust = Trust()) -> RunDirectory:
-    """:meth:`RunDirectory.open` with its refusals as one-line :class:`~rl_replay.errors.SetupError`."""
-    try:
-        return RunDirectory.open(path, trust=trust)
-    except FileNotFoundError as exc:
-        raise SetupError(str(exc)) from None

@@ -46,6 +46,7 @@ __all__ = [
     "Dir",
     "open_parent",
     "held",
+    "located",
     "read_regular",
     "is_regular",
     "kind_of",
@@ -367,6 +368,25 @@ def held(where: Dir | str | os.PathLike) -> Iterator[Dir]:
     else:
         with Dir.open(where) as d:
             yield d
+
+
+@contextlib.contextmanager
+def located(where: Dir | str | os.PathLike, default: str, name: str | None = None) -> Iterator[tuple[Dir, str, bool]]:
+    """``(directory, file name, user_named)`` of a run file given as a held run directory (``name``
+    in it, else ``default``), a run directory's path, or the path of a file the user named (whose
+    directory may be reached through links, and which may be a link itself: ``user_named``). A
+    directory opened here is closed on exit."""
+    if isinstance(where, Dir):
+        yield where, name or default, False
+        return
+    path = Path(where)
+    if name is None and path.is_dir():
+        with Dir.open(path) as d:
+            yield d, default, False
+        return
+    d, leaf = open_parent(path / name if name else path)
+    with d:
+        yield d, leaf, name is None
 
 
 def open_parent(path: str | os.PathLike) -> tuple[Dir, str]:

@@ -6,11 +6,9 @@ read as a stream, each line bounded, a line cut short by a kill skipped.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from rl_replay.errors import RunDirError, shown
@@ -36,23 +34,6 @@ WANDB_MARK_NAME = "wandb_logged.json"
 MAX_ROW_BYTES = 1 << 20
 
 
-@contextlib.contextmanager
-def _at(where: files.Dir | str | os.PathLike) -> Iterator[tuple[files.Dir, str]]:
-    """``(directory, name)`` of a metrics file: a held run directory, a run directory's path, or
-    the path of the file itself."""
-    if isinstance(where, files.Dir):
-        yield where, METRICS_NAME
-        return
-    path = Path(where)
-    if path.is_dir():
-        with files.Dir.open(path) as d:
-            yield d, METRICS_NAME
-    else:
-        d, name = files.open_parent(path)
-        with d:
-            yield d, name
-
-
 def iter_metrics(where: files.Dir | str | os.PathLike, notes: list[str] | None = None) -> Iterator[dict[str, Any]]:
     """The rows of a ``metrics.jsonl`` (a run directory, held or by path, or the file), read as a stream.
 
@@ -61,7 +42,7 @@ def iter_metrics(where: files.Dir | str | os.PathLike, notes: list[str] | None =
     not a metrics row, and :class:`~rl_replay.rundir.files.UnsafeFileError` for a file that is not
     a regular file (a link included) or holds a line longer than a row can be.
     """
-    with _at(where) as (d, name):
+    with files.located(where, METRICS_NAME) as (d, name, _):
         for _, record in _rows(d, name, notes):
             yield record
 
@@ -130,7 +111,7 @@ def truncate_metrics(where: files.Dir | str | os.PathLike, last_update: int) -> 
     The kept rows go to a new file that replaces the old one (a symlink in its place is
     replaced, not written through).
     """
-    with _at(where) as (d, name):
+    with files.located(where, METRICS_NAME) as (d, name, _):
         if not d.exists(name):
             return
         fd, tmp = d.create_exclusive(name)

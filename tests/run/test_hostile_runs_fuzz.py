@@ -81,6 +81,59 @@ def check(code: int, err: str, what: str) -> None:
         assert not any(ord(c) < 32 for c in errors[0]), (what, errors[0])
 
 
+@contextlib.contextmanager
+def sandbox(run: Path):
+    """``(home, victim)``: a copy of ``run`` in a fresh folder beside the user's file ``keep.txt``,
+    the folder the current directory (a relative write would land there) and wandb disabled (a
+    config cut short falls back to log.wandb_mode: offline); all put back and removed afterwards."""
+    home = Path(tempfile.mkdtemp(prefix="fuzz_"))
+    cwd, wandb_mode = os.getcwd(), os.environ.get("WANDB_MODE")
+    os.environ["WANDB_MODE"] = "disabled"
+    try:
+        victim = copy_run(run, home / "victim")
+        (home / "keep.txt").write_text("the user's file")
+        os.chdir(home)
+        yield home, victim
+    finally:
+        os.chdir(cwd)
+        if wandb_mode is None:
+            del os.environ["WANDB_MODE"]
+        else:
+            os.environ["WANDB_MODE"] = wandb_mode
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def quietly(command) -> tuple[int, str]:
+    """``(exit code, stderr)`` of ``command()`` run under the address-space limit, its output captured."""
+    out, err = io.StringIO(), io.StringIO()
+    with (
+        address_space_limit(),
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(out),
+        contextlib.redirect_stderr(err),
+    ):
+        warnings.simplefilter("ignore")
+        code = command()
+    return code, err.getvalue()
+
+
+def commands(home: Path, victim: Path, *resume_overrides: str) -> dict:
+    """The three commands that load a run, as a user would run them."""
+    return {
+        "evaluate": lambda: evaluate_main([str(victim), "--episodes", "1", "--num-envs", "1"]),
+        "init_from": lambda: train_main(
+            [*TINY, f"total_env_steps={BATCH}", f"init_from={victim}", f"run_dir={home / 'warm'}"]
+        ),
+        "resume": lambda: train_main(["--resume", str(victim), *resume_overrides]),
+    }
+
+
+def check_nothing_outside(home: Path) -> None:
+    assert sorted(p.name for p in home.iterdir()) in (["keep.txt", "victim"], ["keep.txt", "victim", "warm"])
+    assert (home / "keep.txt").read_text() == "the user's file"
+    assert all(not p.is_symlink() for p in home.rglob("*"))
+
+
 @pytest.mark.parametrize("name", FILES)
 @settings(
     max_examples=15,
@@ -91,45 +144,15 @@ def check(code: int, err: str, what: str) -> None:
 )
 @given(mutations=st.lists(MUTATION, min_size=1, max_size=3), reseal=st.booleans())
 def test_mutated_run_files_never_give_a_traceback_a_write_outside_or_unbounded_memory(run, name, mutations, reseal):
-    home = Path(tempfile.mkdtemp(prefix="fuzz_"))
-    cwd, wandb_mode = os.getcwd(), os.environ.get("WANDB_MODE")
-    os.environ["WANDB_MODE"] = "disabled"  # (a config cut short falls back to log.wandb_mode: offline)
-    try:
-        victim = copy_run(run, home / "victim")
+    with sandbox(run) as (home, victim):
         for fallback in ("checkpoint.prev.pt", "env_state.prev.pkl"):  # the damaged file is the one read
             (victim / fallback).unlink()
-        (home / "keep.txt").write_text("the user's file")
         damage(victim / name, mutations, reseal)
-        os.chdir(home)  # a relative write would land here
-        commands = {
-            "evaluate": lambda: evaluate_main([str(victim), "--episodes", "1", "--num-envs", "1"]),
-            "init_from": lambda: train_main(
-                [*TINY, f"total_env_steps={BATCH}", f"init_from={victim}", f"run_dir={home / 'warm'}"]
-            ),
-            "resume": lambda: train_main(["--resume", str(victim)]),
-        }
-        for what, command in commands.items():
-            out, err = io.StringIO(), io.StringIO()
-            with (
-                address_space_limit(),
-                warnings.catch_warnings(),
-                contextlib.redirect_stdout(out),
-                contextlib.redirect_stderr(err),
-            ):
-                warnings.simplefilter("ignore")
-                code = command()
-            check(code, err.getvalue(), what)
-        assert sorted(p.name for p in home.iterdir()) in (["keep.txt", "victim"], ["keep.txt", "victim", "warm"])
-        assert (home / "keep.txt").read_text() == "the user's file"
-        assert all(not p.is_symlink() for p in home.rglob("*"))
+        for what, command in commands(home, victim).items():
+            code, err = quietly(command)
+            check(code, err, what)
+        check_nothing_outside(home)
         assert set(files_of(victim)) <= set(files_of(run)) | {".lock", "wandb_logged.json"}
-    finally:
-        os.chdir(cwd)
-        if wandb_mode is None:
-            del os.environ["WANDB_MODE"]
-        else:
-            os.environ["WANDB_MODE"] = wandb_mode
-        shutil.rmtree(home, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------- hostile config values
@@ -199,45 +222,15 @@ def _set(data: dict, dotted: str, value: object) -> None:
 def test_hostile_config_values_give_exit_0_or_one_line_and_change_nothing_outside(run, key, value):
     import yaml
 
-    home = Path(tempfile.mkdtemp(prefix="fuzz_cfg_"))
-    cwd, wandb_mode = os.getcwd(), os.environ.get("WANDB_MODE")
-    os.environ["WANDB_MODE"] = "disabled"
-    try:
-        victim = copy_run(run, home / "victim")
+    with sandbox(run) as (home, victim):
         data = yaml.safe_load((victim / "config.yaml").read_text().partition("\n")[2])
         _set(data, key, value)
         (victim / "config.yaml").write_text(yaml.safe_dump(data, sort_keys=False))  # a foreign config now
-        (home / "keep.txt").write_text("the user's file")
-        os.chdir(home)
-        commands = {
-            "evaluate": lambda: evaluate_main([str(victim), "--episodes", "1", "--num-envs", "1"]),
-            "init_from": lambda: train_main(
-                [*TINY, f"total_env_steps={BATCH}", f"init_from={victim}", f"run_dir={home / 'warm'}"]
-            ),
-            # (the budget pinned: a resume that is accepted trains one update, not for ever)
-            "resume": lambda: train_main(["--resume", str(victim), f"total_env_steps={3 * BATCH}"]),
-        }
-        for what, command in commands.items():
+        # (the budget pinned: a resume that is accepted trains one update, not for ever)
+        for what, command in commands(home, victim, f"total_env_steps={3 * BATCH}").items():
             before = files_of(victim)
-            out, err = io.StringIO(), io.StringIO()
-            with (
-                address_space_limit(),
-                warnings.catch_warnings(),
-                contextlib.redirect_stdout(out),
-                contextlib.redirect_stderr(err),
-            ):
-                warnings.simplefilter("ignore")
-                code = command()
-            check(code, err.getvalue(), f"{what} with {key}={value!r:.80}")
+            code, err = quietly(command)
+            check(code, err, f"{what} with {key}={value!r:.80}")
             if what == "resume" and code:
                 assert files_of(victim) == before, (key, value)  # a refused resume changes nothing
-        assert sorted(p.name for p in home.iterdir()) in (["keep.txt", "victim"], ["keep.txt", "victim", "warm"])
-        assert (home / "keep.txt").read_text() == "the user's file"
-        assert all(not p.is_symlink() for p in home.rglob("*"))
-    finally:
-        os.chdir(cwd)
-        if wandb_mode is None:
-            del os.environ["WANDB_MODE"]
-        else:
-            os.environ["WANDB_MODE"] = wandb_mode
-        shutil.rmtree(home, ignore_errors=True)
+        check_nothing_outside(home)

@@ -203,17 +203,14 @@ def _resumed_with_fresh_envs(victim: Path) -> None:
     assert len(notes) == 1 and "written for another run or env config" in notes[0], [str(w.message) for w in caught]
 
 
-def test_an_env_state_of_another_run_of_this_user_is_not_taken_when_a_checkpoint_names_it(run, tmp_path):
+@pytest.mark.parametrize(
+    "other_run",
+    [("seed=7",), ("env.kwargs={sutton_barto_reward: true}",)],
+    ids=["another-run-of-this-user", "other-env-kwargs"],
+)
+def test_an_env_state_of_another_run_or_other_envs_is_not_taken_when_a_checkpoint_names_it(run, tmp_path, other_run):
     other = tmp_path / "other"
-    assert train_main([*TINY, "total_env_steps=32", "seed=7", f"run_dir={other}"]) == 0
-    victim = copy_run(run, tmp_path / "victim")
-    _graft_env_state(victim, other)
-    _resumed_with_fresh_envs(victim)
-
-
-def test_an_env_state_of_other_env_kwargs_is_not_taken(run, tmp_path):
-    other = tmp_path / "other"
-    assert train_main([*TINY, "total_env_steps=32", "env.kwargs={sutton_barto_reward: true}", f"run_dir={other}"]) == 0
+    assert train_main([*TINY, "total_env_steps=32", *other_run, f"run_dir={other}"]) == 0
     victim = copy_run(run, tmp_path / "victim")
     _graft_env_state(victim, other)
     _resumed_with_fresh_envs(victim)
