@@ -67,6 +67,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "distributed.mixed_precision": (None, "bf16", "fp16"),
     "distributed.backend": ("auto", "gloo", "nccl"),
     "distributed.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
+    "distributed.collect_gathered": ("auto", "true", "false"),
 }
 
 #: Upper bounds on sizes. A config may come from someone else's run, and a size far past any

@@ -217,6 +217,10 @@ class DistributedConfig:
     """FSDP1 sharding: FULL_SHARD (parameters gathered per unit for each forward and backward) |
     SHARD_GRAD_OP (kept gathered from forward to backward) | HYBRID_SHARD (FULL_SHARD within a node of
     LOCAL_WORLD_SIZE ranks, replicated across nodes) | NO_SHARD (replicated, gradients all-reduced)"""
+    collect_gathered: str = "auto"
+    """collection under FSDP: true gathers the full parameters once per rollout, false gathers each unit
+    at every env step; auto gathers once when the full parameters fit half this rank's free memory
+    (docs/scaling.md). The choice is printed once"""
 
 
 @dataclass

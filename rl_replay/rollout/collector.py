@@ -10,6 +10,7 @@ output is exactly the bootstrap value ``V(final obs)`` a truncated step needs, s
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -88,6 +89,13 @@ class Collector:
             finished, so all ranks run the same number of (collective) forwards; a
             non-finite env output on one rank stops every rank at the same step instead of
             leaving the others waiting in their next forward's all-gather.
+        parameters: entered around each rollout (its forwards and the bootstrap value): under
+            FSDP, :func:`rl_replay.gathered.gathered` gathers the parameters once per rollout
+            instead of at every step (:func:`rl_replay.gathered.collection_plan` decides).
+        collective_forwards: whether every forward is a collective (FSDP gathering per step).
+            When it is not, a fixed-mode rollout syncs the ranks once, at its end, instead of
+            at every step: a rank whose env went non-finite stops there and every rank raises
+            at the end (episode mode still agrees at every step on when to stop).
     """
 
     def __init__(
@@ -101,6 +109,8 @@ class Collector:
         device: torch.device | str = "cpu",
         seed: int | None = None,
         reduce_sums: Callable[[dict[str, float]], dict[str, float]] | None = None,
+        parameters: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+        collective_forwards: bool = True,
     ) -> None:
         if mode not in ("fixed", "episode"):
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
@@ -113,6 +123,8 @@ class Collector:
         self.device = torch.device(device)
         self.seed = seed
         self.reduce_sums = reduce_sums
+        self.parameters = parameters
+        self.collective_forwards = collective_forwards
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
         self._to_tensor = obs_converter(envs.single_observation_space, self.device)
@@ -157,10 +169,11 @@ class Collector:
         ``log_prob``, ``entropy`` and ``value`` then stay attached to whatever graph it
         built. The collector itself never builds one.
         """
-        if forward is not None:
-            return self._collect(forward)
-        with torch.no_grad():
-            return self._collect(lambda inputs: self.policy.module(**inputs))
+        with self.parameters():
+            if forward is not None:
+                return self._collect(forward)
+            with torch.no_grad():
+                return self._collect(lambda inputs: self.policy.module(**inputs))
 
     def _collect(self, forward: Callable[[TensorDict], TensorDict]) -> Rollout:
         if self.mode == "episode":
@@ -176,6 +189,10 @@ class Collector:
         finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
         returns, lengths, successes = [], [], []
         env_steps = 0
+        # Under FSDP, ranks agree at every step while a rank stopping alone would strand the others
+        # in a collective; otherwise once, after the loop.
+        sync_each_step = self.reduce_sums is not None and (self.collective_forwards or self.mode == "episode")
+        problem = None
         for t in range(self.num_steps):
             inputs = self._block_inputs()
             out = forward(inputs)
@@ -214,19 +231,16 @@ class Collector:
             if self.mode == "episode":
                 finished |= done
             everyone_finished = self.mode == "episode" and bool(finished.all())
-            if self.reduce_sums is not None:
+            if sync_each_step:
                 # Under FSDP a rank that stopped alone (episode over, or bad env output) would
                 # leave the others waiting in their next forward's all-gather: decide together.
-                sums = self.reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})
-                if sums["bad"]:
-                    raise NonFiniteError(
-                        problem
-                        or f"environment '{self._env_id}' returned a non-finite "
-                        "value on another rank (its own error names it); every rank stops."
-                    )
+                sums = self.reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})  # type: ignore[misc]
+                self._raise_if_bad(sums, problem)
                 everyone_finished = self.mode == "episode" and not sums["unfinished"]
-            if everyone_finished:
+            if everyone_finished or problem:
                 break
+        if self.reduce_sums is not None and not sync_each_step:
+            self._raise_if_bad(self.reduce_sums({"bad": float(problem is not None)}), problem)
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
             bootstrap = self.policy.module(**self._block_inputs())["value"]
@@ -244,6 +258,14 @@ class Collector:
             data[key] = torch.as_tensor(np.stack(column), dtype=dtype, device=self.device)
         data["next_value"] = torch.cat([data["value"][1:].detach(), bootstrap.unsqueeze(0)])
         return Rollout(TensorDict(data, batch_size=[T, N]), start_state, env_steps, returns, lengths, successes)
+
+    def _raise_if_bad(self, sums: dict[str, float], problem: str | None) -> None:
+        if sums["bad"]:
+            raise NonFiniteError(
+                problem
+                or f"environment '{self._env_id}' returned a non-finite "
+                "value on another rank (its own error names it); every rank stops."
+            )
 
     # ------------------------------------------------------------------ resume
     def state_dict(self) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import random
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from rl_replay.config import Config, batch_size_per_rank, config_to_dict, num_up
 from rl_replay.contract import check_agent
 from rl_replay.engine import keep_freed_memory
 from rl_replay.errors import RunDirError, SetupError, one_line, shown
+from rl_replay.gathered import collection_plan
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run.interrupt import children_ignore_sigint
@@ -38,7 +40,14 @@ from rl_replay.run.logger import (
     wandb_preflight,
 )
 from rl_replay.run.trainer import Trainer
-from rl_replay.run.trainer_state import Progress, check_rng, load_trainer, read_trainer_state, restore_trainer_rng
+from rl_replay.run.trainer_state import (
+    Progress,
+    check_rng,
+    load_trainer,
+    read_trainer_state,
+    restore_trainer_rng,
+    world_change,
+)
 from rl_replay.rundir import trust
 from rl_replay.rundir.checkpoint import (
     finite_weights,
@@ -267,9 +276,13 @@ def _read_resume_state(
         print(f"warning: {warning}", file=sys.stderr, flush=True)
     _check_resume_config(cfg, state["config"], resume)
     try:
-        check_rng(state["rng"][info.rank], device)
+        if info.rank < state["world_size"]:  # a rank past the writer's has no saved streams
+            check_rng(state["rng"][info.rank], device)
     except ValueError as exc:
         raise SetupError(f"cannot resume {resume}: its checkpoint {ckpt} holds {exc}.") from None
+    change = world_change(state, info.world_size, resume)
+    if change and info.is_main:
+        print(change, flush=True)
     return state, ckpt
 
 
@@ -436,6 +449,21 @@ def _build_objects(
         def reduce_sums(values: dict[str, float]) -> dict[str, float]:
             return dist_utils.reduce_sums(values, device, info)
 
+    parameters: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    collective_forwards = True
+    if info.distributed:
+        d = cfg.distributed
+        plan = collection_plan(
+            model,
+            d.collect_gathered,
+            device=device,
+            mixed_precision=d.mixed_precision,
+            cpu_offload=d.cpu_offload,
+            agree=lambda ok: not dist_utils.any_rank(not ok, device, info),
+        )
+        parameters, collective_forwards = plan.context(model), not plan.gathered
+        if info.is_main:
+            print(plan.line, flush=True)
     collector = Collector(
         envs,
         model,
@@ -445,6 +473,8 @@ def _build_objects(
         device=device,
         seed=cfg.seed + 1000 * info.rank,
         reduce_sums=reduce_sums,
+        parameters=parameters,
+        collective_forwards=collective_forwards,
     )
     check_agent(model, collector.policy.agent, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
     # Every optimizer step of the algorithm passes through these non-finite checks.

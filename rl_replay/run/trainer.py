@@ -20,7 +20,7 @@ from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.algorithms.base import Algorithm
 from rl_replay.algorithms.schedules import entropy_coef_at
-from rl_replay.config import Config, num_updates
+from rl_replay.config import Config, batch_size_per_rank, num_updates
 from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
 from rl_replay.run.interrupt import StopOnSignal
@@ -150,7 +150,10 @@ class Trainer:
     def budget_used(self) -> float:
         """The fraction of the run done before the next update, in [0, 1): the lr schedule's clock."""
         if self.num_updates is not None:
-            return self.update / self.num_updates
+            # update / num_updates while the world size stays; counted in env steps, so a run
+            # resumed on another number of ranks keeps its place on the clock.
+            per_update = batch_size_per_rank(self.cfg) * self.info.world_size
+            return min(self.env_steps / (self.num_updates * per_update), 1.0)
         return self.env_steps / self.cfg.total_env_steps
 
     def step(self) -> dict[str, float]:
@@ -174,6 +177,7 @@ class Trainer:
             info=self.info,
         )
         self.env_steps += steps
+        metrics["run/world_size"] = float(self.info.world_size)  # where a resume changed it, the row says so
         if cfg.loss.entropy_schedule != "constant":
             metrics["train/entropy_coef"] = self.algorithm.entropy_coef
         every = cfg.log.horizon_every

@@ -20,7 +20,11 @@ numbers and JSON only, nothing that runs code when read):
 ``recent_returns`` list indexed by rank: each rank's recent episode returns.
 ``env_state``      sha256 of the ``env_state.pkl`` payload written with it (None: no env pickles).
 ``update``, ``env_steps``, ``wandb_id``, ``config``, ``config_sha256``
-``world_size``     number of processes that wrote it; a resume needs the same.
+``world_size``     number of processes that wrote it. A resume on another number (one process, or
+                   any number of torchrun ranks) loads the full weights and optimizer state
+                   resharded for its own ranks; rank r < ``world_size`` continues rank r's
+                   collector, envs, recent returns and RNG streams, a rank past them starts fresh
+                   episodes with streams from the run's seed and its rank (:func:`world_change`).
 =================  ==============================================================
 
 Saving is collective (every rank calls :func:`save_trainer`); rank 0 gathers and writes,
@@ -50,7 +54,7 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
-from rl_replay.errors import CheckpointError, SetupError, one_line, shown
+from rl_replay.errors import CheckpointError, one_line, shown
 from rl_replay.rundir import trust
 from rl_replay.rundir.checkpoint import (
     checkpoint_path,
@@ -70,7 +74,7 @@ __all__ = [
     "load_trainer",
     "Progress",
     "restore_trainer_rng",
-    "check_world_size",
+    "world_change",
     "capture_rng",
     "restore_rng",
     "check_rng",
@@ -207,15 +211,29 @@ def save_trainer(trainer) -> Path:
     return path
 
 
-def check_world_size(state: dict[str, Any], world_size: int, where: str | Path) -> None:
-    """Raise SetupError unless the checkpoint was written by ``world_size`` processes."""
-    saved = int(state.get("world_size", 1))
-    if saved != world_size:
-        raise SetupError(
-            f"cannot resume {where}: its checkpoint was written with world size {saved} but this "
-            f"run has world size {world_size}. Resume with the same number of processes "
-            f"({'a single process' if saved == 1 else f'torchrun with {saved} processes in all, e.g. --nproc_per_node={saved}'})."
-        )
+def world_change(state: dict[str, Any], world_size: int, where: str | Path) -> str | None:
+    """The line a resume prints when ``state`` was written by another number of processes than
+    ``world_size`` (None when it was not): what is resharded, what continues, what starts fresh."""
+    saved = int(state["world_size"])
+    if saved == world_size:
+        return None
+    kept = min(saved, world_size)
+    ranks = "rank 0" if kept == 1 else f"ranks 0-{kept - 1}"
+    if world_size > saved:
+        new = f"rank {saved}" if world_size - saved == 1 else f"ranks {saved}-{world_size - 1}"
+        rest = f"; {new} start fresh episodes with RNG streams from the run's seed and their rank"
+    else:
+        gone = f"rank {world_size}'s" if saved - world_size == 1 else f"ranks {world_size}-{saved - 1}'s"
+        rest = f"; {gone} envs end here (their unfinished episodes are not counted)"
+    return (
+        f"resuming {where} on {_processes(world_size)}; its checkpoint was written by {_processes(saved)}: "
+        f"weights and optimizer state resharded, {ranks} continue their envs and RNG streams{rest}; "
+        f"update {state['update']}, {state['env_steps']} env steps so far"
+    )
+
+
+def _processes(n: int) -> str:
+    return "one process" if n == 1 else f"{n} ranks"
 
 
 # What each command needs of a checkpoint (checked before anything is built from it).
@@ -252,12 +270,14 @@ def read_trainer_state(directory: RunDirectory, info, binding: bytes) -> tuple[d
     if wandb_id is not None and not (isinstance(wandb_id, str) and wandb_id.isalnum() and len(wandb_id) <= 64):
         # wandb names files and directories after the id: it must not be a path.
         raise CheckpointError(f"checkpoint {path} holds wandb_id {shown(wandb_id)}, which is not a wandb run id.")
-    check_world_size(state, info.world_size, path)
+    saved_world = state["world_size"]
+    if saved_world < 1:
+        raise CheckpointError(f"checkpoint {path} was written by world size {saved_world}, which no run has.")
     for key in ("collector", "rng", "recent_returns"):
-        if not isinstance(state[key], list) or len(state[key]) != info.world_size:
+        if not isinstance(state[key], list) or len(state[key]) != saved_world:
             raise CheckpointError(
                 f"checkpoint {path} holds {key!r} for {len(state[key]) if isinstance(state[key], list) else 'no'} "
-                f"ranks, not one per rank of its world size {info.world_size}."
+                f"ranks, not one per rank of its world size {saved_world}."
             )
     if not all(isinstance(c, dict) for c in state["collector"]):
         raise CheckpointError(f"checkpoint {path} holds a collector state that is not a table.")
@@ -266,7 +286,7 @@ def read_trainer_state(directory: RunDirectory, info, binding: bytes) -> tuple[d
         raise CheckpointError(f"checkpoint {path} holds recent returns that are not lists of numbers.")
     digest = state.get("env_state")
     found = directory.env_state(digest, trust.user_secret(), binding) if digest else None
-    usable = found is not None and found.pickles is not None and len(found.pickles) == info.world_size
+    usable = found is not None and found.pickles is not None and len(found.pickles) == saved_world
     if info.distributed:  # every rank resumes its envs, or none does
         import torch.distributed as dist
 
@@ -308,17 +328,18 @@ def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, w
     The RNG streams are restored separately (:func:`restore_trainer_rng`), last.
     """
     model, optimizer = algorithm.model, algorithm.optimizer
-    check_world_size(state, info.world_size, where)
     if _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        # Every rank holds the full state (it read the file), so no rank0_only broadcast.
+        # Every rank holds the full state (it read the file), so no rank0_only broadcast; FSDP
+        # shards it for this run's ranks, however many wrote it.
         with _full_state_dict_type(model, device, rank0_only=False):
             model.load_state_dict(state["agent"])
-            optim_state = FSDP.optim_state_dict_to_load(model, optimizer, state["optimizer"])
+            saved = _optimizer_state_by_name(model, state["optimizer"])
+            optim_state = FSDP.optim_state_dict_to_load(model, optimizer, saved)
     else:
         model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
-        optim_state = state["optimizer"]
+        optim_state = _optimizer_state_by_index(model, state["optimizer"])
     problem = optimizer_state_problem(optimizer, optim_state)
     if problem is not None:
         raise CheckpointError(
@@ -326,8 +347,58 @@ def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, w
             f"{type(optimizer).__name__} ({problem}); resume with the optimizer that wrote it, or start a new run."
         )
     optimizer.load_state_dict(optim_state)
+    if info.rank >= state["world_size"]:  # a rank the writer did not have: fresh episodes (world_change)
+        return Progress(state["update"], state["env_steps"], [])
     algorithm.collector.load_state_dict(_map_tensors(state["collector"][info.rank], device))
     return Progress(state["update"], state["env_steps"], list(state["recent_returns"][info.rank]))
+
+
+def _parameter_names(model: torch.nn.Module) -> list[str]:
+    """``model``'s parameter names in the optimizer's order, as a plain agent names them."""
+    return [name.replace("_fsdp_wrapped_module.", "") for name, _ in model.named_parameters()]
+
+
+def _optimizer_state_by_name(model: torch.nn.Module, saved: Any) -> Any:
+    """A one-process optimizer state (keyed by parameter index) keyed by parameter name, as
+    ``FSDP.optim_state_dict`` writes it; a state keyed by name already is returned as it is."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        return saved  # optimizer_state_problem names what is wrong
+    if not any(isinstance(k, int) for k in saved["state"]) and not _groups_hold(saved, int):
+        return saved
+    return _renamed(saved, dict(enumerate(_parameter_names(model))))
+
+
+def _optimizer_state_by_index(model: torch.nn.Module, saved: Any) -> Any:
+    """An FSDP run's full optimizer state (keyed by parameter name) keyed by the index of
+    ``model``'s parameter, as ``optimizer.state_dict()`` keys it; an index-keyed state is
+    returned as it is."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
+        return saved
+    if not any(isinstance(k, str) for k in saved["state"]) and not _groups_hold(saved, str):
+        return saved
+    return _renamed(saved, {n: i for i, n in enumerate(_parameter_names(model))})
+
+
+def _groups_hold(saved: dict, kind: type) -> bool:
+    groups = saved.get("param_groups")
+    return isinstance(groups, list) and any(
+        isinstance(g, dict) and isinstance(g.get("params"), list) and any(isinstance(p, kind) for p in g["params"])
+        for g in groups
+    )
+
+
+def _renamed(saved: dict, names: dict) -> dict:
+    """``saved`` with its parameter keys mapped through ``names``; a key it has no name for is
+    kept as it is (the optimizer state check then names it)."""
+    groups = saved.get("param_groups")
+    if isinstance(groups, list):
+        groups = [
+            {**g, "params": [names.get(p, p) if isinstance(p, (int, str)) else p for p in g["params"]]}
+            if isinstance(g, dict) and isinstance(g.get("params"), list)
+            else g
+            for g in groups
+        ]
+    return {**saved, "state": {names.get(k, k): v for k, v in saved["state"].items()}, "param_groups": groups}
 
 
 def _kind(value: Any) -> str:
@@ -399,8 +470,10 @@ def optimizer_state_problem(optimizer: torch.optim.Optimizer, saved: Any) -> str
 
 
 def restore_trainer_rng(state: dict[str, Any], info, device: torch.device) -> None:
-    """Set this rank's RNG streams from ``state`` (call it after everything else is set up)."""
-    restore_rng(state["rng"][info.rank], device)
+    """Set this rank's RNG streams from ``state`` (call it after everything else is set up); a rank
+    past the writer's keeps the streams it was seeded with (the run's seed and its rank)."""
+    if info.rank < state["world_size"]:
+        restore_rng(state["rng"][info.rank], device)
 
 
 # ------------------------------------------------------------------------------ RNG state

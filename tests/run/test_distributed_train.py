@@ -13,7 +13,9 @@ the agent from the same rollout (rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import os
 import subprocess
@@ -24,7 +26,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from _dist import free_port, run_ranks
+from _dist import _CountGathers, free_port, run_ranks
 from conftest import assert_grads_match, collect_replayed
 from tensordict import TensorDict
 
@@ -68,24 +70,36 @@ def clean_name(name: str) -> str:
 
 # --------------------------------------------------------------------- gradient parity
 PARITY_AGENTS = {
-    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"], "FULL_SHARD"),
-    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "FULL_SHARD"),
+    "mlp": ("mlp", {"hidden_sizes": [32, 32]}, ["Linear"], "FULL_SHARD", False),
+    "gru": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "FULL_SHARD", False),
     "transformer": (
         "transformer",
         {"d_model": 16, "num_layers": 2, "num_heads": 2, "ff_mult": 2, "context": 2},
         ["TransformerEncoderLayer"],
         "FULL_SHARD",
+        False,
     ),
     # distributed.sharding_strategy: the parameters kept gathered between forward and backward,
     # or never sharded (gradients all-reduced)
-    "gru-SHARD_GRAD_OP": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "SHARD_GRAD_OP"),
+    "gru-SHARD_GRAD_OP": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "SHARD_GRAD_OP", False),
     "gtrxl-SHARD_GRAD_OP": (
         "gtrxl",
         {"d_model": 16, "num_layers": 2, "num_heads": 2, "window": 4, "encoder_sizes": [16]},
         ["WindowLayer"],
         "SHARD_GRAD_OP",
+        False,
     ),
-    "gru-NO_SHARD": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "NO_SHARD"),
+    "gru-NO_SHARD": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "NO_SHARD", False),
+    # distributed.collect_gathered: the replay blocks' forwards run on parameters gathered once for
+    # the rollout; their backwards recompute through FSDP's own forward
+    "gru-gathered": ("gru", {"hidden_size": 24, "encoder_sizes": [24]}, ["Linear"], "FULL_SHARD", True),
+    "gtrxl-gathered": (
+        "gtrxl",
+        {"d_model": 16, "num_layers": 2, "num_heads": 2, "window": 4, "encoder_sizes": [16]},
+        ["WindowLayer"],
+        "FULL_SHARD",
+        True,
+    ),
 }
 PARITY_STEPS, PARITY_ENVS = 24, 4
 
@@ -100,6 +114,7 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from rl_replay.algorithms.losses import total_loss
     from rl_replay.config import Config
     from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.gathered import gathered
     from rl_replay.rollout.collector import Collector
     from rl_replay.rollout.environment import make_vector_env
 
@@ -107,7 +122,7 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     assert (info.rank, info.world_size) == (rank, world_size)
     cfg = Config()
     results = {}
-    for name, (target, kwargs, wrap, strategy) in PARITY_AGENTS.items():
+    for name, (target, kwargs, wrap, strategy, gather_once) in PARITY_AGENTS.items():
         envs = make_vector_env("CartPole-v1", PARITY_ENVS)
         torch.manual_seed(0)  # identical initialisation on every rank
         agent = build_agent(target, kwargs, envs.single_observation_space, envs.single_action_space)
@@ -117,8 +132,10 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         assert model.sharding_strategy is ShardingStrategy[strategy]
         assert len(FSDP.fsdp_modules(model)) > 1, "auto-wrap made no inner units"
         torch.manual_seed(1 + rank)  # action sampling differs per rank
-        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank)
-        rollout, accumulator = collect_replayed(collector)
+        parameters = functools.partial(gathered, model) if gather_once else contextlib.nullcontext
+        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank, parameters=parameters)
+        with _CountGathers() as collection:
+            rollout, accumulator = collect_replayed(collector)
         total_loss(A2C.loss(rollout.data, cfg)).backward()
         assert accumulator.blocks_replayed == PARITY_STEPS
         with FSDP.summon_full_params(model, with_grads=True):
@@ -144,7 +161,34 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
                 "per_rank": per_rank,
                 "first_obs": first_obs,
                 "episodes_started": episodes_started,
+                "collection_gathers": collection.calls,
+                "units": sum(unit._handle is not None for unit in FSDP.fsdp_modules(model)),  # with parameters
             }
+    # PPO's collection (no graph, rows stored): the same rollout whether the parameters are gathered
+    # per step or once for the rollout, from the same seeds.
+    envs = make_vector_env("CartPole-v1", PARITY_ENVS)
+    target, kwargs, wrap, _, _ = PARITY_AGENTS["gtrxl-gathered"]
+    torch.manual_seed(0)
+    agent = build_agent(target, kwargs, envs.single_observation_space, envs.single_action_space)
+    model = wrap_fsdp(agent, device, wrap_modules=wrap)
+    stored = {}
+    for gather_once in (False, True):
+        parameters = functools.partial(gathered, model) if gather_once else contextlib.nullcontext
+        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=7 + 1000 * rank, parameters=parameters)
+        torch.manual_seed(3 + rank)
+        with _CountGathers() as collection:
+            rollout = collector.collect()
+        stored[gather_once] = (rollout.data, collection.calls)
+    envs.close()
+    results["stored"] = {
+        "equal": all(
+            torch.equal(stored[False][0][k], stored[True][0][k])
+            for k in stored[False][0].keys(include_nested=True, leaves_only=True)
+        ),
+        "gathers": (stored[False][1], stored[True][1]),
+        "units": sum(unit._handle is not None for unit in FSDP.fsdp_modules(model)),
+        "forward_restored": all("forward" not in vars(unit) for unit in FSDP.fsdp_modules(model)),
+    }
     if rank == 0:
         torch.save(results, Path(out_dir) / "parity.pt")
 
@@ -165,6 +209,22 @@ def test_fsdp_gradient_is_the_mean_of_single_process_gradients(parity_results, a
     assert differs, "both ranks produced the same gradient: the parity check would be vacuous"
     assert r["episodes_started"] > 0, "no episode boundary inside the rollout"
     assert_grads_match(r["fsdp"], r["mean"], f"fsdp-{agent}", rtol=1e-5, atol=1e-6)
+    if PARITY_AGENTS[agent][4]:
+        # one all-gather per unit for the whole rollout (the replay blocks' forwards and the bootstrap value)
+        assert r["collection_gathers"] == r["units"]
+    elif PARITY_AGENTS[agent][3] == "FULL_SHARD":
+        # the control: every forward gathers again (PARITY_STEPS blocks and the bootstrap value; FSDP
+        # keeps only the root unit gathered after its forward)
+        assert r["collection_gathers"] >= (r["units"] - 1) * (PARITY_STEPS + 1) + 1 > r["units"]
+
+
+def test_stored_collection_gathered_once_is_the_same_rollout(parity_results):
+    r = parity_results["stored"]
+    assert r["equal"], "collection on parameters gathered once gave another rollout than per-step gathers"
+    per_step, once = r["gathers"]
+    # at most once per unit (FSDP may have left the root unit gathered after the earlier rollout)
+    assert 0 < once <= r["units"] and per_step >= (r["units"] - 1) * (PARITY_STEPS + 1)
+    assert r["forward_restored"], "a unit kept the collection's forward after the rollout"
 
 
 # ------------------------------------------------------- build(), checkpoint, exact resume
@@ -415,13 +475,13 @@ def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return proc
 
 
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
+def _torchrun(*args: str, nproc: int = 2) -> subprocess.CompletedProcess:
     return _run(
         [
             sys.executable,
             "-m",
             "torch.distributed.run",
-            "--nproc_per_node=2",
+            f"--nproc_per_node={nproc}",
             f"--master_port={free_port()}",
             "scripts/train.py",
             *args,
@@ -433,9 +493,54 @@ def _updates(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _full_optimizer_state(model, optimizer) -> dict:
+    """``optimizer``'s state keyed by clean parameter name, whole (gathered under FSDP)."""
+    from rl_replay.run.trainer_state import _full_state_dict_type, _is_fsdp
+
+    if _is_fsdp(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with _full_state_dict_type(model, torch.device("cpu"), rank0_only=False):
+            return FSDP.optim_state_dict(model, optimizer)["state"]
+    names = [clean_name(n) for n, _ in model.named_parameters()]
+    return {names[i]: entry for i, entry in optimizer.state_dict()["state"].items()}
+
+
+def _check_loaded(trainer, checkpoint: dict) -> None:
+    """The resumed weights and optimizer state equal the checkpoint's, parameter by parameter."""
+    from rl_replay.run.trainer_state import _is_fsdp, _optimizer_state_by_name
+
+    model = trainer.model
+    if _is_fsdp(model):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        with FSDP.summon_full_params(model):
+            weights = {clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert weights and all(torch.equal(w, checkpoint["agent"][n]) for n, w in weights.items())
+    loaded = _full_optimizer_state(model, trainer.optimizer)
+    saved = _optimizer_state_by_name(model, checkpoint["optimizer"])["state"]
+    assert sorted(loaded) == sorted(saved) == sorted(weights)
+    for name, entry in saved.items():
+        for key, value in entry.items():
+            assert torch.equal(torch.as_tensor(loaded[name][key]).cpu(), torch.as_tensor(value)), (name, key)
+
+
+def _resume_worker(rank: int, world_size: int, run_dir: str, total: int) -> None:
+    """Resume a run on ``world_size`` ranks: the loaded state is checked, then it trains to ``total``."""
+    from rl_replay.run.setup import build
+    from rl_replay.rundir.checkpoint import load_checkpoint
+
+    trainer = build(resume=run_dir, overrides=[f"total_env_steps={total}"])
+    _check_loaded(trainer, load_checkpoint(Path(run_dir)))
+    trainer.train()
+
+
 @pytest.mark.slow
-def test_torchrun_train_resume_evaluate(tmp_path):
-    from rl_replay.errors import SetupError
+def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
+    """2 ranks -> one process -> 2 ranks -> 3 ranks, one run: each resume loads the weights and
+    optimizer state resharded, says what changed, and training reaches total_env_steps."""
     from rl_replay.run.setup import build
     from rl_replay.rundir.checkpoint import load_checkpoint
 
@@ -443,24 +548,39 @@ def test_torchrun_train_resume_evaluate(tmp_path):
     common = ["log.progress=false", "log.wandb_mode=disabled"]
     first = _torchrun("--config", str(MLP_CPU_CONFIG), f"run_dir={run_dir}", "total_env_steps=1024", *common)
     assert first.stderr.count("run directory:") == 1  # only rank 0 prints
+    assert first.stdout.count("collection: parameters gathered once per rollout") == 1
     lines = _updates(run_dir)
     assert [x["update"] for x in lines] == [1, 2, 3, 4]  # one writer: one line per update
     assert [x["env_steps"] for x in lines] == [256, 512, 768, 1024]  # summed over both ranks
     state = load_checkpoint(run_dir)
     assert (state["update"], state["env_steps"], state["world_size"]) == (4, 1024, 2)
 
-    # A checkpoint of 2 processes cannot be resumed by 1: a clear error naming both sizes.
-    with pytest.raises(SetupError, match="world size 2 .* world size 1"):
-        build(resume=run_dir)
-
-    second = _torchrun("--resume", str(run_dir), "total_env_steps=1536")
-    assert "finished 6 updates, 1536 env steps" in second.stderr
+    # 2 ranks -> one process: the weights and optimizer state are the checkpoint's, whole
+    trainer = build(resume=run_dir, overrides=["total_env_steps=1536"])
+    try:
+        _check_loaded(trainer, state)
+        assert trainer.budget_used() == pytest.approx(1024 / 1536)  # the lr clock keeps its place
+    finally:
+        trainer.close()
+    said = capsys.readouterr().out
+    assert f"resuming {run_dir} on one process; its checkpoint was written by 2 ranks" in said
+    assert "rank 1's envs end here" in said
+    second = _run([sys.executable, "scripts/train.py", "--resume", str(run_dir), "total_env_steps=1536"])
+    assert "finished 8 updates, 1536 env steps" in second.stderr
+    # one process -> 2 ranks (in processes of this test, the loaded state checked on every rank)
+    run_ranks(_resume_worker, str(run_dir), 2048)
+    # 2 ranks -> 3 ranks
+    third = _torchrun("--resume", str(run_dir), "total_env_steps=2816", nproc=3)
+    assert "on 3 ranks; its checkpoint was written by 2 ranks" in third.stdout
+    assert "rank 2 start fresh episodes" in third.stdout
     lines = _updates(run_dir)
-    assert [x["update"] for x in lines] == [1, 2, 3, 4, 5, 6]
-    assert load_checkpoint(run_dir)["update"] == 6
+    assert [x["update"] for x in lines] == list(range(1, 13))  # no row lost or written twice
+    assert [x["env_steps"] for x in lines] == [256, 512, 768, 1024, 1152, 1280, 1408, 1536, 1792, 2048, 2432, 2816]
+    assert [x["run/world_size"] for x in lines] == [2] * 4 + [1] * 4 + [2] * 2 + [3] * 2
+    assert load_checkpoint(run_dir)["world_size"] == 3
 
     evaluation = _run([sys.executable, "scripts/evaluate.py", str(run_dir), "--episodes", "3"])
-    assert "over 3 episodes (checkpoint update 6, 1536 env steps)" in evaluation.stdout
+    assert "over 3 episodes (checkpoint update 12, 2816 env steps)" in evaluation.stdout
 
 
 # ------------------------------------------------------------- signals under torchrun

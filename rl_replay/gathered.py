@@ -1,0 +1,158 @@
+"""FSDP1 parameters gathered once for a stretch of no-grad forwards (a rollout's collection).
+
+Every forward of an FSDP1 unit all-gathers its parameters and, under ``FULL_SHARD`` and
+``HYBRID_SHARD``, frees them again afterwards. Collection runs the policy once per env step, so a
+rollout of T steps gathers every unit T times, though the parameters do not change until the
+update. :func:`gathered` gathers each unit once (``FSDP.summon_full_params``) and, while it is
+entered, calls every unit's wrapped module directly, so no forward gathers again. Nothing is
+written back and the full parameters are freed on exit. Only forwards without a graph belong
+inside: a replay block's forward is one (its backward, later, recomputes through FSDP's own
+forward); an update's forward is not.
+
+:func:`collection_plan` decides whether a run collects this way (``distributed.collect_gathered``):
+``auto`` gathers when the full parameters fit the budget; every rank takes the same decision,
+since gathering is collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rl_replay.errors import SetupError
+
+__all__ = ["CollectionPlan", "collection_plan", "gathered", "fsdp_units_of", "full_parameter_bytes"]
+
+
+def fsdp_units_of(model: nn.Module) -> list[Any]:
+    """The FSDP1 units inside ``model`` (itself included); empty when nothing is wrapped."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return [m for m in model.modules() if isinstance(m, FSDP)]
+
+
+def full_parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters when every unit is gathered (each parameter counted whole)."""
+    total = 0
+    for unit in fsdp_units_of(model):
+        if unit._handle is not None:
+            flat = unit._handle.flat_param
+            total += sum(flat._numels) * flat.element_size()
+    if not total:  # not wrapped: the parameters are whole already
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total
+
+
+@contextlib.contextmanager
+def gathered(model: nn.Module) -> Iterator[None]:
+    """Gather every FSDP1 unit of ``model`` once; inside, calls run the wrapped modules directly.
+
+    For forwards under ``torch.no_grad`` (or inside a replay block's forward). The module's own
+    hooks still run; FSDP's per-forward gather does not. Collective: enter it on every rank.
+    Outside FSDP it does nothing.
+    """
+    units = fsdp_units_of(model)
+    if not units:
+        yield
+        return
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model, writeback=False, recurse=True):
+        for unit in units:
+            # An instance attribute shadows FSDP.forward for this unit only; nn.Module's call
+            # (and its hooks) still wraps it, and the wrapped module's own call runs its hooks.
+            # Set past nn.Module.__setattr__, which would register a module as a child.
+            # Removed below, whatever happens inside.
+            object.__setattr__(unit, "forward", unit._fsdp_wrapped_module.__call__)
+        try:
+            yield
+        finally:
+            for unit in units:
+                vars(unit).pop("forward", None)
+
+
+@dataclass(frozen=True)
+class CollectionPlan:
+    """How a run's collection reaches the parameters, and the one line that says so."""
+
+    gathered: bool
+    line: str
+
+    def context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        """What the collector enters around each rollout."""
+        if self.gathered:
+            return lambda: gathered(model)
+        return contextlib.nullcontext
+
+
+def _budget(device: torch.device) -> tuple[int, str]:
+    """Half the memory this rank can still have: free GPU memory on CUDA, else the machine's
+    available memory shared by the ranks on this node."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2, "half the free GPU memory"
+    import psutil
+
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return psutil.virtual_memory().available // (2 * local), "half this rank's share of the available memory"
+
+
+def collection_plan(
+    model: nn.Module,
+    setting: str,
+    *,
+    device: torch.device,
+    mixed_precision: str | None = None,
+    cpu_offload: bool = False,
+    agree: Callable[[bool], bool] = lambda ok: ok,
+) -> CollectionPlan:
+    """Decide ``distributed.collect_gathered`` (``auto``, ``true`` or ``false``) for ``model``.
+
+    ``true`` where it cannot be served raises a :class:`~rl_replay.errors.SetupError` (one line
+    saying why); ``auto`` gathers when the full parameters fit :func:`_budget`. ``agree`` turns
+    this rank's answer into every rank's (true only if true on all), so no rank gathers alone.
+    """
+    units = fsdp_units_of(model)
+    if not units:
+        return CollectionPlan(False, "collection: one process, the parameters are whole")
+    from torch.distributed.fsdp import ShardingStrategy
+
+    if all(unit.sharding_strategy == ShardingStrategy.NO_SHARD for unit in units):
+        return CollectionPlan(False, "collection: NO_SHARD keeps the parameters whole on every rank, nothing to gather")
+    refusal = None
+    if mixed_precision:
+        refusal = (
+            f"distributed.mixed_precision={mixed_precision} casts the parameters in FSDP's own forward, "
+            "which gathered collection skips (its log-probs would not be the update's)"
+        )
+    elif cpu_offload:
+        refusal = "distributed.cpu_offload keeps the full parameters off the GPU"
+    if refusal:
+        if setting == "true":
+            raise SetupError(f"distributed.collect_gathered=true is not served: {refusal}. Use auto or false.")
+        return CollectionPlan(False, f"collection: each unit gathered per step ({refusal})")
+    if setting == "false":
+        return CollectionPlan(False, "collection: each unit gathered per step (distributed.collect_gathered=false)")
+    need = full_parameter_bytes(model)
+    mib = need / 2**20
+    if setting == "true":
+        return CollectionPlan(True, f"collection: parameters gathered once per rollout ({mib:.1f} MiB in full)")
+    budget, what = _budget(device)
+    ok = agree(need <= budget)
+    if ok:
+        return CollectionPlan(
+            True, f"collection: parameters gathered once per rollout ({mib:.1f} MiB in full, within {what})"
+        )
+    return CollectionPlan(
+        False, f"collection: each unit gathered per step (the full parameters, {mib:.1f} MiB, exceed {what} on a rank)"
+    )
