@@ -71,6 +71,11 @@ class Rollout:
     episode_successes: list[float] = field(default_factory=list)
 
 
+#: Under FSDP with collection on gathered parameters, episode mode checks whether every rank's
+#: episodes have ended once per this many steps (:class:`Collector`, ``collective_forwards``).
+EPISODE_SYNC_STEPS = 16
+
+
 class Collector:
     """Runs ``agent`` in ``envs`` for one rollout at a time; never sees losses or optimizers.
 
@@ -93,9 +98,11 @@ class Collector:
             FSDP, :func:`rl_replay.gathered.gathered` gathers the parameters once per rollout
             instead of at every step (:func:`rl_replay.gathered.collection_plan` decides).
         collective_forwards: whether every forward is a collective (FSDP gathering per step).
-            When it is not, a fixed-mode rollout syncs the ranks once, at its end, instead of
-            at every step: a rank whose env went non-finite stops there and every rank raises
-            at the end (episode mode still agrees at every step on when to stop).
+            When it is not, the ranks sync less often than every step (a collective at every
+            step holds every rank to the slowest one's pace): a fixed-mode rollout once, at its
+            end; an episode-mode rollout every :data:`EPISODE_SYNC_STEPS` steps, so it may run
+            up to that many steps past its last episode's end (rows marked invalid). A rank
+            whose env went non-finite stops there and joins the next sync, where every rank raises.
     """
 
     def __init__(
@@ -189,9 +196,13 @@ class Collector:
         finished = np.zeros(N, dtype=bool)  # episode mode: env already ended its episode
         returns, lengths, successes = [], [], []
         env_steps = 0
-        # Under FSDP, ranks agree at every step while a rank stopping alone would strand the others
-        # in a collective; otherwise once, after the loop.
-        sync_each_step = self.reduce_sums is not None and (self.collective_forwards or self.mode == "episode")
+        # Under FSDP ranks agree on stopping at every step while each forward is a collective (a rank
+        # stopping alone would strand the others in it); otherwise every EPISODE_SYNC_STEPS steps
+        # in episode mode, and once, after the loop, in fixed mode. The sync steps are the same on
+        # every rank, and a rank that stops early joins the next one.
+        distributed = self.reduce_sums is not None
+        every = 1 if self.collective_forwards else EPISODE_SYNC_STEPS if self.mode == "episode" else None
+        synced = True
         problem = None
         for t in range(self.num_steps):
             inputs = self._block_inputs()
@@ -231,16 +242,15 @@ class Collector:
             if self.mode == "episode":
                 finished |= done
             everyone_finished = self.mode == "episode" and bool(finished.all())
-            if sync_each_step:
-                # Under FSDP a rank that stopped alone (episode over, or bad env output) would
-                # leave the others waiting in their next forward's all-gather: decide together.
+            synced = not distributed
+            if distributed and (problem or (every is not None and (t + 1) % every == 0)):
                 sums = self.reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})  # type: ignore[misc]
                 self._raise_if_bad(sums, problem)
-                everyone_finished = self.mode == "episode" and not sums["unfinished"]
-            if everyone_finished or problem:
+                everyone_finished, synced = self.mode == "episode" and not sums["unfinished"], True
+            if everyone_finished and synced:
                 break
-        if self.reduce_sums is not None and not sync_each_step:
-            self._raise_if_bad(self.reduce_sums({"bad": float(problem is not None)}), problem)
+        if not synced:  # the last sync: the rollout ended between sync steps (or fixed mode's only one)
+            self._raise_if_bad(self.reduce_sums({"bad": 0.0, "unfinished": 0.0}), None)  # type: ignore[misc]
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
             bootstrap = self.policy.module(**self._block_inputs())["value"]

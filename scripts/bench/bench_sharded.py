@@ -28,6 +28,11 @@ Usage::
     python scripts/bench/bench_sharded.py                     # T = 258 1026 4098
     python scripts/bench/bench_sharded.py --T 1026 --envs 8 --methods rl_replay
     python scripts/bench/bench_sharded.py --smoke             # a small agent, T = 18
+    python scripts/bench/bench_sharded.py --T 1026 --methods rl_replay \
+        --strategies FULL_SHARD SHARD_GRAD_OP NO_SHARD           # one row per sharding strategy
+
+Each rl_replay row also counts FSDP1's parameter all-gathers during the measured forward and
+backward (``all-gathers``), per rank.
 """
 
 from __future__ import annotations
@@ -75,7 +80,11 @@ def worker(spec: dict) -> dict:
     num_params = sum(t.numel() for t in agent.parameters())
     # Plain autograd cannot run this FSDP1 module: the agent's TensorDict outputs bypass FSDP1's
     # backward hooks (the replay engine registers them itself), so its row is the unwrapped agent.
-    model = wrap_fsdp(agent, device, wrap_modules=["WindowLayer"]) if spec["method"] == "rl_replay" else agent
+    model = (
+        wrap_fsdp(agent, device, wrap_modules=["WindowLayer"], sharding_strategy=spec["strategy"])
+        if spec["method"] == "rl_replay"
+        else agent
+    )
     policy = Policy.of(model)
     T, B, k = spec["T"], spec["envs"], spec["block_steps"]
 
@@ -117,17 +126,41 @@ def worker(spec: dict) -> dict:
     data = rollout(T)
     meter = MemoryMeter(device)
     meter.start()
+    gathers = count_gathers()
     t0 = time.perf_counter()
     acc = step(data, spec["method"])
     seconds = time.perf_counter() - t0
     peak = meter.peak_rss_growth()
+    gathers.stop()
     return {
         "rank": info.rank,
         "seconds": seconds,
         "peak_growth": peak,
         "saved_bytes": acc.saved_bytes if spec["method"] == "rl_replay" else None,
         "num_params": num_params,
+        "all_gathers": gathers.calls,
     }
+
+
+class count_gathers:
+    """Counts FSDP1's parameter all-gathers until :meth:`stop`."""
+
+    def __init__(self) -> None:
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+        self.calls, self._real = 0, FlatParamHandle._all_gather_flat_param
+        counter = self
+
+        def counting(handle, padded):
+            counter.calls += 1
+            return counter._real(handle, padded)
+
+        FlatParamHandle._all_gather_flat_param = counting
+
+    def stop(self) -> None:
+        from torch.distributed.fsdp._flat_param import FlatParamHandle
+
+        FlatParamHandle._all_gather_flat_param = self._real
 
 
 def launch(spec: dict, timeout: float) -> list[dict]:
@@ -167,6 +200,13 @@ def main(argv=None) -> int:
     parser.add_argument("--limit-gib", type=float, default=9.0, help="skip plain past a T whose estimate passes this")
     parser.add_argument("--timeout", type=float, default=1800)
     parser.add_argument("--smoke", action="store_true", help="a small agent, T = 18, 2 envs, 4-step blocks")
+    parser.add_argument(
+        "--strategies",
+        nargs="+",
+        default=["FULL_SHARD"],
+        choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
+        help="FSDP1 sharding strategies of the rl_replay rows (HYBRID_SHARD needs two nodes: docs/scaling.md)",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         import torch.distributed as dist
@@ -195,28 +235,39 @@ def main(argv=None) -> int:
         f"2 gloo ranks, {args.envs} episodes of T steps per rank, {args.block_steps}-step blocks; per rank: "
         "peak RSS growth of one forward + backward, seconds"
     )
-    print("| T | method | rank 0 | rank 1 | block inputs saved (rank 0) |")
-    print("|---:|---|---:|---:|---:|")
+    print("| T | method | rank 0 | rank 1 | block inputs saved (rank 0) | all-gathers per rank |")
+    print("|---:|---|---:|---:|---:|---:|")
     import tempfile
 
     results = tempfile.mkdtemp(prefix="bench_sharded_")
     plain_per_step, rows = None, []
+    runs = [(m, s) for m in args.methods for s in (args.strategies if m == "rl_replay" else [None])]
     for T in args.T:
-        for method in args.methods:
+        for method, strategy in runs:
+            name = f"{method} {strategy}" if strategy and args.strategies != ["FULL_SHARD"] else method
             if method == "plain" and plain_per_step and plain_per_step * T > args.limit_gib * 2**30:
                 est = plain_per_step * T / 2**30
-                print(f"| {T} | plain | not run: about {est:.1f} GiB per rank (from the smaller T) | | |", flush=True)
+                print(f"| {T} | plain | not run: about {est:.1f} GiB per rank (from the smaller T) | | | |", flush=True)
                 continue
-            out = os.path.join(results, f"{method}_T{T}")
-            spec = dict(policy=policy, T=T, envs=args.envs, block_steps=args.block_steps, method=method, out=out)
+            out = os.path.join(results, f"{method}_{strategy}_T{T}")
+            spec = dict(
+                policy=policy,
+                T=T,
+                envs=args.envs,
+                block_steps=args.block_steps,
+                method=method,
+                strategy=strategy,
+                out=out,
+            )
             rows = launch(spec, args.timeout)
             if "error" in rows[0]:
-                print(f"| {T} | {method} | failed: {rows[0]['error']} | | |", flush=True)
+                print(f"| {T} | {name} | failed: {rows[0]['error']} | | | |", flush=True)
                 print(rows[0].get("tail", ""), file=sys.stderr)
                 continue
             cells = [f"{fmt_bytes(r['peak_growth'])}, {r['seconds']:.1f} s" for r in rows]
             saved = fmt_bytes(rows[0]["saved_bytes"]) if rows[0]["saved_bytes"] is not None else "-"
-            print(f"| {T} | {method} | {cells[0]} | {cells[1]} | {saved} |", flush=True)
+            gathers = rows[0]["all_gathers"] if method == "rl_replay" else "-"
+            print(f"| {T} | {name} | {cells[0]} | {cells[1]} | {saved} | {gathers} |", flush=True)
             if method == "plain":
                 plain_per_step = max(r["peak_growth"] for r in rows) / T
     print(f"parameters: {rows[0].get('num_params', '?'):,}" if rows and "num_params" in rows[0] else "")

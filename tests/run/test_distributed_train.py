@@ -354,44 +354,53 @@ def test_cpu_offload_on_cpu_is_a_setup_error(tmp_path):
 # ------------------------------------------------------- episode mode: ranks stop together
 def _episode_worker(rank: int, world_size: int, run_dir: str) -> None:
     from rl_replay.config import load_config
+    from rl_replay.rollout.collector import EPISODE_SYNC_STEPS
     from rl_replay.run.setup import build
 
     # One CartPole env per rank, seeded per rank: the ranks' episodes end at different
     # steps. A rank that stopped collecting alone would leave the other waiting inside
-    # FSDP's all-gather (the test's timeout would fire).
-    cfg = load_config(
-        MLP_CPU_CONFIG,
-        [
-            f"run_dir={run_dir}",
-            "log.progress=false",
-            "log.wandb_mode=disabled",
-            "env.num_envs=1",
-            "collector.mode=episode",
-            "collector.num_steps=500",
-            "checkpoint.every=0",
-            "loss.algorithm=ppo",
-            "ppo.num_minibatches=1",
-            "ppo.epochs=1",
-        ],
-    )
-    trainer = build(cfg)
-    try:
-        seen = []
-        for _ in range(3):
-            rollout = trainer.algorithm.update().rollout
-            T, lengths = rollout.data.batch_size[0], rollout.episode_lengths
-            gathered = [None] * world_size
-            torch.distributed.all_gather_object(gathered, (T, lengths))
-            # Same number of steps everywhere: the longest episode over all ranks.
-            assert len({t for t, _ in gathered}) == 1, gathered
-            assert T == max(length for _, ls in gathered for length in ls), gathered
-            # Rows after a rank's own episode ended are padding, not transitions.
-            assert int(rollout.data["valid"].sum()) == sum(lengths)
-            seen.append([ls[0] for _, ls in gathered])
-        assert any(a != b for a, b in seen), f"vacuous: the ranks' episodes had equal lengths {seen}"
-    finally:
-        trainer.close()
-        trainer.collector.envs.close()
+    # FSDP's all-gather (the test's timeout would fire), or in the update's collectives.
+    for gather_once in ("false", "true"):
+        cfg = load_config(
+            MLP_CPU_CONFIG,
+            [
+                f"run_dir={run_dir}-{gather_once}",
+                "log.progress=false",
+                "log.wandb_mode=disabled",
+                "env.num_envs=1",
+                "collector.mode=episode",
+                "collector.num_steps=500",
+                "checkpoint.every=0",
+                "loss.algorithm=ppo",
+                "ppo.num_minibatches=1",
+                "ppo.epochs=1",
+                f"distributed.collect_gathered={gather_once}",
+            ],
+        )
+        trainer = build(cfg)
+        try:
+            seen = []
+            for _ in range(3):
+                rollout = trainer.algorithm.update().rollout
+                T, lengths = rollout.data.batch_size[0], rollout.episode_lengths
+                gathered = [None] * world_size
+                torch.distributed.all_gather_object(gathered, (T, lengths))
+                # Same number of steps everywhere: the longest episode over all ranks (per-step
+                # gathers: the ranks agree at every step), or the first sync step at or after its
+                # end (parameters gathered once: the ranks agree every EPISODE_SYNC_STEPS steps).
+                assert len({t for t, _ in gathered}) == 1, gathered
+                longest = max(length for _, ls in gathered for length in ls)
+                if gather_once == "true":
+                    assert T == min(500, -(-longest // EPISODE_SYNC_STEPS) * EPISODE_SYNC_STEPS), gathered
+                else:
+                    assert T == longest, gathered
+                # Rows after a rank's own episode ended are padding, not transitions.
+                assert int(rollout.data["valid"].sum()) == sum(lengths)
+                seen.append([ls[0] for _, ls in gathered])
+            assert any(a != b for a, b in seen), f"vacuous: the ranks' episodes had equal lengths {seen}"
+        finally:
+            trainer.close()
+            trainer.collector.envs.close()
 
 
 def test_episode_mode_ranks_collect_the_same_number_of_steps(tmp_path):
@@ -464,10 +473,12 @@ def test_non_finite_env_output_on_one_rank_stops_every_rank(tmp_path, mode):
 
 
 # --------------------------------------------------------------------- torchrun end to end
-def _run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(cmd: list[str], timeout: float = 300, extra_path: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, (
         f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -581,6 +592,44 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
 
     evaluation = _run([sys.executable, "scripts/evaluate.py", str(run_dir), "--episodes", "3"])
     assert "over 3 episodes (checkpoint update 12, 2816 env steps)" in evaluation.stdout
+
+
+@pytest.mark.slow
+def test_a_job_restarts_itself_after_a_rank_is_killed(tmp_path):
+    """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed in the middle of update 4
+    (its 100th env step; the last checkpoint is update 2's). The restarted workers continue from
+    that checkpoint in the same run directory, with no metrics row lost or written twice."""
+    run_dir = tmp_path / "run"
+    config = tmp_path / "killed.yaml"
+    config.write_text(
+        f"base: {MLP_CPU_CONFIG}\n"
+        "env:\n  wrappers:\n    - {target: '_restart_killer:KillOnFirstAttempt', kwargs: {at: 100, rank: 1}}\n"
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--max-restarts=1",
+        f"--master_port={free_port()}",
+        "scripts/train.py",
+        "--config",
+        str(config),
+        "--resume",
+        "auto",
+        f"run_dir={run_dir}",
+        "total_env_steps=2048",
+        "log.progress=false",
+        "log.wandb_mode=disabled",
+    ]
+    job = _run(command, extra_path=ROOT / "tests")
+    assert f"--resume auto: {run_dir} holds no run: starting it there" in job.stderr
+    assert f"--resume auto: {run_dir} resuming the run there" in job.stderr  # the restarted attempt
+    assert "exitcode  : -9" in job.stderr or "Signal 9" in job.stderr or "(exitcode: -9)" in job.stderr
+    lines = _updates(run_dir)
+    assert [x["update"] for x in lines] == list(range(1, 9))  # strictly increasing, none twice
+    assert [x["env_steps"] for x in lines] == [256 * u for u in range(1, 9)]
+    assert "finished 8 updates, 2048 env steps" in job.stderr
 
 
 # ------------------------------------------------------------- signals under torchrun
