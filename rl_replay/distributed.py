@@ -70,7 +70,17 @@ def init_from_env(device: str, backend: str = "auto") -> tuple[DistInfo, torch.d
     if info.distributed and not dist.is_initialized():
         if backend == "auto":
             backend = "nccl" if torch_device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if attempt is None:
+            dist.init_process_group(backend=backend)
+        else:
+            # Under torchrun the store outlives a restart (it is the elastic agent's), and so do the
+            # keys a process group's ranks publish their addresses under: a restarted rank could read
+            # a dead predecessor's address and fail to connect ("Gloo connectFullMesh failed ...
+            # Connection refused", pytorch/pytorch#167288). Each attempt gets keys of its own.
+            store, rank, world_size = next(dist.rendezvous("env://"))
+            store = dist.PrefixStore(f"rl_replay/attempt-{attempt}/", store)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size)
     return info, torch_device
 
 
