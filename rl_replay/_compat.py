@@ -46,6 +46,9 @@ checks that the list and the code agree; a new use is listed here or it fails.
 * ``torch.distributed.fsdp._runtime_utils._pre_backward_hook`` and ``FSDP._handle``
   (``rl_replay/engine/fsdp.py``): FSDP1's pre-backward unshard for outputs inside a TensorDict,
   which FSDP's own output hooks do not see.
+* ``FSDP._fsdp_wrapped_module``, ``FSDP._handle`` and ``FlatParameter._numels``
+  (``rl_replay/gathered.py``): the module a unit wraps, which collection on gathered parameters
+  calls directly, and the whole size of a unit's parameters, which decides whether it may.
 * ``TensorDict._tensordict`` (``rl_replay/engine/steps.py``, ``rl_replay/engine/layouts.py``): the
   dict of a TensorDict's entries, read without the per-key checks of ``items()`` on the hot path.
 * ``torch._VF.gru`` and ``torch._VF.lstm`` (``agents/cores.py``): the fused multi-step kernels
@@ -83,6 +86,9 @@ PRIVATE_APIS = (
     ("_BatchNorm", "rl_replay/engine/plan.py"),
     ("_runtime_utils._pre_backward_hook", "rl_replay/engine/fsdp.py"),
     ("._handle", "rl_replay/engine/fsdp.py"),
+    ("._fsdp_wrapped_module", "rl_replay/gathered.py"),
+    ("._handle", "rl_replay/gathered.py"),
+    ("._numels", "rl_replay/gathered.py"),
     ("._tensordict", "rl_replay/engine/steps.py"),
     ("._tensordict", "rl_replay/engine/layouts.py"),
     ("._autoreset_envs", "rl_replay/rollout/collector.py"),

@@ -19,6 +19,7 @@ __all__ = [
     "DistInfo",
     "init_from_env",
     "wrap_fsdp",
+    "sharding_line",
     "broadcast_module_states",
     "broadcast_from_main",
     "on_main",
@@ -154,6 +155,18 @@ def wrap_fsdp(
             **mesh,
         )
     return wrapped
+
+
+def sharding_line(strategy: str, info: DistInfo) -> str:
+    """How ``strategy`` spreads the parameters over this job's ranks, in words (printed once)."""
+    if strategy == "HYBRID_SHARD":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
+        nodes = info.world_size // local
+        return f"HYBRID_SHARD over {nodes} nodes of {local} ranks: sharded within a node, replicated across nodes"
+    if strategy == "NO_SHARD":
+        return f"NO_SHARD, whole on each of {info.world_size} ranks, gradients all-reduced"
+    kept = " (gathered from forward to backward)" if strategy == "SHARD_GRAD_OP" else ""
+    return f"{strategy}, sharded over {info.world_size} ranks{kept}"
 
 
 def hybrid_mesh(device: torch.device):

@@ -463,6 +463,7 @@ def _build_objects(
         )
         parameters, collective_forwards = plan.context(model), not plan.gathered
         if info.is_main:
+            print(f"fsdp: {dist_utils.sharding_line(d.sharding_strategy, info)}", flush=True)
             print(plan.line, flush=True)
     collector = Collector(
         envs,

@@ -220,8 +220,9 @@ def world_change(state: dict[str, Any], world_size: int, where: str | Path) -> s
     kept = min(saved, world_size)
     ranks = "rank 0" if kept == 1 else f"ranks 0-{kept - 1}"
     if world_size > saved:
-        new = f"rank {saved}" if world_size - saved == 1 else f"ranks {saved}-{world_size - 1}"
-        rest = f"; {new} start fresh episodes with RNG streams from the run's seed and their rank"
+        one = world_size - saved == 1
+        new = f"rank {saved} starts" if one else f"ranks {saved}-{world_size - 1} start"
+        rest = f"; {new} fresh episodes with RNG streams from the run's seed and {'its' if one else 'their'} rank"
     else:
         gone = f"rank {world_size}'s" if saved - world_size == 1 else f"ranks {world_size}-{saved - 1}'s"
         rest = f"; {gone} envs end here (their unfinished episodes are not counted)"

@@ -583,7 +583,7 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
     # 2 ranks -> 3 ranks
     third = _torchrun("--resume", str(run_dir), "total_env_steps=2816", nproc=3)
     assert "on 3 ranks; its checkpoint was written by 2 ranks" in third.stdout
-    assert "rank 2 start fresh episodes" in third.stdout
+    assert "rank 2 starts fresh episodes with RNG streams from the run's seed and its rank" in third.stdout
     lines = _updates(run_dir)
     assert [x["update"] for x in lines] == list(range(1, 13))  # no row lost or written twice
     assert [x["env_steps"] for x in lines] == [256, 512, 768, 1024, 1152, 1280, 1408, 1536, 1792, 2048, 2432, 2816]
@@ -630,6 +630,56 @@ def test_a_job_restarts_itself_after_a_rank_is_killed(tmp_path):
     assert [x["update"] for x in lines] == list(range(1, 9))  # strictly increasing, none twice
     assert [x["env_steps"] for x in lines] == [256 * u for u in range(1, 9)]
     assert "finished 8 updates, 2048 env steps" in job.stderr
+
+
+@pytest.mark.slow
+def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path):
+    """Two torchrun launchers (--nnodes 2, a c10d rendezvous on localhost), two gloo ranks each:
+    HYBRID_SHARD shards within a launcher's ranks and replicates across the launchers."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=localhost:{port}",
+        "--rdzv-id=two-nodes",
+        "scripts/train.py",
+        "--config",
+        str(MLP_CPU_CONFIG),
+        f"run_dir={run_dir}",
+        "total_env_steps=1024",
+        "distributed.sharding_strategy=HYBRID_SHARD",
+        "log.progress=false",
+        "log.wandb_mode=disabled",
+    ]
+    nodes = [
+        subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        outputs = [node.communicate(timeout=300) for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    for node, (out, err) in zip(nodes, outputs):
+        assert node.returncode == 0, f"a launcher failed ({node.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
+    said = "".join(out for out, _ in outputs)
+    assert said.count("fsdp: HYBRID_SHARD over 2 nodes of 2 ranks: sharded within a node, replicated across nodes") == 1
+    lines = _updates(run_dir)
+    assert [x["update"] for x in lines] == [1, 2]  # 4 ranks x 4 envs x 32 steps = 512 per update
+    assert [x["run/world_size"] for x in lines] == [4, 4]
+    from rl_replay.rundir.checkpoint import load_checkpoint
+
+    state = load_checkpoint(run_dir)
+    assert (state["world_size"], state["env_steps"]) == (4, 1024)
+    assert state["config"]["distributed"]["sharding_strategy"] == "HYBRID_SHARD"
 
 
 # ------------------------------------------------------------- signals under torchrun
