@@ -27,30 +27,24 @@ from torch import nn
 
 from rl_replay.errors import SetupError
 
-__all__ = ["CollectionPlan", "collection_plan", "gathered", "fsdp_units_of", "full_parameter_bytes"]
+__all__ = ["CollectionPlan", "collection_plan", "gathered", "full_parameter_bytes"]
 
 
-def fsdp_units_of(model: nn.Module) -> list[Any]:
+def _units(model: nn.Module) -> list[Any]:
     """The FSDP1 units inside ``model`` (itself included); empty when nothing is wrapped."""
     import sys
 
     if "torch.distributed.fsdp" not in sys.modules:
-        return []
+        return []  # nobody imported FSDP, so nothing can be wrapped in it
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    return [m for m in model.modules() if isinstance(m, FSDP)]
+    return FSDP.fsdp_modules(model)
 
 
 def full_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s parameters when every unit is gathered (each parameter counted whole)."""
-    total = 0
-    for unit in fsdp_units_of(model):
-        if unit._handle is not None:
-            flat = unit._handle.flat_param
-            total += sum(flat._numels) * flat.element_size()
-    if not total:  # not wrapped: the parameters are whole already
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total
+    """Bytes of an FSDP1-wrapped ``model``'s parameters when every unit is gathered."""
+    flats = [unit._handle.flat_param for unit in _units(model) if unit._handle is not None]
+    return sum(sum(flat._numels) * flat.element_size() for flat in flats)
 
 
 @contextlib.contextmanager
@@ -61,7 +55,7 @@ def gathered(model: nn.Module) -> Iterator[None]:
     hooks still run; FSDP's per-forward gather does not. Collective: enter it on every rank.
     Outside FSDP it does nothing.
     """
-    units = fsdp_units_of(model)
+    units = _units(model)
     if not units:
         yield
         return
@@ -87,12 +81,6 @@ class CollectionPlan:
 
     gathered: bool
     line: str
-
-    def context(self, model: nn.Module) -> Callable[[], contextlib.AbstractContextManager[None]]:
-        """What the collector enters around each rollout."""
-        if self.gathered:
-            return lambda: gathered(model)
-        return contextlib.nullcontext
 
 
 def _budget(device: torch.device) -> tuple[int, str]:
@@ -122,7 +110,7 @@ def collection_plan(
     saying why); ``auto`` gathers when the full parameters fit :func:`_budget`. ``agree`` turns
     this rank's answer into every rank's (true only if true on all), so no rank gathers alone.
     """
-    units = fsdp_units_of(model)
+    units = _units(model)
     if not units:
         return CollectionPlan(False, "collection: one process, the parameters are whole")
     from torch.distributed.fsdp import ShardingStrategy

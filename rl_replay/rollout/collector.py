@@ -23,6 +23,7 @@ from tensordict import TensorDict
 
 from rl_replay.agent import Policy
 from rl_replay.errors import NonFiniteError
+from rl_replay.gathered import gathered
 from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.rollout.environment import step_envs
@@ -72,7 +73,7 @@ class Rollout:
 
 
 #: Under FSDP with collection on gathered parameters, episode mode checks whether every rank's
-#: episodes have ended once per this many steps (:class:`Collector`, ``collective_forwards``).
+#: episodes have ended once per this many steps (:class:`Collector`, ``gather_once``).
 EPISODE_SYNC_STEPS = 16
 
 
@@ -94,11 +95,10 @@ class Collector:
             finished, so all ranks run the same number of (collective) forwards; a
             non-finite env output on one rank stops every rank at the same step instead of
             leaving the others waiting in their next forward's all-gather.
-        parameters: entered around each rollout (its forwards and the bootstrap value): under
-            FSDP, :func:`rl_replay.gathered.gathered` gathers the parameters once per rollout
-            instead of at every step (:func:`rl_replay.gathered.collection_plan` decides).
-        collective_forwards: whether every forward is a collective (FSDP gathering per step).
-            When it is not, the ranks sync less often than every step (a collective at every
+        gather_once: under FSDP, gather the parameters once per rollout
+            (:func:`rl_replay.gathered.gathered`) instead of at every step's forward
+            (:func:`rl_replay.gathered.collection_plan` decides). No forward is then a
+            collective, so the ranks sync less often than every step (a collective at every
             step holds every rank to the slowest one's pace): a fixed-mode rollout once, at its
             end; an episode-mode rollout every :data:`EPISODE_SYNC_STEPS` steps, so it may run
             up to that many steps past its last episode's end (rows marked invalid). A rank
@@ -116,8 +116,7 @@ class Collector:
         device: torch.device | str = "cpu",
         seed: int | None = None,
         reduce_sums: Callable[[dict[str, float]], dict[str, float]] | None = None,
-        parameters: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
-        collective_forwards: bool = True,
+        gather_once: bool = False,
     ) -> None:
         if mode not in ("fixed", "episode"):
             raise ValueError(f"collector mode must be 'fixed' or 'episode', got {mode!r}")
@@ -130,8 +129,7 @@ class Collector:
         self.device = torch.device(device)
         self.seed = seed
         self.reduce_sums = reduce_sums
-        self.parameters = parameters
-        self.collective_forwards = collective_forwards
+        self.gather_once = gather_once
         self._env_id = getattr(getattr(envs, "spec", None), "id", None) or type(envs).__name__
         # numpy -> tensor (uint8 stays uint8, Discrete -> one-hot) or TensorDict (Dict/Tuple).
         self._to_tensor = obs_converter(envs.single_observation_space, self.device)
@@ -176,7 +174,7 @@ class Collector:
         ``log_prob``, ``entropy`` and ``value`` then stay attached to whatever graph it
         built. The collector itself never builds one.
         """
-        with self.parameters():
+        with gathered(self.policy.module) if self.gather_once else contextlib.nullcontext():
             if forward is not None:
                 return self._collect(forward)
             with torch.no_grad():
@@ -201,7 +199,7 @@ class Collector:
         # in episode mode, and once, after the loop, in fixed mode. The sync steps are the same on
         # every rank, and a rank that stops early joins the next one.
         distributed = self.reduce_sums is not None
-        every = 1 if self.collective_forwards else EPISODE_SYNC_STEPS if self.mode == "episode" else None
+        every = 1 if not self.gather_once else EPISODE_SYNC_STEPS if self.mode == "episode" else None
         synced = True
         problem = None
         for t in range(self.num_steps):

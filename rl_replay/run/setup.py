@@ -12,7 +12,6 @@ import contextlib
 import functools
 import random
 import sys
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -449,8 +448,7 @@ def _build_objects(
         def reduce_sums(values: dict[str, float]) -> dict[str, float]:
             return dist_utils.reduce_sums(values, device, info)
 
-    parameters: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
-    collective_forwards = True
+    gather_once = False
     if info.distributed:
         d = cfg.distributed
         plan = collection_plan(
@@ -461,7 +459,7 @@ def _build_objects(
             cpu_offload=d.cpu_offload,
             agree=lambda ok: not dist_utils.any_rank(not ok, device, info),
         )
-        parameters, collective_forwards = plan.context(model), not plan.gathered
+        gather_once = plan.gathered
         if info.is_main:
             print(f"fsdp: {dist_utils.sharding_line(d.sharding_strategy, info)}", flush=True)
             print(plan.line, flush=True)
@@ -474,8 +472,7 @@ def _build_objects(
         device=device,
         seed=cfg.seed + 1000 * info.rank,
         reduce_sums=reduce_sums,
-        parameters=parameters,
-        collective_forwards=collective_forwards,
+        gather_once=gather_once,
     )
     check_agent(model, collector.policy.agent, collector.probe_inputs(), envs.single_action_space, cfg.agent.target)
     # Every optimizer step of the algorithm passes through these non-finite checks.

@@ -13,9 +13,7 @@ the agent from the same rollout (rtol 1e-5, atol 1e-6).
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import json
 import os
 import subprocess
@@ -114,7 +112,6 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     from rl_replay.algorithms.losses import total_loss
     from rl_replay.config import Config
     from rl_replay.distributed import init_from_env, wrap_fsdp
-    from rl_replay.gathered import gathered
     from rl_replay.rollout.collector import Collector
     from rl_replay.rollout.environment import make_vector_env
 
@@ -132,8 +129,7 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
         assert model.sharding_strategy is ShardingStrategy[strategy]
         assert len(FSDP.fsdp_modules(model)) > 1, "auto-wrap made no inner units"
         torch.manual_seed(1 + rank)  # action sampling differs per rank
-        parameters = functools.partial(gathered, model) if gather_once else contextlib.nullcontext
-        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank, parameters=parameters)
+        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=100 + 1000 * rank, gather_once=gather_once)
         with _CountGathers() as collection:
             rollout, accumulator = collect_replayed(collector)
         total_loss(A2C.loss(rollout.data, cfg)).backward()
@@ -173,8 +169,7 @@ def _parity_worker(rank: int, world_size: int, out_dir: str) -> None:
     model = wrap_fsdp(agent, device, wrap_modules=wrap)
     stored = {}
     for gather_once in (False, True):
-        parameters = functools.partial(gathered, model) if gather_once else contextlib.nullcontext
-        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=7 + 1000 * rank, parameters=parameters)
+        collector = Collector(envs, model, num_steps=PARITY_STEPS, seed=7 + 1000 * rank, gather_once=gather_once)
         torch.manual_seed(3 + rank)
         with _CountGathers() as collection:
             rollout = collector.collect()
