@@ -282,3 +282,11 @@ def test_bench_sharded_smoke():
     # rl_replay's row: the block inputs saved and FSDP's all-gathers (FULL_SHARD: some per block)
     gathers = re.search(r"^\| 18 \| rl_replay \| .* \| [\d.]+ KiB \| (\d+) \|$", out, re.M)
     assert gathers and int(gathers.group(1)) > 0, out
+
+
+def test_bench_collect_sharded_smoke():
+    """Collection on 2 real gloo ranks (per-step gathers, gathered once) against one process."""
+    out = run_script("bench_collect_sharded.py", "--smoke")
+    rows = dict(re.findall(r"^\| ([\w ,]+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M))
+    assert set(rows) == {"one process", "2 ranks, per step", "2 ranks, gathered"}, out
+    assert all(float(seconds) > 0 for seconds in rows.values()), out

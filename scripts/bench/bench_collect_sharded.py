@@ -1,0 +1,165 @@
+"""Collection under FSDP1: per-rank seconds of one rollout on 2 gloo ranks against one process.
+
+The trainer of a config (default ``configs/fsdp_gtrxl_memory_1024.yaml``: 14.4M parameters, 8 envs per
+rank) is built as ``scripts/train.py`` builds it, and its collector collects ``--repeats`` rollouts after
+a warm-up one; each rollout's wall time is taken on every rank. Three settings, each in fresh processes:
+
+1. ``one process``: ``python``, the same per-rank work (the config's envs and steps);
+2. ``2 ranks, per step``: ``torch.distributed.run --nproc_per_node=2`` with
+   ``distributed.collect_gathered=false`` (each FSDP unit gathered at every env step);
+3. ``2 ranks, gathered``: ``distributed.collect_gathered=true`` (once per rollout).
+
+The settings take turns (``--rounds`` times, one launch each per round), so a drift of the machine's
+speed falls on all of them. Printed: median, min and max of the seconds per rollout (over rounds,
+repeats and ranks) and the ratio of each median to one process's.
+
+Usage::
+
+    python scripts/bench/bench_collect_sharded.py                       # 400-step rollouts, 3 rounds x 2 repeats
+    python scripts/bench/bench_collect_sharded.py --steps 1026 --repeats 1 --settings "2 ranks, gathered"
+    python scripts/bench/bench_collect_sharded.py --smoke               # the MLP config, 32 steps
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+SETTINGS = {
+    "one process": (1, "auto"),
+    "2 ranks, per step": (2, "false"),
+    "2 ranks, gathered": (2, "true"),
+}
+
+
+def worker(spec: dict) -> None:
+    """One process (or one rank) of one launch: build the trainer, time its rollouts."""
+    from rl_replay.config import load_config
+    from rl_replay.run.setup import build
+
+    rank = int(os.environ.get("RANK", "0"))
+    overrides = [
+        f"run_dir={spec['run_dir']}",
+        "log.wandb_mode=disabled",
+        "log.progress=false",
+        "checkpoint.every=0",
+        f"collector.num_steps={spec['steps']}",
+        f"distributed.collect_gathered={spec['gathered']}",
+    ]
+    if spec["mode"]:
+        overrides.append(f"collector.mode={spec['mode']}")
+    trainer = build(load_config(spec["config"], overrides))
+    try:
+        trainer.collector.collect()  # warm-up: lazy initialisation, first allocations
+        seconds = []
+        for _ in range(spec["repeats"]):
+            t0 = time.perf_counter()
+            trainer.collector.collect()
+            seconds.append(time.perf_counter() - t0)
+    finally:
+        trainer.close()
+    with open(f"{spec['out']}.rank{rank}.json", "w") as fh:  # ranks share stdout: a file each
+        json.dump(seconds, fh)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skip gloo's teardown at interpreter exit, as the trainer's CLI does
+
+
+def launch(spec: dict, nproc: int, timeout: float) -> list[float]:
+    worker_args = [os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    if nproc == 1:
+        cmd = [sys.executable, *worker_args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *worker_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    seconds = []
+    for rank in range(nproc):
+        path = f"{spec['out']}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as fh:
+                seconds += json.load(fh)
+    if proc.returncode != 0 or len(seconds) != nproc * spec["repeats"]:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
+    return seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "fsdp_gtrxl_memory_1024.yaml"))
+    parser.add_argument("--steps", type=int, default=400, help="steps per rollout (collector.num_steps)")
+    parser.add_argument(
+        "--mode", choices=["fixed", "episode"], default=None, help="collector.mode (default: the config's)"
+    )
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=2, help="timed rollouts per launch, after a warm-up one")
+    parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        choices=list(SETTINGS),
+        default=list(SETTINGS),
+        help="which settings (one process always)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="configs/fsdp_mlp_cpu.yaml, 32 steps, 1 round")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(json.loads(args.worker))
+        return 0
+    if args.smoke:
+        args.config, args.steps, args.rounds, args.repeats = (
+            os.path.join(ROOT, "configs", "fsdp_mlp_cpu.yaml"),
+            32,
+            1,
+            1,
+        )
+    from _bench_common import describe_machine
+
+    print(describe_machine())
+    print(
+        f"{os.path.relpath(args.config, ROOT)}, {args.steps}-step rollouts"
+        f"{f', collector.mode={args.mode}' if args.mode else ''}; {args.rounds} rounds x {args.repeats} timed "
+        "rollouts per launch; seconds per rollout per rank"
+    )
+    results = tempfile.mkdtemp(prefix="bench_collect_")
+    chosen = {name: SETTINGS[name] for name in SETTINGS if name in args.settings or name == "one process"}
+    seconds: dict[str, list[float]] = {name: [] for name in chosen}
+    for round_ in range(args.rounds):
+        for i, (name, (nproc, gathered)) in enumerate(chosen.items()):
+            out = os.path.join(results, f"r{round_}s{i}")
+            spec = dict(
+                config=args.config,
+                steps=args.steps,
+                mode=args.mode,
+                repeats=args.repeats,
+                gathered=gathered,
+                run_dir=out + "-run",
+                out=out,
+            )
+            seconds[name] += launch(spec, nproc, args.timeout)
+    base = statistics.median(seconds["one process"])
+    print("| setting | median s | min s | max s | median vs one process |")
+    print("|---|---:|---:|---:|---:|")
+    for name, xs in seconds.items():
+        mid = statistics.median(xs)
+        print(f"| {name} | {mid:.2f} | {min(xs):.2f} | {max(xs):.2f} | {mid / base:.2f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, HERE)
+    sys.exit(main())
