@@ -11,7 +11,8 @@ a warm-up one; each rollout's wall time is taken on every rank. Three settings, 
 
 The settings take turns (``--rounds`` times, one launch each per round), so a drift of the machine's
 speed falls on all of them. Printed: median, min and max of the seconds per rollout (over rounds,
-repeats and ranks) and the ratio of each median to one process's.
+repeats and ranks), the ratio of each median to one process's, and the median of the untimed first
+rollouts (a run's first rollout pays lazy initialisation).
 
 Usage::
 
@@ -58,7 +59,9 @@ def worker(spec: dict) -> None:
         overrides.append(f"collector.mode={spec['mode']}")
     trainer = build(load_config(spec["config"], overrides))
     try:
+        t0 = time.perf_counter()
         trainer.collector.collect()  # warm-up: lazy initialisation, first allocations
+        first = time.perf_counter() - t0
         seconds = []
         for _ in range(spec["repeats"]):
             t0 = time.perf_counter()
@@ -67,7 +70,7 @@ def worker(spec: dict) -> None:
     finally:
         trainer.close()
     with open(f"{spec['out']}.rank{rank}.json", "w") as fh:  # ranks share stdout: a file each
-        json.dump(seconds, fh)
+        json.dump({"first": first, "seconds": seconds}, fh)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -78,7 +81,8 @@ def worker(spec: dict) -> None:
     os._exit(0)  # skip gloo's teardown at interpreter exit, as the trainer's CLI does
 
 
-def launch(spec: dict, nproc: int, timeout: float) -> list[float]:
+def launch(spec: dict, nproc: int, timeout: float) -> tuple[list[float], list[float]]:
+    """Run one launch; ``(its ranks' timed rollouts, their first rollouts)``."""
     worker_args = [os.path.abspath(__file__), "--worker", json.dumps(spec)]
     if nproc == 1:
         cmd = [sys.executable, *worker_args]
@@ -86,15 +90,17 @@ def launch(spec: dict, nproc: int, timeout: float) -> list[float]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *worker_args]
     env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    seconds = []
+    seconds, first = [], []
     for rank in range(nproc):
         path = f"{spec['out']}.rank{rank}.json"
         if os.path.exists(path):
             with open(path) as fh:
-                seconds += json.load(fh)
+                result = json.load(fh)
+            seconds += result["seconds"]
+            first.append(result["first"])
     if proc.returncode != 0 or len(seconds) != nproc * spec["repeats"]:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return seconds
+    return seconds, first
 
 
 def main(argv=None) -> int:
@@ -138,6 +144,7 @@ def main(argv=None) -> int:
     results = tempfile.mkdtemp(prefix="bench_collect_")
     chosen = {name: SETTINGS[name] for name in SETTINGS if name in args.settings or name == "one process"}
     seconds: dict[str, list[float]] = {name: [] for name in chosen}
+    firsts: dict[str, list[float]] = {name: [] for name in chosen}
     for round_ in range(args.rounds):
         for i, (name, (nproc, gathered)) in enumerate(chosen.items()):
             out = os.path.join(results, f"r{round_}s{i}")
@@ -150,13 +157,19 @@ def main(argv=None) -> int:
                 run_dir=out + "-run",
                 out=out,
             )
-            seconds[name] += launch(spec, nproc, args.timeout)
+            timed, first = launch(spec, nproc, args.timeout)
+            seconds[name] += timed
+            firsts[name] += first
     base = statistics.median(seconds["one process"])
-    print("| setting | median s | min s | max s | median vs one process |")
-    print("|---|---:|---:|---:|---:|")
+    print("| setting | median s | min s | max s | median vs one process | first rollout, median s |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, xs in seconds.items():
         mid = statistics.median(xs)
-        print(f"| {name} | {mid:.2f} | {min(xs):.2f} | {max(xs):.2f} | {mid / base:.2f}x |", flush=True)
+        print(
+            f"| {name} | {mid:.2f} | {min(xs):.2f} | {max(xs):.2f} | {mid / base:.2f}x "
+            f"| {statistics.median(firsts[name]):.2f} |",
+            flush=True,
+        )
     return 0
 
 

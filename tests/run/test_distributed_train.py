@@ -98,6 +98,13 @@ PARITY_AGENTS = {
         "FULL_SHARD",
         True,
     ),
+    "gru-SHARD_GRAD_OP-gathered": (
+        "gru",
+        {"hidden_size": 24, "encoder_sizes": [24]},
+        ["Linear"],
+        "SHARD_GRAD_OP",
+        True,
+    ),
 }
 PARITY_STEPS, PARITY_ENVS = 24, 4
 
