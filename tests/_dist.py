@@ -447,6 +447,42 @@ def fsdp_strategies(rank: int, world: int) -> dict:
     return run_scenarios(scenarios, rank, world)
 
 
+def _gathered_forwards(rank: int, world: int, **fsdp_kwargs) -> dict:
+    """The windowed transformer agent under FSDP1 run without a graph in 3-step calls, as collection
+    runs it: each unit gathered per call, and inside rl_replay.gathered.gathered (once for all calls);
+    the outputs of both, those of the unwrapped agent, and the all-gathers of each."""
+    import contextlib
+    import functools
+
+    import gymnasium as gym
+
+    from rl_replay.agents.attention import WindowLayer
+    from rl_replay.agents.gtrxl import WindowTransformerAgent
+    from rl_replay.gathered import gathered
+
+    T, B, k = 9, 3, 3
+    torch.manual_seed(5)
+    spaces = (gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3))
+    ref = WindowTransformerAgent(*spaces, d_model=12, num_heads=2, window=2, encoder_sizes=(10,))
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear, WindowLayer}, **fsdp_kwargs)
+    obs = rank_data(rank + 90, T, B, 5)
+    first = torch.zeros(T, B, dtype=torch.bool)
+    first[4, 1] = True
+    out = {"units": sum(unit._handle is not None for unit in model.fsdp_modules(model))}
+    runs = {"plain": (ref, contextlib.nullcontext), "per_step": (model, contextlib.nullcontext)}
+    runs["gathered"] = (model, functools.partial(gathered, model))
+    with torch.no_grad():
+        for name, (module, context) in runs.items():
+            with _CountGathers() as gathers, context():
+                state, values = ref.initial_state(B), []
+                for t0 in range(0, T, k):
+                    o = module(observation=obs[t0 : t0 + k], state=state, is_first=first[t0 : t0 + k])
+                    state = o["state"]
+                    values.append(o["outputs"]["value"])
+            out[name] = {"values": torch.cat(values), "gathers": gathers.calls}
+    return out
+
+
 def fsdp_hybrid4(rank: int, world: int) -> dict:
     """HYBRID_SHARD over "2 nodes x 2 ranks": sharded within a node, replicated across nodes."""
     mesh = (world // 2, 2)
@@ -454,6 +490,7 @@ def fsdp_hybrid4(rank: int, world: int) -> dict:
         {
             "gru": lambda r, w: _fsdp_gru(r, w, **_strategy("HYBRID_SHARD", w, mesh)),
             "gtrxl": lambda r, w: _fsdp_agent_sequence(r, w, "gtrxl", **_strategy("HYBRID_SHARD", w, mesh)),
+            "gathered": lambda r, w: _gathered_forwards(r, w, **_strategy("HYBRID_SHARD", w, mesh)),
         },
         rank,
         world,

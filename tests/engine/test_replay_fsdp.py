@@ -185,6 +185,16 @@ def test_hybrid_shard_over_two_nodes_of_two_ranks_gives_plain_autograds_gradient
         assert 0 < res["sequence"]["gathers"] < res["stepwise"]["gathers"]
 
 
+def test_hybrid_shard_collection_on_parameters_gathered_once(fsdp_hybrid4):
+    """Collection's forwards inside rl_replay.gathered.gathered under HYBRID_SHARD (4 ranks as 2 nodes
+    x 2): the same values as FSDP's own forward and as the unwrapped agent, bit for bit, with each unit
+    gathered at most once instead of once per call."""
+    for res in scenario_results(fsdp_hybrid4, "hybrid", "gathered"):
+        assert torch.equal(res["gathered"]["values"], res["plain"]["values"])
+        assert torch.equal(res["per_step"]["values"], res["plain"]["values"])
+        assert 0 < res["gathered"]["gathers"] <= res["units"] < res["per_step"]["gathers"]
+
+
 @pytest.mark.parametrize("local", ["1", None])
 def test_hybrid_shard_with_one_rank_per_node_is_refused_in_one_line(single_process_group, monkeypatch, local):
     """FSDP1 would turn a shard group of one rank into NO_SHARD without averaging the replicas'
