@@ -323,12 +323,17 @@ def _fsdp_gru_steps(rank: int, world: int) -> dict:
 
 
 class _CountGathers:
-    """Counts FSDP1's parameter all-gathers (and the bytes they gather) while it is entered."""
+    """Counts FSDP1's parameter all-gathers (and the bytes they gather) and its gradient
+    reductions (reduce-scatters or, under NO_SHARD, all-reduces; one per unit each) while it is
+    entered."""
 
     def __enter__(self):
+        from torch.distributed.fsdp import _runtime_utils
         from torch.distributed.fsdp._flat_param import FlatParamHandle
 
-        self.calls, self.bytes, self._real = 0, 0, FlatParamHandle._all_gather_flat_param
+        self.calls, self.bytes, self.reductions = 0, 0, 0
+        self._real = FlatParamHandle._all_gather_flat_param
+        self._real_reduce = {n: getattr(_runtime_utils, n) for n in ("_reduce_grad", "_reduce_grad_no_shard")}
         counter = self
 
         def counting(handle, padded_unsharded_flat_param):
@@ -336,13 +341,25 @@ class _CountGathers:
             counter.bytes += padded_unsharded_flat_param.numel() * padded_unsharded_flat_param.element_size()
             return counter._real(handle, padded_unsharded_flat_param)
 
+        def reducing(real):
+            def reduce(state, handle):
+                counter.reductions += 1
+                return real(state, handle)
+
+            return reduce
+
         FlatParamHandle._all_gather_flat_param = counting
+        for name, real in self._real_reduce.items():
+            setattr(_runtime_utils, name, reducing(real))
         return self
 
     def __exit__(self, *exc):
+        from torch.distributed.fsdp import _runtime_utils
         from torch.distributed.fsdp._flat_param import FlatParamHandle
 
         FlatParamHandle._all_gather_flat_param = self._real
+        for name, real in self._real_reduce.items():
+            setattr(_runtime_utils, name, real)
 
 
 def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs) -> dict:
@@ -351,6 +368,7 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs
     autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
     and those of the same blocks called step by step (sequence=False)."""
     import gymnasium as gym
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from rl_replay.agents.attention import WindowLayer
     from rl_replay.agents.cores import GRUCore, LSTMCore
@@ -385,13 +403,17 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs
                 steps = TensorDict(observation=obs[rank][t0:t1], is_first=first[t0:t1], batch_size=[t1 - t0, B])
                 heads, state = replay_steps(model, acc, steps, state, sequence=sequence)
                 loss = loss + loss_of(heads, state)
-            (loss + state[key].square().sum()).backward()
+            with _CountGathers() as in_backward:
+                (loss + state[key].square().sum()).backward()
         out["sequence" if sequence else "stepwise"] = {
             "grads": _full_grads(model),
             "gathers": gathers.calls,
             "gathered_bytes": gathers.bytes,
+            "backward_gathers": in_backward.calls,
+            "reductions": in_backward.reductions,
             "blocks": acc.blocks_replayed,
         }
+    out["units"] = len(FSDP.fsdp_modules(model))
     for r in range(world):
         state, ref_loss = ref.initial_state(B), 0.0
         for t0 in range(0, T, k):
@@ -435,8 +457,100 @@ def _strategy(name: str, world: int, mesh: tuple[int, int] | None = None) -> dic
     return kwargs
 
 
+class _NoGradient(torch.autograd.Function):
+    """The identity whose backward gives its input no gradient: the block behind it is visited
+    by the backward with no gradient for any output (NOTE [ Replay blocks ], Rule 9)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None
+
+
+def _fsdp_reduce_once_edges(rank: int, world: int, name: str) -> dict:
+    """Rule 11's edges, independent MLP blocks (every Linear a unit): (a) the last block visited
+    gets no gradient, yet the sum of the others is reduced, equal to plain autograd averaged
+    over ranks; (b) a block the backward never reaches is refused in one ReplayError, FSDP's
+    synchronisation is restored, and the next rollout is exact again."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(3)
+    ref = MLPPolicy()
+    model = _fsdp(copy.deepcopy(ref), {nn.Linear}, **_strategy(name, world))
+    data = [rank_data(r + 40, 3, 4, 6) for r in range(world)]
+
+    def losses(policy, x, acc=None):
+        outs = [
+            policy(x[t]) if acc is None else checkpoint_fsdp_forward(policy, acc, observation=x[t]) for t in range(3)
+        ]
+        return [step_loss(*out) for out in outs], outs
+
+    def reference(pick):
+        ref.zero_grad()
+        for r in range(world):
+            parts, _ = losses(ref, data[r])
+            (pick(parts) / world).backward()
+        return {n: p.grad.clone() for n, p in ref.named_parameters()}
+
+    out: dict = {}
+    # (a) block 0 is visited last (its node is the oldest), with no gradient for its outputs.
+    acc = GradientAccumulator()
+    parts, outs = losses(model, data[rank], acc)
+    with _CountGathers() as counted:
+        (_NoGradient.apply(outs[0][0]).sum() + parts[1] + parts[2]).backward()
+    out["unused_last"] = {"grads": _full_grads(model), "reductions": counted.reductions}
+    out["unused_last_expected"] = reference(lambda p: p[1] + p[2])
+    # (b) block 2's outputs are not in the loss at all: the backward never visits it.
+    model.zero_grad(set_to_none=True)
+    acc = GradientAccumulator()
+    parts, _ = losses(model, data[rank], acc)
+    try:
+        (parts[0] + parts[1]).backward()
+        out["missed"] = "no error"
+    except ReplayError as e:
+        out["missed"] = str(e)
+    out["synchronised_after"] = all(m._sync_gradients for m in FSDP.fsdp_modules(model))
+    model.zero_grad(set_to_none=True)
+    acc = GradientAccumulator()
+    parts, _ = losses(model, data[rank], acc)
+    sum(parts).backward()
+    out["after"] = _full_grads(model)
+    out["after_expected"] = reference(sum)
+    # the units with parameters of their own: every Linear (the root holds none, so reduces nothing)
+    out["units"] = sum(isinstance(m.module, nn.Linear) for m in FSDP.fsdp_modules(model))
+    # (c) the last block does not run the value head's unit, which the others ran.
+    partial = _fsdp(_PartialMLP(copy.deepcopy(ref)), {nn.Linear}, **_strategy(name, world))
+    acc = GradientAccumulator()
+    parts = [
+        step_loss(*checkpoint_fsdp_forward(partial, acc, observation=data[rank][t], value=t > 0)) for t in range(3)
+    ]
+    try:
+        sum(parts).backward()
+        out["skipped_unit"] = "no error"
+    except ReplayError as e:
+        out["skipped_unit"] = str(e)
+    return out
+
+
+class _PartialMLP(nn.Module):
+    """An MLPPolicy whose value head runs only when asked (keyword ``value``)."""
+
+    def __init__(self, mlp) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, observation, value):
+        inner = self.mlp
+        z = inner.body(observation)
+        return inner.pi(z), (inner.v(z).squeeze(-1) if value else z.sum(-1) * 0.0)
+
+
 def fsdp_strategies(rank: int, world: int) -> dict:
-    """The gru and gtrxl parity scenarios under the FSDP1 strategies served besides FULL_SHARD."""
+    """The gru and gtrxl parity scenarios under the FSDP1 strategies served besides FULL_SHARD,
+    and the edges of reducing once per backward."""
     cases = {"SHARD_GRAD_OP": ("SHARD_GRAD_OP", None), "NO_SHARD": ("NO_SHARD", None)}
     scenarios = {}
     for label, (name, mesh) in cases.items():
@@ -444,6 +558,8 @@ def fsdp_strategies(rank: int, world: int) -> dict:
         scenarios[f"{label}/gtrxl"] = lambda r, w, n=name, m=mesh: _fsdp_agent_sequence(
             r, w, "gtrxl", **_strategy(n, w, m)
         )
+        scenarios[f"{label}/edges"] = lambda r, w, n=name: _fsdp_reduce_once_edges(r, w, n)
+    scenarios["FULL_SHARD/gtrxl"] = lambda r, w: _fsdp_agent_sequence(r, w, "gtrxl")
     return run_scenarios(scenarios, rank, world)
 
 

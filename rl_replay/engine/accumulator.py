@@ -133,8 +133,13 @@ class GradientAccumulator:
             p.grad = None
 
     @torch.no_grad()
-    def _finalise(self) -> None:
+    def _finalise(self, failed: bool = False) -> None:
+        """Put the kept sums back into ``.grad`` and close the backward (``failed``: a block's
+        backward raised, and its error is the one to report)."""
+        missed = []
         try:
+            for plan in self._plans.values():
+                missed.append(plan.end_backward())  # type: ignore[attr-defined]
             for p in self._absorbed:
                 total = self._sums.pop(p, None)
                 if total is None:
@@ -161,6 +166,15 @@ class GradientAccumulator:
             self._absorbed_ids.clear()
             self._in_backward = False
             self.backward_passes += 1
+        if any(missed) and not failed:
+            raise ReplayError(
+                _PREFIX + f"{'; '.join(m for m in missed if m)}. Under FSDP's SHARD_GRAD_OP and "
+                "NO_SHARD the engine reduces the gradient once, in the backward of the rollout's "
+                "last block, so the reduction never ran and the "
+                "parameters' gradients are not averaged over ranks: do not step on them. Make "
+                "every block's outputs part of the loss (multiply unused ones by zero), or use "
+                "FULL_SHARD."
+            )
 
     def stats(self) -> dict[str, float]:
         """The counters as a flat dict (for logging)."""

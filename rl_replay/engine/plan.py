@@ -80,12 +80,33 @@ class StateWatch:
 class ModelPlan(StateWatch):
     """Facts about one model computed once per rollout (cached on the accumulator)."""
 
-    __slots__ = ("params", "absorb", "fsdp_units", "site")
+    __slots__ = (
+        "params",
+        "absorb",
+        "fsdp_units",
+        "site",
+        "reduce_once",
+        "recorded",
+        "visited",
+        "reduce_now",
+        "_deferred",
+        "_ran",
+        "_watching",
+    )
 
     def __init__(self, model: Callable) -> None:
         module = module_of(model)
         self.fsdp_units = fsdp_units(module) if module is not None else []
         self.absorb = bool(self.fsdp_units)
+        # NOTE [ Replay blocks ], Rule 11: one gradient reduction per backward where the units
+        # keep their parameters gathered anyway.
+        self.reduce_once = reduces_once(self.fsdp_units)
+        self.recorded = 0  # blocks of this model recorded in the rollout
+        self.visited = 0  # of them, blocks whose backward has started in the current backward
+        self.reduce_now = False  # the last block's backward must reach FSDP, to reduce the sum
+        self._deferred: list = []  # the entered no_sync() contexts while the reduction waits
+        self._ran: set[int] = set()  # ids of the units the reducing block's recompute ran
+        self._watching: list = []  # the forward hooks that record them
         super().__init__(model)
         self.params: tuple[torch.nn.Parameter, ...] = (
             () if module is None else tuple(p for p in module.parameters() if p.requires_grad)
@@ -106,7 +127,81 @@ class ModelPlan(StateWatch):
             "loss.backward()." + DEBUG_TIP
         )
 
+    def enter_block_backward(self) -> bool:
+        """Called as each block's backward starts; True for the first block (whose backward takes
+        the gradients already in ``.grad`` aside), and, under ``reduce_once``, FSDP's gradient
+        reduction put off until the last block: the others run under the roots' ``no_sync()``."""
+        self.visited += 1
+        first = self.visited == 1
+        if self.reduce_once:
+            last = self.visited >= self.recorded
+            if first and not last:
+                for root in fsdp_roots(self.fsdp_units):
+                    context = root.no_sync()
+                    context.__enter__()
+                    self._deferred.append(context)
+            elif last and self._deferred:
+                self.reduce_now = True  # its (last) nested backward leaves no_sync(): replay.backward_from
+                self._watch_units()
+        return first
+
+    def _watch_units(self) -> None:
+        def ran(unit: torch.nn.Module, *_) -> None:
+            self._ran.add(id(unit))
+
+        self._ran.clear()
+        self._watching = [unit.register_forward_hook(ran) for unit in self.fsdp_units]
+
+    def units_left_unreduced(self) -> list[str]:
+        """Before the reducing backward: the units holding an unreduced gradient that the last
+        block's recompute did not run (FSDP reduces only the units a backward reaches)."""
+        for hook in self._watching:
+            hook.remove()
+        self._watching = []
+        modules = self.module.named_modules() if self.module is not None else ()
+        names = {id(m): n.replace("_fsdp_wrapped_module.", "") for n, m in modules}
+        units = {id(unit) for unit in self.fsdp_units}
+        left = []
+        for unit in self.fsdp_units:
+            if id(unit) in self._ran:
+                continue
+            inner = {id(p) for sub in unit.modules() if sub is not unit and id(sub) in units for p in sub.parameters()}
+            if any(p.grad is not None for p in unit.parameters() if id(p) not in inner):
+                left.append(names.get(id(unit)) or type(unit).__name__)
+        return left
+
+    @property
+    def reduction_pending(self) -> bool:
+        """True while a backward's blocks accumulate unreduced gradients."""
+        return bool(self._deferred)
+
+    def end_deferral(self) -> None:
+        """Leave the ``no_sync()`` contexts: the next block's backward reduces every block's sum."""
+        while self._deferred:
+            self._deferred.pop().__exit__(None, None, None)
+
+    def end_backward(self) -> str:
+        """Called once the whole backward is done: why the put-off reduction never ran ('' if it
+        ran or nothing was put off)."""
+        missed = ""
+        if self._deferred:
+            unvisited = self.recorded - self.visited
+            missed = (
+                f"{unvisited} of the rollout's {self.recorded} replay blocks got no backward"
+                if unvisited
+                else "the rollout's last replay block gave FSDP no gradient to reduce"
+            )
+        self.end_deferral()
+        for hook in self._watching:
+            hook.remove()
+        self._watching = []
+        self.visited = 0
+        self.reduce_now = False
+        return missed
+
     def check_fsdp_sync(self) -> None:
+        if self._deferred:
+            return  # the engine's own no_sync(), not the user's
         for unit in self.fsdp_units:
             if not getattr(unit, "_sync_gradients", True):
                 raise ReplayError(
@@ -116,6 +211,32 @@ class ModelPlan(StateWatch):
                     "GradientAccumulator per rollout and stepping after each, or average losses "
                     "before a single backward."
                 )
+
+
+def reduces_once(units: list[torch.nn.Module]) -> bool:
+    """Whether a backward through ``units`` reduces its gradient once, after the last block.
+
+    Under ``SHARD_GRAD_OP`` and ``NO_SHARD`` a unit keeps its parameters gathered from the
+    forward on; FSDP1 frees them after a backward only when it reduces the gradient (the
+    heuristic of its ``no_sync()``), so blocks run under ``no_sync()`` and the last one reduces
+    the sum: one gather and one reduction per unit per backward instead of one per block.
+    ``FULL_SHARD`` and ``HYBRID_SHARD`` keep reducing per block: holding every block's unsharded
+    gradient would undo the sharding they are chosen for; so does CPU offload.
+    """
+    if not units:
+        return False
+    from torch.distributed.fsdp import ShardingStrategy
+
+    keep = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
+    # Not under CPU offload: there FSDP would keep the unreduced sum on the GPU until the last
+    # block, and the accumulator's per-block path is the one validated on a GPU.
+    return all(unit.sharding_strategy in keep and not unit.cpu_offload.offload_params for unit in units)
+
+
+def fsdp_roots(units: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The units no other unit contains (where ``no_sync()`` is entered)."""
+    inner = {id(sub) for unit in units for sub in unit.modules() if sub is not unit}
+    return [unit for unit in units if id(unit) not in inner]
 
 
 def _with_silent_stat_updates(module: torch.nn.Module | None, changed: list[str]) -> list[str]:

@@ -82,6 +82,12 @@ __all__ = [
 #         and ``backward(inputs=...)`` must leave parameter ``.grad`` alone, but the
 #         nested backward accumulates into it, so they raise ReplayError (as reentrant
 #         ``torch.utils.checkpoint`` does).
+# Rule 11. Under FSDP1 ``SHARD_GRAD_OP`` and ``NO_SHARD`` (every unit), a backward reduces
+#         the gradient once: the blocks' nested backwards run under the roots' ``no_sync()``,
+#         summing unreduced gradients (and, under ``SHARD_GRAD_OP``, keeping the units
+#         gathered), and the last block to be visited reduces the sum (plan.reduces_once
+#         says why not under ``FULL_SHARD``). The blocks are counted, so every recorded
+#         block must be reached by the backward; one that is not raises ReplayError.
 
 ContextFn = Callable[[], "tuple[Any, Any]"]
 
@@ -262,15 +268,16 @@ class ReplayFunction(torch.autograd.Function):
         plan.check_fsdp_sync()
         accumulator = site.accumulator
         accumulator._enter_backward()
+        first = plan.enter_block_backward()
         requires_grad = ctx.needs_input_grad[2:]  # the block's tensors (after site, anchor)
-        if all(g is None for g in grads):
+        if all(g is None for g in grads) and not plan.reduce_now:
             # Rule 9: no output of this block reaches the loss (and nothing is unpacked).
             return (None, None) + (None,) * len(requires_grad)
         saved = ctx.saved_tensors
         check_inputs_unchanged(saved, ctx.input_versions, ctx.input_slices, ctx.index)
         saved = restore_inputs(unslice(saved, ctx.input_slices), ctx.input_devices)
         plan.check_versions(ctx.versions, "something between the forward and the backward", ctx.index)
-        start = accumulator._begin_block(plan.params, plan.absorb)
+        start = accumulator._begin_block(plan.params, plan.absorb and (first or not plan.reduce_once))
         try:
             how = site.layout.recompute  # each layout names its recompute (layouts.Recompute)
             if how is Recompute.STEPS:
@@ -281,7 +288,7 @@ class ReplayFunction(torch.autograd.Function):
         except BaseException:
             # The engine drops queued callbacks when a backward fails: put the gradients
             # already moved out of .grad (FSDP path) back now, so none is lost.
-            accumulator._finalise()
+            accumulator._finalise(failed=True)
             raise
         accumulator._end_block(start)
         return (None, None) + input_grads
@@ -412,8 +419,9 @@ def recompute_and_backward(
     return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
 
 
-def backward_from(block: ReplayCtx, flat: Sequence[torch.Tensor], grads: Sequence) -> None:
-    """Back-propagate ``grads`` from the recomputed outputs ``flat`` (one nested backward)."""
+def backward_from(block: ReplayCtx, flat: Sequence[torch.Tensor], grads: Sequence, *, last: bool = True) -> None:
+    """Back-propagate ``grads`` from the recomputed outputs ``flat`` (one nested backward;
+    ``last``: the block's last one, where Rule 11's reduction runs)."""
     roots, root_grads = [], []
     for out, grad in zip(flat, grads):
         if grad is not None and out.requires_grad:
@@ -425,6 +433,26 @@ def backward_from(block: ReplayCtx, flat: Sequence[torch.Tensor], grads: Sequenc
                 )
             roots.append(out)
             root_grads.append(grad)
+    plan = block.site.plan
+    reduces = plan.reduce_now and last
+    if reduces:
+        # Rule 11: this backward reduces every block's gradient, and FSDP reduces only the units
+        # it reaches, so it starts from every output (zeros where an output got no gradient).
+        plan.reduce_now = False
+        skipped = plan.units_left_unreduced()
+        if skipped:
+            raise ReplayError(
+                _PREFIX + f"block {block.index}, the last of its rollout, does not run the FSDP "
+                f"unit(s) {', '.join(repr(n) for n in skipped)} that earlier blocks ran. Under "
+                "SHARD_GRAD_OP and NO_SHARD the gradient is reduced once, in the last block's "
+                "backward, which reduces only the units it runs: call every unit in every "
+                "block, or use FULL_SHARD."
+            )
+        plan.end_deferral()
+        for out, grad in zip(flat, grads):
+            if grad is None and out.requires_grad:
+                roots.append(out)
+                root_grads.append(torch.zeros_like(out))
     if roots:
         # The engine directly, outside enable_grad (the nested backward must not build a
         # graph itself): ``torch.autograd.backward`` would only re-check what autograd
@@ -489,6 +517,7 @@ def apply_block(model, accumulator, tensors, layout, context_fn, what):
     with torch.autograd.graph.saved_tensors_hooks(_same, _same):
         flat = ReplayFunction.apply(site, anchor, *tensors)
     accumulator._record_block(sum(t.numel() * t.element_size() for t in tensors))
+    plan.recorded += 1
     return unflatten_outputs(flat, site.out_spec)
 
 

@@ -181,6 +181,7 @@ class _StepsLayout(Layout):
                 block,
                 outputs + state_out,
                 [None if g is None else g[i] for g in output_grads] + state_grads,
+                last=i == 0,
             )
             state_grads = [t.grad if t.requires_grad else None for t in state_in]
         return tuple(t.grad if rg else None for t, rg in zip(inputs, requires_grad))
@@ -228,6 +229,7 @@ class _StepsLayout(Layout):
                     block,
                     outputs + state_out,
                     [None if g is None else g[i] for g in output_grads] + state_grads,
+                    last=i == 0,
                 )
                 state_grads = [t.grad if t.requires_grad else None for t in leaves]
         site.plan.check_versions(block.versions, "the recompute", block.index)

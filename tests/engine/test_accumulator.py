@@ -131,6 +131,7 @@ def absorb_path(monkeypatch):
 
     engine = importlib.import_module("rl_replay.engine.plan")
     monkeypatch.setattr(engine, "fsdp_units", lambda module: [module])
+    monkeypatch.setattr(engine, "reduces_once", lambda units: False)  # FULL_SHARD's path: absorb per block
 
 
 def test_absorb_path_matches_plain_autograd(absorb_path):

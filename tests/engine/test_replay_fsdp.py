@@ -166,8 +166,36 @@ def test_every_fsdp1_strategy_gives_plain_autograds_gradients_averaged_over_rank
             assert_grads_match(res[call]["grads"], res["expected"], "fsdp-strategies", rtol=1e-4, atol=1e-6)
         if strategy == "NO_SHARD":
             assert res["sequence"]["gathers"] == 0  # nothing is sharded, so nothing is gathered
-        else:
-            assert 0 < res["sequence"]["gathers"] < res["stepwise"]["gathers"]
+        else:  # gathered by the forward and kept through the backward: once per unit in the rollout
+            assert 0 < res["sequence"]["gathers"] <= res["units"]
+            assert 0 < res["stepwise"]["gathers"] <= res["units"]
+        # Rule 11: the blocks' backwards keep the units gathered and reduce once, after the last
+        # block: each unit at most one all-gather in the whole backward and exactly one reduction.
+        for call in ("sequence", "stepwise"):
+            assert res[call]["backward_gathers"] <= res["units"], (call, res[call]["backward_gathers"])
+            assert res[call]["reductions"] == res["units"], (call, res[call]["reductions"])
+
+
+def test_full_shard_still_reduces_per_block(results):
+    """FULL_SHARD frees a unit after each block's backward and reduce-scatters per block (holding
+    the unsharded sum would undo the sharding): the control for the counts above."""
+    for res in scenario_results(results, "strategies", "FULL_SHARD/gtrxl"):
+        assert_grads_match(res["sequence"]["grads"], res["expected"], "fsdp-strategies", rtol=1e-4, atol=1e-6)
+        assert res["sequence"]["reductions"] == res["units"] * res["sequence"]["blocks"]
+        assert res["sequence"]["backward_gathers"] > res["units"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_reducing_once_serves_a_last_block_without_gradient_and_refuses_a_block_never_reached(results, strategy):
+    for res in scenario_results(results, "strategies", f"{strategy}/edges"):
+        assert_grads_match(res["unused_last"]["grads"], res["unused_last_expected"], "fsdp-strategies")
+        assert res["unused_last"]["reductions"] == res["units"]
+        assert "1 of the rollout's 3 replay blocks got no backward" in res["missed"], res["missed"]
+        assert res["synchronised_after"]
+        assert_grads_match(res["after"], res["after_expected"], "fsdp-strategies")
+        assert "the last of its rollout, does not run the FSDP unit(s) 'mlp.v'" in res["skipped_unit"], res[
+            "skipped_unit"
+        ]
 
 
 def test_hybrid_shard_over_two_nodes_of_two_ranks_gives_plain_autograds_gradients(fsdp_hybrid4):

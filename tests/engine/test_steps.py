@@ -131,6 +131,7 @@ def fsdp_path(monkeypatch):
     and each step recomputed just before its own backward)."""
     engine = importlib.import_module("rl_replay.engine.plan")
     monkeypatch.setattr(engine, "fsdp_units", lambda module: [module])
+    monkeypatch.setattr(engine, "reduces_once", lambda units: False)  # FULL_SHARD's path: absorb per block
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
