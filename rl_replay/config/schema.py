@@ -189,6 +189,8 @@ class LogConfig:
 class CheckpointConfig:
     every: int = 50
     """save a checkpoint every N updates (0 = only at the end)"""
+    sharded: bool = True
+    """under FSDP with more than one rank (and a strategy that shards): every rank writes its own shard of the weights and optimizer state beside checkpoint.pt; false: rank 0 gathers them into checkpoint.pt"""
 
 
 @dataclass

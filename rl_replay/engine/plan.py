@@ -137,7 +137,7 @@ class ModelPlan(StateWatch):
             last = self.visited >= self.recorded
             if first and not last:
                 for root in fsdp_roots(self.fsdp_units):
-                    context = root.no_sync()
+                    context = root.no_sync()  # type: ignore[operator]
                     context.__enter__()
                     self._deferred.append(context)
             elif last and self._deferred:
@@ -230,7 +230,10 @@ def reduces_once(units: list[torch.nn.Module]) -> bool:
     keep = (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy.NO_SHARD)
     # Not under CPU offload: there FSDP would keep the unreduced sum on the GPU until the last
     # block, and the accumulator's per-block path is the one validated on a GPU.
-    return all(unit.sharding_strategy in keep and not unit.cpu_offload.offload_params for unit in units)
+    return all(
+        unit.sharding_strategy in keep and not unit.cpu_offload.offload_params  # type: ignore[union-attr]
+        for unit in units
+    )
 
 
 def fsdp_roots(units: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -205,6 +205,8 @@ def _build(
         if directory is None:
             directory = dist_utils.on_main(lambda: _claim_new(cfg), info)
             run_dir = Path(dist_utils.broadcast_from_main(str(directory.path) if directory else None, info))
+            if directory is None:  # the other ranks: they write their checkpoint shards into it
+                directory = RunDirectory.open(run_dir)
         else:
             run_dir = directory.path
             dist_utils.on_main(directory.record_pid, info)

@@ -9,7 +9,9 @@ numbers and JSON only, nothing that runs code when read):
 
 =================  ==============================================================
 ``agent``          the full agent state dict with the original parameter names (under
-                   FSDP gathered on rank 0 with ``FULL_STATE_DICT``, in host memory):
+                   FSDP gathered on rank 0 with ``FULL_STATE_DICT``, in host memory, or, with
+                   ``checkpoint.sharded``, each rank's rows in its shard file, which
+                   :mod:`rl_replay.rundir.shards` puts back together when the checkpoint is read):
                    ``scripts/evaluate.py RUN_DIR`` loads it into an unwrapped agent.
 ``optimizer``      ``optimizer.state_dict()`` in one process; under FSDP the full state
                    from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
@@ -27,8 +29,9 @@ numbers and JSON only, nothing that runs code when read):
                    episodes with streams from the run's seed and its rank (:func:`world_change`).
 =================  ==============================================================
 
-Saving is collective (every rank calls :func:`save_trainer`); rank 0 gathers and writes,
-then tells every rank whether the write succeeded, so no rank runs ahead of the file and
+Saving is collective (every rank calls :func:`save_trainer`); the ranks write their shards (if
+sharded), rank 0 gathers the rest and writes ``checkpoint.pt``, then tells every rank whether the
+write succeeded, so no rank runs ahead of the file and
 a failed write fails every rank instead of hanging them. Resuming: each rank reads the
 files itself (:func:`read_trainer_state`: the env pickles only if this user's MAC verifies,
 and every rank then agrees on using them or not), :func:`load_trainer` loads agent, optimizer and
@@ -55,7 +58,7 @@ from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_keys
 from rl_replay.config import config_to_dict
 from rl_replay.errors import CheckpointError, one_line, shown
-from rl_replay.rundir import trust
+from rl_replay.rundir import shards, trust
 from rl_replay.rundir.checkpoint import (
     checkpoint_path,
     load_agent_weights,
@@ -70,6 +73,7 @@ from rl_replay.rundir.env_state_file import env_binding, save_env_state
 __all__ = [
     "trainer_state",
     "save_trainer",
+    "writes_shards",
     "read_trainer_state",
     "load_trainer",
     "Progress",
@@ -113,6 +117,87 @@ def _full_state_dict_type(model: torch.nn.Module, device: torch.device, *, rank0
             yield
 
 
+@contextlib.contextmanager
+def _sharded_state_dict_type(model: torch.nn.Module, device: torch.device):
+    """SHARDED_STATE_DICT for the model and the optimizer: each rank's rows of every tensor."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    offload = device.type != "cpu"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*state_dict_type.*deprecated.*", category=FutureWarning)
+        # FSDP1's sharded state dict is built of ShardedTensors, which torch marks deprecated, with
+        # a process-group helper that torch marks deprecated too (torch 2.13).
+        warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
+        warnings.filterwarnings("ignore", message=".*_get_pg_default_device.*", category=UserWarning)
+        warnings.filterwarnings("ignore", message=".*Multiple backends are registered.*", category=UserWarning)
+        with FSDP.state_dict_type(
+            model,
+            StateDictType.SHARDED_STATE_DICT,
+            ShardedStateDictConfig(offload_to_cpu=offload),
+            ShardedOptimStateDictConfig(offload_to_cpu=offload),
+        ):
+            yield
+
+
+def writes_shards(model: torch.nn.Module, info, sharded: bool) -> bool:
+    """Whether every rank writes its own shard of the weights and optimizer state
+    (``checkpoint.sharded`` under FSDP with more than one rank and parameters that are sharded)."""
+    if not (sharded and info.distributed and info.world_size > 1 and _is_fsdp(model)):
+        return False
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return model.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+def _model_state(trainer, sharded: bool) -> tuple[Any, Any]:
+    """The agent's and the optimizer's state dicts (under FSDP: full on rank 0 only, or each
+    rank's shards); collective under FSDP."""
+    model = trainer.model
+    if not _is_fsdp(model):
+        return model.state_dict(), trainer.optimizer.state_dict()
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    how = (
+        _sharded_state_dict_type(model, trainer.device)
+        if sharded
+        else _full_state_dict_type(model, trainer.device, rank0_only=True)
+    )
+    with how:
+        return model.state_dict(), FSDP.optim_state_dict(model, trainer.optimizer)
+
+
+def _save_shards(trainer, chunks: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """Every rank writes its chunks at once; the manifest's records of the files, on every rank.
+    Collective: a rank that cannot write, or non-finite weights on any rank, fail every rank
+    (before anything is written, for the weights)."""
+    import torch.distributed as dist
+
+    info = trainer.info
+    bad = shards.non_finite_chunks(chunks)
+    flags: list[Any] = [None] * info.world_size
+    dist.all_gather_object(flags, bad)
+    bad = sorted({name for names in flags for name in names})
+    if bad:
+        raise CheckpointError(
+            f"refusing to write {path}: agent weights {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} "
+            "are not finite; the previous checkpoint is kept."
+        )
+    record: Any
+    try:
+        record = shards.save_shard(trainer.directory.dir, info.rank, info.world_size, chunks)
+    except Exception as exc:  # told to every rank below
+        record = f"{type(exc).__name__}: {exc}"
+    records: list[Any] = [None] * info.world_size
+    dist.all_gather_object(records, record)
+    failed = [f"rank {r}: {one_line(str(x))}" for r, x in enumerate(records) if isinstance(x, str)]
+    if failed:
+        raise CheckpointError(
+            f"could not write the shards of {path} ({'; '.join(failed)}); the previous checkpoint is kept."
+        )
+    return records
+
+
 def _map_tensors(obj: Any, device: torch.device | str) -> Any:
     """``obj`` with every tensor in nested dicts / lists / tuples moved to ``device``."""
     if isinstance(obj, torch.Tensor):
@@ -143,22 +228,16 @@ def _gather_to_main(obj: Any, info) -> list[Any] | None:
     return gathered
 
 
-def trainer_state(trainer) -> dict[str, Any] | None:
+def trainer_state(trainer, model_state: tuple[Any, Any] | None = None) -> dict[str, Any] | None:
     """``trainer``'s whole state as a tree of tensors and plain values; call it on every rank.
 
-    A collective under FSDP (the full agent and optimizer state are gathered on rank 0), so it
-    returns the state on the main process and ``None`` on the others. Each collector state still
-    holds its env pickle under ``"envs"``; :func:`save_trainer` moves those to their own file.
+    A collective under FSDP (the full agent and optimizer state are gathered on rank 0, unless
+    ``model_state`` gives the agent's and optimizer's state already), so it returns the state on the
+    main process and ``None`` on the others. Each collector state still holds its env pickle under
+    ``"envs"``; :func:`save_trainer` moves those to their own file.
     """
-    info, model = trainer.info, trainer.model
-    if _is_fsdp(model):
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-        with _full_state_dict_type(model, trainer.device, rank0_only=True):
-            agent_state = model.state_dict()  # empty on ranks other than 0
-            optim_state = FSDP.optim_state_dict(model, trainer.optimizer)
-    else:
-        agent_state, optim_state = model.state_dict(), trainer.optimizer.state_dict()
+    info = trainer.info
+    agent_state, optim_state = model_state if model_state is not None else _model_state(trainer, sharded=False)
     gathered = _gather_to_main(_rank_state(trainer), info)
     if not info.is_main:
         return None
@@ -186,14 +265,25 @@ def save_trainer(trainer) -> Path:
     :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
     """
     path = checkpoint_path(trainer.run_dir)
-    directory = trainer.directory  # held open by rank 0, which writes
-    state = trainer_state(trainer)
+    directory = trainer.directory  # held open by rank 0, which writes (and by the others, for their shards)
+    sharded = writes_shards(trainer.model, trainer.info, trainer.cfg.checkpoint.sharded)
+    agent_state, optim_state = _model_state(trainer, sharded)
+    manifest = None
+    if sharded:
+        # Every rank writes its rows of the weights and optimizer state; checkpoint.pt names them.
+        tree, chunks, specs = shards.split({"agent": agent_state, "optimizer": optim_state}, rank=trainer.info.rank)
+        agent_state, optim_state = tree["agent"], tree["optimizer"]
+        records = _save_shards(trainer, chunks, path)
+        manifest = {"world": trainer.info.world_size, "files": records, "tensors": specs}
+    state = trainer_state(trainer, (agent_state, optim_state))
     error: BaseException | None = None
     if state is not None:
         # What must stay a pickle goes to its own file, signed with this user's key.
         collectors = [dict(c) for c in state["collector"]]
         pickles = [c.pop("envs", None) for c in collectors]
         payload = {**state, "collector": collectors, "env_state": None}
+        if manifest is not None:
+            payload["shards"] = manifest
         try:
             # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
             if any(p is not None for p in pickles) and not non_finite_tensors(state["agent"]):

@@ -51,7 +51,7 @@ import torch
 
 from rl_replay._compat import current_agent_keys
 from rl_replay.errors import CheckpointError, one_line, shown
-from rl_replay.rundir import files, safe_tree
+from rl_replay.rundir import files, safe_tree, shards
 
 __all__ = [
     "CHECKPOINT_NAME",
@@ -161,11 +161,13 @@ def save_checkpoint(payload: dict[str, Any], where: files.Dir | str | os.PathLik
         d.write_atomic(leaf, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, shown=path))
 
 
-def _decode(data: bytes, path: Path) -> dict[str, Any]:
+def _decode(data: bytes, path: Path, d: files.Dir) -> dict[str, Any]:
     try:
         state, _ = safe_tree.loads(data, budget=files.memory_left() // 2)
     except ValueError as exc:
         raise CheckpointError(f"checkpoint {path} cannot be read: {exc}.") from None
+    if isinstance(state, dict) and isinstance(state.get("agent"), dict):
+        state = shards.assemble(d, state, path)  # a sharded checkpoint's tensors, read from their files
     if not isinstance(state, dict) or not isinstance(state.get("agent"), dict):
         raise CheckpointError(f"{path} is not an rl_replay checkpoint (it holds no agent weights).")
     odd = [k for k, v in state["agent"].items() if not isinstance(v, torch.Tensor)]
@@ -192,7 +194,7 @@ def load_checkpoint(
     with files.located(where, CHECKPOINT_NAME, name) as (d, leaf, user_named):
         if not d.exists(leaf):
             raise FileNotFoundError(f"no checkpoint at {d.shown(leaf)}")
-        return _decode(read_checkpoint_bytes(d, leaf, follow=follow or user_named), d.shown(leaf))
+        return _decode(read_checkpoint_bytes(d, leaf, follow=follow or user_named), d.shown(leaf), d)
 
 
 def finite_weights(state: dict[str, Any], path: str | os.PathLike) -> dict[str, Any]:

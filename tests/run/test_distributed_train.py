@@ -540,12 +540,21 @@ def _check_loaded(trainer, checkpoint: dict) -> None:
             assert torch.equal(torch.as_tensor(loaded[name][key]).cpu(), torch.as_tensor(value)), (name, key)
 
 
-def _resume_worker(rank: int, world_size: int, run_dir: str, total: int) -> None:
+def _manifest(run_dir: Path) -> dict:
+    """``checkpoint.pt`` as written, its shard files not read."""
+    from rl_replay.rundir import files, safe_tree
+    from rl_replay.rundir.checkpoint import read_checkpoint_bytes
+
+    with files.Dir.open(run_dir) as d:
+        return safe_tree.loads(read_checkpoint_bytes(d, "checkpoint.pt"))[0]
+
+
+def _resume_worker(rank: int, world_size: int, run_dir: str, total: int, *overrides: str) -> None:
     """Resume a run on ``world_size`` ranks: the loaded state is checked, then it trains to ``total``."""
     from rl_replay.run.setup import build
     from rl_replay.rundir.checkpoint import load_checkpoint
 
-    trainer = build(resume=run_dir, overrides=[f"total_env_steps={total}"])
+    trainer = build(resume=run_dir, overrides=[f"total_env_steps={total}", *overrides])
     _check_loaded(trainer, load_checkpoint(Path(run_dir)))
     trainer.train()
 
@@ -567,6 +576,15 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
     assert [x["env_steps"] for x in lines] == [256, 512, 768, 1024]  # summed over both ranks
     state = load_checkpoint(run_dir)
     assert (state["update"], state["env_steps"], state["world_size"]) == (4, 1024, 2)
+    # written by both ranks: each its rows of the weights and optimizer state, checkpoint.pt naming them
+    manifest = _manifest(run_dir)
+    assert manifest["agent"] == {} and [f["file"] for f in manifest["shards"]["files"]] == [
+        "checkpoint.shard-0-of-2.pt",
+        "checkpoint.shard-1-of-2.pt",
+    ]
+    assert sorted(n for *_, n in (s["path"] for s in manifest["shards"]["tensors"]) if _ == ["agent"]) == sorted(
+        state["agent"]
+    )
 
     # 2 ranks -> one process: the weights and optimizer state are the checkpoint's, whole
     trainer = build(resume=run_dir, overrides=["total_env_steps=1536"])
@@ -580,10 +598,13 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
     assert "rank 1's envs end here" in said
     second = _run([sys.executable, "scripts/train.py", "--resume", str(run_dir), "total_env_steps=1536"])
     assert "finished 8 updates, 1536 env steps" in second.stderr
-    # one process -> 2 ranks (in processes of this test, the loaded state checked on every rank)
-    run_ranks(_resume_worker, str(run_dir), 2048)
-    # 2 ranks -> 3 ranks
-    third = _torchrun("--resume", str(run_dir), "total_env_steps=2816", nproc=3)
+    assert "shards" not in _manifest(run_dir)  # one process: one file
+    # one process -> 2 ranks (in processes of this test, the loaded state checked on every rank), writing
+    # the single file rank 0 gathers (checkpoint.sharded=false), as every multi-rank run did before
+    run_ranks(_resume_worker, str(run_dir), 2048, "checkpoint.sharded=false")
+    assert "shards" not in _manifest(run_dir) and _manifest(run_dir)["world_size"] == 2
+    # 2 ranks (from that single file) -> 3 ranks, sharded again
+    third = _torchrun("--resume", str(run_dir), "total_env_steps=2816", "checkpoint.sharded=true", nproc=3)
     assert "on 3 ranks; its checkpoint was written by 2 ranks" in third.stdout
     assert "rank 2 starts fresh episodes with RNG streams from the run's seed and its rank" in third.stdout
     lines = _updates(run_dir)
@@ -591,6 +612,9 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
     assert [x["env_steps"] for x in lines] == [256, 512, 768, 1024, 1152, 1280, 1408, 1536, 1792, 2048, 2432, 2816]
     assert [x["run/world_size"] for x in lines] == [2] * 4 + [1] * 4 + [2] * 2 + [3] * 2
     assert load_checkpoint(run_dir)["world_size"] == 3
+    assert [f["file"] for f in _manifest(run_dir)["shards"]["files"]] == [
+        f"checkpoint.shard-{r}-of-3.pt" for r in range(3)
+    ]
 
     evaluation = _run([sys.executable, "scripts/evaluate.py", str(run_dir), "--episodes", "3"])
     assert "over 3 episodes (checkpoint update 12, 2816 env steps)" in evaluation.stdout
@@ -682,6 +706,19 @@ def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path):
     state = load_checkpoint(run_dir)
     assert (state["world_size"], state["env_steps"]) == (4, 1024)
     assert state["config"]["distributed"]["sharding_strategy"] == "HYBRID_SHARD"
+    # sharded checkpoint: the first node's ranks wrote the rows, the second node's (replicas) none
+    from rl_replay.rundir import files, safe_tree
+    from rl_replay.rundir.checkpoint import read_checkpoint_bytes
+
+    specs = _manifest(run_dir)["shards"]["tensors"]
+    with files.Dir.open(run_dir) as d:
+        chunks = [
+            len(safe_tree.loads(read_checkpoint_bytes(d, f"checkpoint.shard-{r}-of-4.pt"))[0]["chunks"])
+            for r in range(4)
+        ]
+    assert chunks[0] == chunks[1] == len(specs) and chunks[2:] == [0, 0]
+    agent = {tuple(x["path"][1:]): x["shape"] for x in specs if x["path"][0] == "agent"}
+    assert {name: list(t.shape) for name, t in state["agent"].items()} == {k[0]: v for k, v in agent.items()}
 
 
 # ------------------------------------------------------------- signals under torchrun
