@@ -290,3 +290,14 @@ def test_bench_collect_sharded_smoke():
     rows = dict(re.findall(r"^\| ([\w ,]+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \|$", out, re.M))
     assert set(rows) == {"one process", "2 ranks, per step", "2 ranks, gathered"}, out
     assert all(float(seconds) > 0 for seconds in rows.values()), out
+
+
+def test_bench_checkpoint_sharded_smoke():
+    """One checkpoint written on 2 real gloo ranks both ways: sharded, each rank writes about half of
+    what rank 0 writes alone when it gathers."""
+    out = run_script("bench_checkpoint_sharded.py", "--smoke")
+    rows = re.findall(r"^\| (true|false) \| (\d) \| ([\d.]+) s \| ([\d.]+) MiB \| ([\d,]+) \|$", out, re.M)
+    written = {(sharded, int(rank)): int(n.replace(",", "")) for sharded, rank, _, _, n in rows}
+    assert set(written) == {("true", 0), ("true", 1), ("false", 0), ("false", 1)}, out
+    assert written[("false", 1)] == 0 < written[("true", 1)], out  # only the sharded run's rank 1 writes
+    assert written[("true", 0)] < written[("false", 0)], out
