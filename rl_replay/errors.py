@@ -125,7 +125,8 @@ class TrainingInterrupted(Exception):
     """Training stopped on a signal after writing a checkpoint.
 
     Raised by :meth:`rl_replay.run.trainer.Trainer.train` (see :mod:`rl_replay.run.interrupt`).
-    ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM).
+    ``exit_code`` is the shell's convention, 128 + signal number (130 SIGINT, 143 SIGTERM, 138
+    SIGUSR1, 140 SIGUSR2).
     """
 
     def __init__(self, signum: int, update: int, checkpoint: str | None, run_dir: str) -> None:

@@ -183,6 +183,8 @@ class LogConfig:
     """wandb run group (e.g. one experiment's seeds)"""
     tags: list[str] = field(default_factory=list)
     """wandb run tags"""
+    tensorboard: bool = False
+    """also write TensorBoard event files into RUN_DIR/tensorboard (needs the tensorboard extra); rows go out once a checkpoint covers them, as wandb's do"""
 
 
 @dataclass

@@ -2,7 +2,7 @@
 ``rl-replay-evaluate`` / ``scripts/evaluate.py``.
 
 Exit codes: 0 done; 1 training stopped on an error (non-finite values); 2 bad input
-(nothing was written); 128 + signal (130 SIGINT, 143 SIGTERM) stopped on a signal after
+(nothing was written); 128 + signal (130 SIGINT, 143 SIGTERM, 138 SIGUSR1, 140 SIGUSR2) stopped on a signal after
 writing a checkpoint.
 """
 
@@ -36,8 +36,9 @@ Several processes (FSDP1, one replay engine per rank):
     torchrun --nproc_per_node=2 scripts/train.py --config configs/fsdp_transformer.yaml
 
 Overrides are section.key=value (values parsed as YAML) and may come before or after
---config. Ctrl-C or SIGTERM finishes the current update, writes a checkpoint and exits
-with 130 / 143; a second one exits at once.
+--config. Ctrl-C, SIGTERM or SIGUSR1/2 (a scheduler's pre-emption notice) finishes the current
+update, writes a checkpoint and exits with 128 + the signal (130 / 143 / 138 / 140); a second one
+exits at once.
 """
 
 

@@ -1,8 +1,10 @@
-"""Stop a run cleanly on SIGINT / SIGTERM: finish the update, checkpoint, exit non-zero.
+"""Stop a run cleanly on SIGINT, SIGTERM, SIGUSR1 or SIGUSR2: finish the update, checkpoint, exit non-zero.
 
 :class:`StopOnSignal` installs handlers for the duration of training (main thread only).
-The first SIGINT or SIGTERM only sets a flag and restores the default handlers, so a
-second one kills the process at once. The trainer asks :meth:`StopOnSignal.requested`
+The first of those signals only sets a flag and restores the default handlers, so a
+second one kills the process at once. SIGUSR1 / SIGUSR2 are what cluster schedulers send
+ahead of a pre-emption or a time limit (Slurm's ``--signal=USR1@90``); the exit code,
+128 + the signal's number, tells the job script to requeue (docs/operations.md). The trainer asks :meth:`StopOnSignal.requested`
 once per update; under torchrun the flag is all-reduced there, so every rank stops at
 the same update even if only one of them received the signal. The trainer then raises
 :class:`~rl_replay.errors.TrainingInterrupted`.
@@ -19,11 +21,11 @@ import torch
 
 __all__ = ["StopOnSignal", "children_ignore_sigint"]
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 class StopOnSignal:
-    """Context manager: remembers the first SIGINT/SIGTERM instead of dying on it."""
+    """Context manager: remembers the first SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 instead of dying on it."""
 
     def __init__(self, *, announce: bool = True) -> None:
         self.signum = 0

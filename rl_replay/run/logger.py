@@ -1,4 +1,4 @@
-"""All run output in one place: progress bar, ``metrics.jsonl`` and wandb (main rank only).
+"""All run output in one place: progress bar, ``metrics.jsonl``, wandb and TensorBoard (main rank only).
 
 ``metrics.jsonl`` is the record of a run: one JSON line per logged update, every metric
 kept; a non-finite value (no episode finished, a diverged loss) is written as ``null``. It is
@@ -13,6 +13,10 @@ checkpoint and logs the following updates again, and wandb, whose history cannot
 rewritten, then never holds rows of the abandoned continuation. So wandb's history and
 ``metrics.jsonl`` (truncated to the checkpoint on resume) agree row for row, online and
 offline. The cost: the dashboard trails the run by up to ``checkpoint.every`` updates.
+
+TensorBoard (``log.tensorboard``) gets the same rows through the same gate, each metric a scalar
+stepped by ``env_steps``, in event files under ``RUN_DIR/tensorboard``; its own mark
+(``tensorboard_logged.json``) says which update it holds last, so a resume writes no step twice.
 
 Mode: the ``WANDB_MODE`` environment variable (``online``, ``offline``, ``disabled``;
 ``WANDB_DISABLED=true`` means disabled) wins over ``log.wandb_mode``, as wandb users
@@ -38,6 +42,7 @@ from rl_replay.errors import SetupError
 from rl_replay.rundir import files
 from rl_replay.rundir.metrics_file import (
     METRICS_NAME,
+    TENSORBOARD_MARK_NAME,
     WANDB_MARK_NAME,
     is_count,
     iter_metrics,
@@ -57,6 +62,7 @@ __all__ = [
     "unsent_wandb_id",
     "resolve_wandb_mode",
     "wandb_preflight",
+    "tensorboard_preflight",
     "summarize",
 ]
 
@@ -126,6 +132,23 @@ def wandb_preflight(config_mode: str) -> str:
                 "with `wandb sync`, or fix the network."
             )
     return mode
+
+
+TENSORBOARD_DIR = "tensorboard"
+
+
+def tensorboard_preflight(enabled: bool) -> None:
+    """Refuse ``log.tensorboard`` in one line, before anything is written, when the tensorboard
+    package is not installed."""
+    if not enabled:
+        return
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401  (needs the tensorboard package)
+    except ImportError:
+        raise SetupError(
+            "log.tensorboard=true needs the tensorboard package, which is not installed: "
+            "pip install -e '.[tensorboard]' (or set log.tensorboard=false)."
+        ) from None
 
 
 def _jsonable(value: Any) -> Any:
@@ -265,6 +288,7 @@ class RunLogger:
         total_env_steps: int = 0,
         start_env_steps: int = 0,
         start_update: int = 0,
+        tensorboard: bool = False,
     ) -> None:
         self.is_main = is_main
         self._owned = not isinstance(run_dir, files.Dir)
@@ -272,6 +296,8 @@ class RunLogger:
         self.run_dir = run_dir.path if isinstance(run_dir, files.Dir) else Path(run_dir)
         self._file = None
         self._wandb = None
+        self._tb = None
+        self._tb_mark = 0  # the last update TensorBoard holds
         self._bar = None
         self._lines: ProgressLines | None = None
         self._pending: list[dict[str, Any]] = []  # rows not yet covered by a checkpoint
@@ -282,14 +308,17 @@ class RunLogger:
         d = self._dir
         # The run's history so far (truncated to the checkpoint on resume) seeds the summaries;
         # the rows after wandb's mark, up to the checkpoint, are kept to be sent again (_resend).
-        mark = self._mark()
+        mark = self._mark(WANDB_MARK_NAME)
+        tb_mark = self._tb_mark = self._mark(TENSORBOARD_MARK_NAME)
         self._summary = RunSummary()  # of the rows handed to wandb, i.e. covered by a checkpoint
-        history = []
+        history, tb_history = [], []
         for record in iter_metrics(d):
             if record["update"] <= start_update:
                 self._summary.add(record)
                 if record["update"] > mark:
                     history.append(record)
+                if record["update"] > tb_mark:
+                    tb_history.append(record)
         fd = d.open_in_place(METRICS_NAME, os.O_WRONLY | os.O_APPEND, "metrics file")
         self._file = os.fdopen(fd, "a", buffering=1, encoding="utf-8")
         mode = resolve_wandb_mode(wandb_mode)
@@ -320,6 +349,13 @@ class RunLogger:
             self._wandb.define_metric("env_steps")
             self._wandb.define_metric("*", step_metric="env_steps")
             self._resend(history)
+        if tensorboard:
+            d.check_directory(TENSORBOARD_DIR, "tensorboard directory")
+            from torch.utils.tensorboard import SummaryWriter
+
+            # (a path: TensorBoard's writer opens its event files itself; the check above refused a link)
+            self._tb = SummaryWriter(log_dir=str(self.run_dir / TENSORBOARD_DIR))
+            self._send_tensorboard([{k: (math.nan if v is None else v) for k, v in r.items()} for r in tb_history])
         if progress and not sys.stderr.isatty():
             # A log file: redrawing a bar ~10 times a second would fill it with carriage returns.
             self._lines = ProgressLines(total_env_steps, start_env_steps, every=progress_every)
@@ -332,10 +368,26 @@ class RunLogger:
         self._last_steps = start_env_steps
 
     # ------------------------------------------------------------------ wandb rows
-    def _mark(self) -> int:
+    def _mark(self, name: str) -> int:
         assert self._dir is not None
-        update = read_mark(self._dir).get("update")
+        update = read_mark(self._dir, name).get("update")
         return update if isinstance(update, int) and is_count(update) else 0
+
+    def _send_tensorboard(self, rows: list[dict[str, Any]]) -> None:
+        """Each row's metrics as scalars at step ``env_steps`` (a NaN is no point, as for wandb). A row
+        TensorBoard holds already (a resume from the previous checkpoint) is not written again."""
+        rows = [row for row in rows if row["update"] > self._tb_mark]
+        if self._tb is None or not rows:
+            return
+        for row in rows:
+            step = int(row["env_steps"])
+            for key, value in row.items():
+                if key != "env_steps" and not (isinstance(value, float) and math.isnan(value)):
+                    self._tb.add_scalar(key, value, global_step=step)
+        self._tb.flush()
+        assert self._dir is not None
+        self._tb_mark = int(rows[-1]["update"])
+        self._dir.replace_with_text(TENSORBOARD_MARK_NAME, json.dumps({"update": self._tb_mark}))
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
         for row in rows:
@@ -358,15 +410,17 @@ class RunLogger:
         self._send([{k: (math.nan if v is None else v) for k, v in r.items()} for r in rows])
 
     def checkpointed(self, update: int) -> None:
-        """A checkpoint of ``update`` is on disk: send the rows it covers to wandb."""
-        if self._wandb is None:
+        """A checkpoint of ``update`` is on disk: send the rows it covers to wandb and TensorBoard."""
+        if self._wandb is None and self._tb is None:
             self._pending.clear()
             return
         ready = [row for row in self._pending if row["update"] <= update]
         self._pending = [row for row in self._pending if row["update"] > update]
-        for row in ready:
-            self._summary.add(row)
-        self._send(ready)
+        if self._wandb is not None:
+            for row in ready:
+                self._summary.add(row)
+            self._send(ready)
+        self._send_tensorboard(ready)
 
     # ------------------------------------------------------------------ logging
     def log(self, metrics: dict[str, float], *, update: int, env_steps: int) -> None:
@@ -377,7 +431,7 @@ class RunLogger:
         row = {"update": update, "env_steps": env_steps, **values}
         record = {"update": update, "env_steps": env_steps, **{k: _jsonable(v) for k, v in values.items()}}
         self._file.write(json.dumps(record, allow_nan=False) + "\n")  # type: ignore[union-attr]
-        if self._wandb is not None:
+        if self._wandb is not None or self._tb is not None:
             self._pending.append(row)
         if self._bar is not None:
             if env_steps > self._bar.total:  # the last update overshoots; tqdm drops a total it passed
@@ -405,17 +459,23 @@ class RunLogger:
             except OSError:  # only after a failed write (lines are flushed as written), reported already
                 pass
             self._file = None
+        if self._pending:
+            sinks = " and ".join(
+                n for n, sink in (("wandb", self._wandb), ("TensorBoard", self._tb)) if sink is not None
+            )
+            warnings.warn(
+                f"updates {self._pending[0]['update']}-{self._pending[-1]['update']} were not sent to "
+                f"{sinks}: no checkpoint covers them (a resume continues from the last checkpoint and "
+                "logs them again); metrics.jsonl has them until then.",
+                stacklevel=2,
+            )
+            self._pending.clear()
         if self._wandb is not None:
-            if self._pending:
-                warnings.warn(
-                    f"updates {self._pending[0]['update']}-{self._pending[-1]['update']} were not sent to "
-                    "wandb: no checkpoint covers them (a resume continues from the last checkpoint and "
-                    "logs them again); metrics.jsonl has them until then.",
-                    stacklevel=2,
-                )
-                self._pending.clear()
             self._wandb.finish()
             self._wandb = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
         if self._owned and self._dir is not None:
             self._dir.close()
             self._dir = None

@@ -34,6 +34,7 @@ from rl_replay.rollout.environment import envs_from_config
 from rl_replay.run.interrupt import children_ignore_sigint
 from rl_replay.run.logger import (
     RunLogger,
+    tensorboard_preflight,
     truncate_metrics,
     unsent_wandb_id,
     wandb_preflight,
@@ -176,6 +177,7 @@ def _build(
     run); ``importer`` is what its config may import; ``run_id`` is its identity as its signed
     config names it (None: a new run, or a config that names none, which gets a new one)."""
     wandb_mode = wandb_preflight(cfg.log.wandb_mode)  # WANDB_MODE wins; online: is the server reachable?
+    tensorboard_preflight(cfg.log.tensorboard)  # installed?
     if cfg.torch_threads is not None:
         torch.set_num_threads(cfg.torch_threads)
     if cfg.keep_freed_memory:
@@ -351,6 +353,7 @@ def _open_logger(
         total_env_steps=cfg.total_env_steps,
         start_env_steps=progress.env_steps,
         start_update=progress.update,
+        tensorboard=cfg.log.tensorboard,
     )
 
 

@@ -109,7 +109,7 @@ class Trainer:
     def train(self) -> dict[str, float]:
         """Train until ``total_env_steps`` are reached (see :attr:`finished`); returns the last update's metrics.
 
-        On SIGINT / SIGTERM the current update is finished, a checkpoint written and
+        On SIGINT, SIGTERM, SIGUSR1 or SIGUSR2 the current update is finished, a checkpoint written and
         :class:`~rl_replay.errors.TrainingInterrupted` raised. Non-finite values stop
         the run with :class:`~rl_replay.errors.NonFiniteError` (no checkpoint is written),
         a failed write into the run directory (disk full, read-only) with

@@ -261,6 +261,7 @@ STALE_PATTERNS = (
     "metrics.jsonl.tmp",
     ".metrics.jsonl.*.tmp",
     ".wandb_logged.json.*.tmp",
+    ".tensorboard_logged.json.*.tmp",
 )
 
 

@@ -17,6 +17,7 @@ from rl_replay.rundir import files
 __all__ = [
     "METRICS_NAME",
     "WANDB_MARK_NAME",
+    "TENSORBOARD_MARK_NAME",
     "MAX_ROW_BYTES",
     "iter_metrics",
     "read_metrics",
@@ -30,6 +31,8 @@ __all__ = [
 METRICS_NAME = "metrics.jsonl"
 #: Last update handed to wandb (see RunLogger): on resume, rows after it are sent again.
 WANDB_MARK_NAME = "wandb_logged.json"
+#: Last update written to TensorBoard's event files, for the same reason.
+TENSORBOARD_MARK_NAME = "tensorboard_logged.json"
 # A metrics row is a few KiB; a longer line is not one (a sparse hole reads as an endless line).
 MAX_ROW_BYTES = 1 << 20
 
@@ -82,11 +85,12 @@ def read_metrics(where: files.Dir | str | os.PathLike, notes: list[str] | None =
     return list(iter_metrics(where, notes))
 
 
-def read_mark(where: files.Dir | str | os.PathLike) -> dict[str, Any]:
-    """The wandb mark of a run (``{"update", "wandb_id"}``), or ``{}`` if it has none that reads."""
+def read_mark(where: files.Dir | str | os.PathLike, name: str = WANDB_MARK_NAME) -> dict[str, Any]:
+    """The wandb mark of a run (``{"update", "wandb_id"}``; or the TensorBoard mark ``name``,
+    ``{"update"}``), or ``{}`` if it has none that reads."""
     try:
         with files.held(where) as d:
-            mark = json.loads(d.read_regular(WANDB_MARK_NAME, "wandb mark", limit=4096))
+            mark = json.loads(d.read_regular(name, "logging mark", limit=4096))
     except (OSError, ValueError, RecursionError):
         return {}
     return mark if isinstance(mark, dict) else {}

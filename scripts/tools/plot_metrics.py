@@ -39,7 +39,8 @@ TABLE_ROWS = 20
 def read_rows(run_dir: Path, source: str) -> list[dict]:
     """The run's rows, one per logged update: metrics.jsonl's (null = no value) or wandb's."""
     if source == "wandb":
-        from rl_replay.run.wandb_files import training_rows
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from wandb_offline import training_rows  # (this folder's reader of wandb's offline files)
 
         return training_rows(run_dir)
     from rl_replay.errors import one_line

@@ -24,20 +24,24 @@ from rl_replay.run.interrupt import StopOnSignal, children_ignore_sigint
 @pytest.fixture
 def handlers():
     """Restore SIGINT/SIGTERM handlers whatever a test leaves behind."""
-    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)}
     yield before
     for s, handler in before.items():
         signal.signal(s, handler)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2],
+    ids=["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"],
+)
 def test_first_signal_is_remembered_announced_and_leaves_the_default_for_a_second(handlers, capfd, sig):
     with StopOnSignal() as stop:
         assert stop.requested() == 0
         signal.raise_signal(sig)  # handled here, not by pytest or the default action
         assert stop.requested() == sig
-        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
-        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        for other in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            assert signal.getsignal(other) is signal.SIG_DFL
     assert {s: signal.getsignal(s) for s in handlers} == handlers
     err = capfd.readouterr().err
     assert (
@@ -61,7 +65,11 @@ def test_quiet_and_off_the_main_thread(handlers, capfd):
     assert seen == [handlers[signal.SIGTERM]]  # signal handlers can only be set on the main thread
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 138), (signal.SIGUSR2, 140)],
+    ids=["SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2"],
+)
 def test_training_interrupted_carries_the_shells_exit_code(sig, code):
     exc = TrainingInterrupted(sig, 12, "runs/x/checkpoint.pt", "runs/x")
     assert exc.exit_code == code and (exc.update, exc.run_dir) == (12, "runs/x")

@@ -3,6 +3,7 @@ preflight, what an offline run holds, resume), and the per-update memory metrics
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -17,9 +18,15 @@ from rl_replay.config import load_config
 from rl_replay.errors import SetupError
 from rl_replay.run.logger import RunLogger, read_metrics, resolve_wandb_mode, summarize
 from rl_replay.run.setup import build
-from rl_replay.run.wandb_files import read_offline_run
 
 ROOT = Path(__file__).resolve().parents[2]
+
+# The reader of wandb's offline files is a tool (scripts/tools), not part of the library.
+_spec = importlib.util.spec_from_file_location("wandb_offline", ROOT / "scripts" / "tools" / "wandb_offline.py")
+assert _spec and _spec.loader
+_wandb_offline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_wandb_offline)
+read_offline_run = _wandb_offline.read_offline_run
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Signals: SIGINT/SIGTERM finish the update, checkpoint and exit; Ctrl-C to a process group with async env workers; a second SIGINT exits at once."""
+"""Signals: SIGINT/SIGTERM/SIGUSR1/SIGUSR2 finish the update, checkpoint and exit; Ctrl-C to a process group with async env workers; a second SIGINT exits at once."""
 
 from __future__ import annotations
 
@@ -25,8 +25,14 @@ from rl_replay.run.setup import build
 from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize(
+    "sig, code",
+    [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGUSR1, 138)],
+    ids=["SIGINT", "SIGTERM", "SIGUSR1"],
+)
 def test_signal_finishes_the_update_checkpoints_and_exits(tmp_path, sig, code):
+    """SIGUSR1 is a scheduler's pre-emption notice (Slurm's --signal=USR1@90): the same stop. (SIGUSR2
+    takes the same handler: tests/run/test_interrupt.py.)"""
     run = tmp_path / "run"
     proc = start(TRAIN, *TINY, "total_env_steps=100000000", "checkpoint.every=0", f"run_dir={run}", cwd=tmp_path)
     try:

@@ -257,18 +257,19 @@ def test_bench_cores_smoke():
 
 @pytest.mark.slow
 def test_bench_torchrl_smoke():
-    """The peer benchmark's rl_replay sides (and TorchRL's where installed): a row per core, each
-    side's gradients within float rounding of plain autograd (episode starts inside the rows)."""
-    out = run_script("bench_torchrl.py", "--smoke")
+    """The peer benchmark's rl_replay sides (and TorchRL's where installed): the GRU row, each side's
+    gradients within float rounding of plain autograd (episode starts inside the rows). The LSTM row
+    is run and checked by tests/scripts/test_gpu_check.py's dry run (one run serves both)."""
+    out = run_script("bench_torchrl.py", "--smoke", "--kinds", "gru")
     checks = re.findall(r"^(gru|lstm): largest relative gradient difference .*?: (.*)$", out, re.M)
-    assert [kind for kind, _ in checks] == ["lstm", "gru"], out
+    assert [kind for kind, _ in checks] == ["gru"], out
     for _, line in checks:
         sides = dict(part.split() for part in line.split(", "))
         assert {"rl_replay", "steps"} <= set(sides), line
         assert all(float(d) < 1e-4 for d in sides.values()), line
         assert ("torchrl" in sides) == (importlib.util.find_spec("torchrl") is not None), line
-    rows = [line for line in out.splitlines() if line.startswith(("| gru | 66 |", "| lstm | 66 |"))]
-    assert len(rows) == 2, out
+    rows = [line for line in out.splitlines() if line.startswith("| gru | 66 |")]
+    assert len(rows) == 1, out
 
 
 @pytest.mark.slow

@@ -1,4 +1,6 @@
-"""Read offline wandb runs back from their ``run-<id>.wandb`` files, without a network.
+"""Read offline wandb runs back from their ``run-<id>.wandb`` files, without a network (a tool: the
+library never imports it; ``wandb sync`` uploads such runs, and ``log.tensorboard`` gives a local
+dashboard).
 
 :func:`read_offline_run` reads one ``RUN_DIR/wandb/offline-run-*`` directory;
 :func:`training_rows` the rows of a training run over all its fragments (a resumed offline
