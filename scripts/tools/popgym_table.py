@@ -10,9 +10,10 @@ frequent and noisier means bias a maximum upwards). With ``--greedy-episodes N``
 greedy episodes of the final checkpoint (``scripts/evaluate.py``). Per environment: the mean over
 its runs (seeds), beside the paper's GRU and best model. Across environments: the interquartile
 mean (IQM) of all runs' MMER with a 95 % stratified-bootstrap interval (runs resampled within each
-environment), as Agarwal et al. (NeurIPS 2021, ``rliable``) recommend for suites.
+environment), computed by ``rliable`` (Agarwal et al., NeurIPS 2021; the ``[rliable]`` extra; every env
+needs as many runs), and with ``--profile`` its performance profile.
 
-    python scripts/tools/popgym_table.py runs/popgym/* --greedy-episodes 100 --json out.json --plot out.png
+    python scripts/tools/popgym_table.py runs/popgym/* --greedy-episodes 100 --json out.json --plot out.png --profile profile.png
 
 Runs are grouped by their config's ``env.id``; a row is one recipe's seeds, so runs of one env whose
 configs differ in anything but the seed, the run directory, the budget and logging, checkpointing or
@@ -71,32 +72,45 @@ def mmer(records: list[dict], report_every: int = REPORT_EVERY) -> float | None:
     return best
 
 
-def iqm(scores: np.ndarray) -> float:
-    """Interquartile mean of all entries: the mean of the middle half, as ``scipy.stats.trim_mean(x,
-    0.25, axis=None)`` (rliable's IQM) cuts ``int(0.25 n)`` from each end."""
-    flat = np.sort(np.asarray(scores, dtype=np.float64).ravel())
-    cut = int(0.25 * flat.size)
-    return float(flat[cut : flat.size - cut].mean())
+RLIABLE_EXTRA = "pip install -e '.[rliable]'"
 
 
-def stratified_bootstrap_ci(
-    scores: list[np.ndarray], reps: int = 50_000, size: float = 0.95, seed: int = 0
-) -> tuple[float, float]:
-    """Percentile interval of the IQM over bootstrap samples that redraw, within each
-    environment (stratum), as many runs as it has, with replacement (rliable's
-    ``StratifiedBootstrap`` with ``get_interval_estimates``' percentile method)."""
-    rng = np.random.default_rng(seed)
-    draws = []
-    for runs in scores:
-        runs = np.asarray(runs, dtype=np.float64)
-        draws.append(runs[rng.integers(0, runs.size, size=(reps, runs.size))])
-    sample = np.concatenate(draws, axis=1)  # (reps, all runs)
-    # iqm() of each resample, vectorised: sort each row, cut a quarter each end
-    sample.sort(axis=1)
-    cut = int(0.25 * sample.shape[1])
-    stats = sample[:, cut : sample.shape[1] - cut].mean(axis=1)
-    lo, hi = np.percentile(stats, [50 * (1 - size), 50 * (1 + size)])
-    return float(lo), float(hi)
+def _rliable():
+    """rliable's ``library`` and ``metrics`` modules, or ``None`` when the extra is not installed."""
+    try:
+        from rliable import library, metrics
+    except ImportError:
+        return None
+    return library, metrics
+
+
+def score_matrix(strata: list[np.ndarray]) -> np.ndarray:
+    """The runs x envs matrix rliable takes; ValueError (one line) unless every env has as many runs."""
+    counts = [s.size for s in strata]
+    if len(set(counts)) != 1:
+        raise ValueError(
+            f"the aggregate needs the same number of runs of every env (rliable's scores are a runs x envs "
+            f"matrix); these envs have {', '.join(map(str, counts))} runs"
+        )
+    return np.stack(strata, axis=1)
+
+
+def iqm_interval(matrix: np.ndarray, reps: int = 50_000, seed: int = 0) -> tuple[float, tuple[float, float]]:
+    """rliable's IQM of every score and its 95 % stratified-bootstrap percentile interval (runs
+    resampled within each env), seeded."""
+    library, metrics = _rliable()  # type: ignore[misc]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*random_state is deprecated.*", category=FutureWarning)
+        point, interval = library.get_interval_estimates(
+            {"x": matrix},
+            lambda scores: np.array([metrics.aggregate_iqm(scores)]),
+            reps=reps,
+            random_state=np.random.RandomState(seed),
+        )
+    lo, hi = interval["x"][:, 0]
+    return float(point["x"][0]), (float(lo), float(hi))
 
 
 #: Config keys (dotted prefixes) that may differ between the runs of one row.
@@ -190,16 +204,25 @@ def env_row(env: str, rows: list[dict]) -> dict:
     }
 
 
-def aggregate(envs: list[dict]) -> dict | None:
-    """IQM of every run's MMER over ``envs`` with its stratified-bootstrap interval, and the
-    paper's per-env means over the same envs (None when no run has an MMER)."""
+def aggregate(envs: list[dict], reps: int = 50_000) -> dict | None:
+    """rliable's IQM of every run's MMER over ``envs`` with its stratified-bootstrap interval, and the
+    paper's per-env means over the same envs (None when no run has an MMER). ``note`` instead, when
+    rliable is not installed or the envs have unequal numbers of runs."""
     strata = [np.array([r["mmer"] for r in e["runs"] if r["mmer"] is not None]) for e in envs]
     strata = [s for s in strata if s.size]
     if not strata:
         return None
-    result = {
-        "iqm": iqm(np.concatenate(strata)),
-        "ci95": stratified_bootstrap_ci(strata),
+    if _rliable() is None:
+        return {"note": f"the aggregate needs rliable: {RLIABLE_EXTRA}"}
+    try:
+        matrix = score_matrix(strata)
+    except ValueError as exc:
+        return {"note": str(exc)}
+    point, interval = iqm_interval(matrix, reps=reps)
+    _, metrics = _rliable()  # type: ignore[misc]
+    result: dict = {
+        "iqm": point,
+        "ci95": interval,
         "envs": len(strata),
         # A stratum of one run resamples to itself: the interval carries none of that env's
         # seed-to-seed spread, so it is too narrow by an unknown amount (reported, not hidden).
@@ -207,9 +230,34 @@ def aggregate(envs: list[dict]) -> dict | None:
     }
     paper = [[PAPER[e["env"]][0], PAPER[e["env"]][2]] for e in envs if e["env"] in PAPER and e["mmer"] is not None]
     if paper:  # the paper's per-env means over the same envs (its trials are not published)
-        result["paper_gru_iqm"] = iqm(np.array([p[0] for p in paper]))
-        result["paper_best_iqm"] = iqm(np.array([p[1] for p in paper]))
+        result["paper_gru_iqm"] = float(metrics.aggregate_iqm(np.array([p[0] for p in paper])))
+        result["paper_best_iqm"] = float(metrics.aggregate_iqm(np.array([p[1] for p in paper])))
     return result
+
+
+def performance_profile(result: dict, out: str) -> None:
+    """rliable's performance profile: the fraction of runs whose MMER exceeds each threshold, with
+    its 95 % stratified-bootstrap band, beside the paper's GRU and best model (one mean per env)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from rliable import library, plot_utils
+
+    strata = [np.array([r["mmer"] for r in e["runs"] if r["mmer"] is not None]) for e in result["envs"]]
+    scores = {"rl_replay": score_matrix([s for s in strata if s.size])}
+    paper = [e for e in result["envs"] if e["env"] in PAPER and e["mmer"] is not None]
+    if paper:
+        scores["paper GRU (mean per env)"] = np.array([[PAPER[e["env"]][0] for e in paper]])
+        scores["paper best (mean per env)"] = np.array([[PAPER[e["env"]][2] for e in paper]])
+    taus = np.linspace(-1.0, 1.0, 81)
+    profiles, bands = library.create_performance_profile(scores, taus, reps=2_000)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    plot_utils.plot_performance_profiles(
+        profiles, taus, performance_profile_cis=bands, xlabel="MMER threshold", ax=ax, legend=True
+    )
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
 
 
 def table(
@@ -218,9 +266,11 @@ def table(
     trust: bool = False,
     report_every: int = REPORT_EVERY,
     earlier: list[dict] | None = None,
+    reps: int = 50_000,
 ) -> dict:
-    """Per-run and per-environment rows and the aggregate (see the module's docstring); the rows of
-    ``earlier`` (env rows of tables this tool wrote) join for the envs none of ``runs`` is of."""
+    """Per-run and per-environment rows and the aggregate (see the module's docstring; ``reps``
+    bootstrap samples); the rows of ``earlier`` (env rows of tables this tool wrote) join for the
+    envs none of ``runs`` is of."""
     by_env: dict[str, list[dict]] = defaultdict(list)
     for run in runs:
         records = run_metrics(run)
@@ -236,7 +286,7 @@ def table(
         if e["env"] not in rows:  # a row run again replaces the earlier one
             rows[e["env"]] = {**env_row(e["env"], e["runs"]), "greedy": e.get("greedy")}
     envs = [rows[env] for env in sorted(rows)]
-    return {"envs": envs, "aggregate": aggregate(envs), "report_every": report_every}
+    return {"envs": envs, "aggregate": aggregate(envs, reps), "report_every": report_every}
 
 
 def read_earlier(path: Path, report_every: int) -> list[dict]:
@@ -282,9 +332,14 @@ def markdown(result: dict) -> str:
     every = result.get("report_every")
     lines.append(f"\nMMER read {f'every {every:,} env steps' if every else 'at every update'}")
     agg = result["aggregate"]
-    if agg:
+    if agg and "note" in agg:
+        lines.append(f"\nno aggregate: {agg['note']}")
+    elif agg:
         lo, hi = agg["ci95"]
-        lines.append(f"\nIQM of MMER over {agg['envs']} envs: {agg['iqm']:.3f} (95 % CI {lo:.3f} to {hi:.3f})")
+        lines.append(
+            f"\nIQM of MMER over {agg['envs']} envs: {agg['iqm']:.3f} (95 % CI {lo:.3f} to {hi:.3f}; rliable, "
+            "stratified bootstrap)"
+        )
         if agg.get("single_run_envs"):
             lines.append(
                 f"{agg['single_run_envs']} of the {agg['envs']} envs have one run, which the bootstrap cannot "
@@ -320,7 +375,7 @@ def plot(result: dict, out: str) -> None:
     ax.axhline(0, color="grey", lw=0.5)
     ax.legend(fontsize=8)
     agg = result["aggregate"]
-    if agg:
+    if agg and "iqm" in agg:
         lo, hi = agg["ci95"]
         agg_ax.errorbar([0], [agg["iqm"]], yerr=[[agg["iqm"] - lo], [hi - agg["iqm"]]], fmt="o", capsize=4)
         if "paper_gru_iqm" in agg:
@@ -357,6 +412,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trust-config", action="store_true", help="passed to scripts/evaluate.py")
     parser.add_argument("--json", default=None, help="write the rows and the aggregate to this file")
     parser.add_argument("--plot", default=None, help="draw the table to this image (needs matplotlib)")
+    parser.add_argument(
+        "--profile", default=None, help="draw rliable's performance profile of the runs' MMER to this image"
+    )
+    parser.add_argument("--reps", type=int, default=50_000, help="bootstrap samples of the interval (default 50,000)")
     args = parser.parse_args(argv)
     if not args.runs and not args.earlier:
         parser.error("give run directories, --with TABLE.json, or both")
@@ -365,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{run} is not a run directory (it needs config.yaml and metrics.jsonl)")
     if args.greedy_episodes < 0:
         parser.error(f"--greedy-episodes must be >= 0, got {args.greedy_episodes}")
+    if args.reps < 1:
+        parser.error(f"--reps must be >= 1, got {args.reps}")
     if args.report_every < 0:
         parser.error(f"--report-every must be >= 0 env steps (0 = every update), got {args.report_every}")
     if args.plot:
@@ -372,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             parser.error("--plot needs matplotlib: pip install matplotlib (or leave --plot out)")
+    if args.profile and _rliable() is None:
+        parser.error(f"--profile needs rliable: {RLIABLE_EXTRA} (or leave --profile out)")
     from rl_replay.errors import SetupError, one_line
 
     try:
@@ -381,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(set(seen)) != len(seen):
             twice = sorted({env for env in seen if seen.count(env) > 1})
             parser.error(f"--with files hold rows of {', '.join(twice)} more than once: pass one table per env")
-        result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every, earlier)
+        result = table(args.runs, args.greedy_episodes, args.trust_config, args.report_every, earlier, args.reps)
     except (SetupError, FileNotFoundError) as exc:  # a run refused at its door: one line
         print(f"error: {one_line(str(exc))}", file=sys.stderr)
         return 2
@@ -391,6 +454,12 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.plot:
         plot(result, args.plot)
+    if args.profile:
+        try:
+            performance_profile(result, args.profile)
+        except ValueError as exc:  # unequal runs per env
+            print(f"error: --profile: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

@@ -15,6 +15,8 @@ are read on one clock (process start-up and the trainer's evaluation episodes le
 ``--window 1`` for returns. With several runs it also prints the median of the env steps to
 the threshold (a run that never reaches it counts as infinity). ``--plot OUT.png`` draws the
 windowed curves of all runs on one axis, with the threshold (needs ``pip install -e ".[bench]"``).
+``--rliable`` adds rliable's IQM over the runs with a 95 % bootstrap interval, of the final value and
+of the env steps to the threshold (the ``[rliable]`` extra).
 """
 
 from __future__ import annotations
@@ -72,6 +74,41 @@ def summarize(
     }
 
 
+def rliable_summary(finals: list[float], steps: list[float], reps: int = 20_000) -> list[str]:
+    """rliable's IQM over runs (seeds) with its 95 % bootstrap interval: of the final windowed
+    value, and of the env steps to the threshold when every run reached it."""
+    import warnings
+
+    import numpy as np
+    from rliable import library, metrics
+
+    def interval(values: list[float]) -> tuple[float, float, float]:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*random_state is deprecated.*", category=FutureWarning)
+            point, cis = library.get_interval_estimates(
+                {"x": np.asarray(values, dtype=np.float64)[:, None]},  # runs x 1 task
+                lambda scores: np.array([metrics.aggregate_iqm(scores)]),
+                reps=reps,
+                random_state=np.random.RandomState(0),
+            )
+        return float(point["x"][0]), float(cis["x"][0, 0]), float(cis["x"][1, 0])
+
+    lines = []
+    if finals:
+        iqm, lo, hi = interval(finals)
+        lines.append(f"rliable over {len(finals)} runs: final IQM {iqm:.3f} (95 % CI {lo:.3f} to {hi:.3f})")
+    if steps and all(math.isfinite(x) for x in steps):
+        iqm, lo, hi = interval(steps)
+        lines.append(
+            f"rliable over {len(steps)} runs: env steps to threshold IQM {iqm:,.0f} (95 % CI {lo:,.0f} to {hi:,.0f})"
+        )
+    elif steps:
+        lines.append(
+            f"rliable: no interval of env steps to threshold ({sum(not math.isfinite(x) for x in steps)} runs never reached it)"
+        )
+    return lines
+
+
 def windowed_curve(records: list[dict], key: str, window: int) -> tuple[list[int], list[float]]:
     """(env_steps, mean of ``key`` over the last ``window`` non-null records) per record."""
     xs, ys, values = [], [], []
@@ -127,6 +164,12 @@ def main(argv=None) -> int:
     parser.add_argument("--title", help="title of the --plot figure")
     parser.add_argument("--log-y", action="store_true", help="logarithmic y axis in the --plot figure")
     parser.add_argument(
+        "--rliable",
+        action="store_true",
+        help="also rliable's IQM over the runs (seeds) with a 95 %% bootstrap interval, of the final value and of "
+        "the env steps to the threshold (needs the rliable extra: pip install -e '.[rliable]')",
+    )
+    parser.add_argument(
         "--no-threshold-line",
         action="store_true",
         help="leave the threshold out of the --plot figure (a metric with no target, e.g. horizon/grad_first_obs)",
@@ -136,15 +179,22 @@ def main(argv=None) -> int:
 
     if args.window < 1:
         parser.error("--window must be >= 1")
+    if args.rliable:
+        try:
+            import rliable.library  # noqa: F401
+        except ImportError:
+            parser.error("--rliable needs rliable: pip install -e '.[rliable]'")
     print(
         f"| run | env steps to {args.key} >= {args.threshold} (mean of {args.window}) | update time to it | "
         "final | env steps run | env steps/s | peak RSS MiB |"
     )
     print("|---|---|---|---|---|---|---|")
-    reached = []
+    reached, finals = [], []
     for run in args.runs:
         s = summarize(load(run), args.key, args.threshold, args.window)
         reached.append(s["steps_to_threshold"] or math.inf)
+        if s["final"] is not None:
+            finals.append(s["final"])
         fmt = lambda x, f: "n/a" if x is None else format(x, f)  # noqa: E731
         print(
             f"| {one_line(run)} | {fmt(s['steps_to_threshold'], ',') if s['steps_to_threshold'] else 'not reached'} | "
@@ -154,6 +204,9 @@ def main(argv=None) -> int:
         )
     if len(reached) > 1:  # a run that never reaches the threshold counts as infinity
         print(f"median env steps to threshold over {len(reached)} runs: {statistics.median(reached):,}")
+    if args.rliable:
+        for line in rliable_summary(finals, reached):
+            print(line)
     if args.plot:
         plot(
             args.runs,

@@ -39,7 +39,9 @@ def test_a_run_and_its_resume_write_every_row_once_stepped_by_env_steps(tmp_path
     for key in {k for r in rows for k in r} - {"env_steps"}:
         expected = [(r["env_steps"], r[key]) for r in rows if r.get(key) is not None]
         assert [step for step, _ in got.get(key, [])] == [step for step, _ in expected], key
-        assert all(math.isclose(v, w, rel_tol=1e-6, abs_tol=1e-6) for (_, v), (_, w) in zip(got.get(key, []), expected)), key
+        assert all(
+            math.isclose(v, w, rel_tol=1e-6, abs_tol=1e-6) for (_, v), (_, w) in zip(got.get(key, []), expected)
+        ), key
     assert json.loads((run / "tensorboard_logged.json").read_text()) == {"update": 3}
 
 

@@ -5,6 +5,7 @@ Skipped when the optional extra ``[compare]`` (sb3-contrib) is not installed.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -222,11 +223,38 @@ def test_summarize_curve_skips_null_values_and_prints_the_median(tmp_path, capsy
     assert "median env steps to threshold over 3 runs: 3,000" in out
 
 
+def test_summarize_curve_rliable_gives_the_iqm_over_seeds_with_an_interval(tmp_path, capsys):
+    sys.path.insert(0, str(ROOT / "scripts" / "tools"))
+    from summarize_curve import main
+
+    runs = []
+    for seed, (final, reached_at) in enumerate([(0.96, 3), (0.97, 2), (0.99, 4), (0.95, 5)]):
+        run = tmp_path / f"seed{seed}"
+        run.mkdir()
+        values = [0.1] * (reached_at - 1) + [final] * (6 - reached_at)
+        rows = [{"update": i + 1, "env_steps": 1000 * (i + 1), "rollout/success_rate": v} for i, v in enumerate(values)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        runs.append(str(run))
+    if importlib.util.find_spec("rliable") is None:
+        with pytest.raises(SystemExit):
+            main([*runs, "--window", "1", "--rliable"])
+        assert "--rliable needs rliable: pip install -e '.[rliable]'" in capsys.readouterr().err
+        return
+    assert main([*runs, "--window", "1", "--rliable"]) == 0
+    out = capsys.readouterr().out
+    # finals 0.95, 0.96, 0.97, 0.99: the IQM is the mean of the middle two
+    assert "rliable over 4 runs: final IQM 0.965 (95 % CI " in out
+    lo, hi = (float(x) for x in out.split("final IQM 0.965 (95 % CI ")[1].split(")")[0].split(" to "))
+    assert 0.95 <= lo <= 0.965 <= hi <= 0.99
+    # reached at 2,000 3,000 4,000 5,000 env steps: IQM 3,500
+    assert "env steps to threshold IQM 3,500 (95 % CI " in out
+
+
 def test_summarize_curve_windowed_curve_and_plot(tmp_path):
     sys.path.insert(0, str(ROOT / "scripts" / "tools"))
     from summarize_curve import main, windowed_curve
 
-    records = [{"env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([0.0, None, 1.0, 0.5])]
+    records = [{"update": i + 1, "env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([0.0, None, 1.0, 0.5])]
     assert windowed_curve(records, "k", 2) == ([30, 40], [0.5, 0.75])
     pytest.importorskip("matplotlib")
     run = tmp_path / "run"
@@ -237,7 +265,7 @@ def test_summarize_curve_windowed_curve_and_plot(tmp_path):
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # --log-y draws the same curve on a logarithmic axis: another picture.
     log_out = tmp_path / "curve_log.png"
-    records = [{"env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([1e-6, 1e-3, 1.0])]
+    records = [{"update": i + 1, "env_steps": 10 * (i + 1), "k": v} for i, v in enumerate([1e-6, 1e-3, 1.0])]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     assert main([str(run), "--key", "k", "--window", "1", "--plot", str(out)]) == 0
     assert main([str(run), "--key", "k", "--window", "1", "--log-y", "--plot", str(log_out)]) == 0

@@ -1,5 +1,6 @@
-"""scripts/tools/popgym_table.py: MMER read the paper's way from metrics.jsonl, the IQM and its
-stratified-bootstrap interval, and the whole table from real runs of the shipped POPGym configs."""
+"""scripts/tools/popgym_table.py: MMER read the paper's way from metrics.jsonl, rliable's IQM and its
+stratified-bootstrap interval and performance profile, and the whole table from real runs of the
+shipped POPGym configs."""
 
 from __future__ import annotations
 
@@ -54,34 +55,37 @@ def test_mmer_reads_the_mean_once_per_report_interval_as_rllib_reports_it():
     assert table_mod.mmer(jumpy, report_every=250) == 0.4  # reads 900 and 1000, not 0 (< 250) or 950
 
 
-def test_iqm_is_the_mean_of_the_middle_half():
-    assert table_mod.iqm(np.arange(8.0)) == np.mean([2, 3, 4, 5])
-    assert table_mod.iqm(np.array([[0.0, 100.0], [1.0, 2.0]])) == 1.5  # all runs of all envs together
-    # 10 values: int(2.5) = 2 cut from each end, as scipy's trim_mean(x, 0.25)
-    x = np.array([9.0, -5, 1, 2, 3, 4, 5, 6, 7, 50])
-    assert table_mod.iqm(x) == np.mean([2, 3, 4, 5, 6, 7])
+def test_the_aggregate_is_rliables_and_reproduces_the_shipped_table():
+    """docs/popgym_table.json's runs give the IQM and interval the docs print (0.692, 0.663-0.720)."""
+    pytest.importorskip("rliable.library", reason="needs the rliable extra: pip install -e '.[rliable]'")
+    shipped = json.loads((ROOT / "docs" / "popgym_table.json").read_text())
+    agg = table_mod.aggregate(shipped["envs"])
+    assert (round(agg["iqm"], 3), [round(x, 3) for x in agg["ci95"]]) == (0.692, [0.663, 0.72])
+    assert agg["iqm"] == pytest.approx(shipped["aggregate"]["iqm"])
+    assert agg["ci95"] == pytest.approx(shipped["aggregate"]["ci95"], abs=1e-3)
+    assert (round(agg["paper_gru_iqm"], 3), round(agg["paper_best_iqm"], 3)) == (0.337, 0.623)
 
 
-def test_the_stratified_bootstrap_resamples_runs_within_each_env():
+def test_the_bootstrap_resamples_runs_within_each_env():
+    pytest.importorskip("rliable.library", reason="needs the rliable extra: pip install -e '.[rliable]'")
     # each env's runs all equal: every resample holds three runs of each env, so its IQM is always
     # 0.25 (a bootstrap over the pooled runs would draw e.g. five 0.5s and spread the interval)
-    same = [np.array([0.5, 0.5, 0.5]), np.array([0.0, 0.0, 0.0])]
-    assert table_mod.stratified_bootstrap_ci(same, reps=2000) == (0.25, 0.25)
-    varied = [np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3])]
-    lo, hi = table_mod.stratified_bootstrap_ci(varied, reps=4000)
-    assert lo < table_mod.iqm(np.concatenate(varied)) < hi
-    assert (lo, hi) == table_mod.stratified_bootstrap_ci(varied, reps=4000)  # seeded
+    same = table_mod.score_matrix([np.array([0.5, 0.5, 0.5]), np.array([0.0, 0.0, 0.0])])
+    assert table_mod.iqm_interval(same, reps=2000) == (0.25, (0.25, 0.25))
+    varied = table_mod.score_matrix([np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3])])
+    point, (lo, hi) = table_mod.iqm_interval(varied, reps=4000)
+    assert lo < point < hi and (point, (lo, hi)) == table_mod.iqm_interval(varied, reps=4000)  # seeded
 
 
-def test_the_interval_matches_rliable_where_it_is_installed():
-    rly = pytest.importorskip("rliable.library")
-    scores = [np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3]), np.array([0.7, 0.8, 0.95])]
-    ours = table_mod.stratified_bootstrap_ci(scores, reps=20000)
-    matrix = np.stack(scores, axis=1)  # (runs, envs)
-    from rliable import metrics
-
-    _, cis = rly.get_interval_estimates({"x": matrix}, lambda s: np.array([metrics.aggregate_iqm(s)]), reps=20000)
-    np.testing.assert_allclose(ours, cis["x"][:, 0], atol=0.02)
+def test_without_rliable_or_with_unequal_runs_there_is_no_aggregate_and_the_table_says_why(monkeypatch):
+    with pytest.raises(ValueError, match="the same number of runs of every env .* have 3, 2 runs"):
+        table_mod.score_matrix([np.zeros(3), np.zeros(2)])
+    monkeypatch.setattr(table_mod, "_rliable", lambda: None)
+    envs = [{"env": "popgym-HigherLowerEasy-v0", "mmer": 0.5, "greedy": None, "runs": [{"run": "r", "mmer": 0.5}]}]
+    agg = table_mod.aggregate(envs)
+    assert agg == {"note": "the aggregate needs rliable: pip install -e '.[rliable]'"}
+    text = table_mod.markdown({"envs": [], "aggregate": agg, "report_every": 65_536})
+    assert "no aggregate: the aggregate needs rliable" in text
 
 
 def test_a_config_per_env_of_the_papers_table():
@@ -167,20 +171,24 @@ def _fake_run(tmp_path, name, config, seed, score):
     return d
 
 
-def test_the_aggregate_says_when_an_env_has_one_run_the_bootstrap_cannot_resample(tmp_path):
+def test_the_aggregate_says_when_envs_have_one_run_the_bootstrap_cannot_resample(tmp_path):
+    pytest.importorskip("rliable.library", reason="needs the rliable extra: pip install -e '.[rliable]'")
+
     def run(name, config, seed, score):
         return _fake_run(tmp_path, name, config, seed, score)
 
-    two = [run("a1", "higher_lower_easy.yaml", 1, 0.50), run("a2", "higher_lower_easy.yaml", 2, 0.30)]
-    one = [run("b1", "autoencode_easy.yaml", 1, -0.40)]
-    result = table_mod.table(two + one)
-    assert [e["mmer"] for e in result["envs"]] == [pytest.approx(-0.40), pytest.approx(0.40)]
-    assert result["aggregate"]["single_run_envs"] == 1
-    assert "1 of the 2 envs have one run" in table_mod.markdown(result)
-    run("b2", "autoencode_easy.yaml", 2, -0.20)
-    both = table_mod.table(two + [tmp_path / "b1", tmp_path / "b2"])
+    ones = [run("a1", "higher_lower_easy.yaml", 1, 0.50), run("b1", "autoencode_easy.yaml", 1, -0.40)]
+    result = table_mod.table(ones, reps=1000)
+    assert [e["mmer"] for e in result["envs"]] == [pytest.approx(-0.40), pytest.approx(0.50)]
+    assert result["aggregate"]["single_run_envs"] == 2
+    assert "2 of the 2 envs have one run" in table_mod.markdown(result)
+    twos = [*ones, run("a2", "higher_lower_easy.yaml", 2, 0.30), run("b2", "autoencode_easy.yaml", 2, -0.20)]
+    both = table_mod.table(twos, reps=1000)
     assert both["aggregate"]["single_run_envs"] == 0
     assert "have one run" not in table_mod.markdown(both)
+    # one env with a run more than the other: rliable's runs x envs matrix has no shape for it
+    uneven = table_mod.table([*twos, run("a3", "higher_lower_easy.yaml", 3, 0.10)], reps=1000)
+    assert "no aggregate: the aggregate needs the same number of runs of every env" in table_mod.markdown(uneven)
 
 
 def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_covers_all(tmp_path):
@@ -188,7 +196,7 @@ def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_co
     ae = [_fake_run(tmp_path, f"a{s}", "autoencode_easy.yaml", s, x) for s, x in [(1, -0.4), (2, -0.2)]]
     earlier = tmp_path / "earlier.json"
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, hl + ae), "--json", str(earlier)],
+        [sys.executable, str(SCRIPT), *map(str, hl + ae), "--json", str(earlier), "--reps", "1000"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -199,7 +207,17 @@ def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_co
     new_hl = [_fake_run(tmp_path, f"n{s}", "higher_lower_easy.yaml", s, x) for s, x in [(1, 0.9), (2, 0.7)]]
     merged = tmp_path / "merged.json"
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), *map(str, new_hl), "--with", str(earlier), "--json", str(merged)],
+        [
+            sys.executable,
+            str(SCRIPT),
+            *map(str, new_hl),
+            "--with",
+            str(earlier),
+            "--json",
+            str(merged),
+            "--reps",
+            "1000",
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -212,9 +230,12 @@ def test_an_earlier_tables_rows_join_for_envs_not_run_again_and_the_aggregate_co
     assert [r["run"] for r in rows["popgym-HigherLowerEasy-v0"]["runs"]] == [str(d) for d in new_hl]
     assert rows["popgym-AutoencodeEasy-v0"]["mmer"] == pytest.approx(-0.3)
     # the aggregate is over all four runs, as if they had been given together
-    direct = table_mod.table(new_hl + ae)
-    assert result["aggregate"]["iqm"] == pytest.approx(direct["aggregate"]["iqm"])
-    assert result["aggregate"]["ci95"] == pytest.approx(list(direct["aggregate"]["ci95"]))
+    direct = table_mod.table(new_hl + ae, reps=1000)
+    if "note" in direct["aggregate"]:  # rliable not installed: both say so
+        assert result["aggregate"] == direct["aggregate"]
+    else:
+        assert result["aggregate"]["iqm"] == pytest.approx(direct["aggregate"]["iqm"])
+        assert result["aggregate"]["ci95"] == pytest.approx(list(direct["aggregate"]["ci95"]))
 
 
 @pytest.mark.parametrize(
@@ -266,3 +287,21 @@ def test_plot_without_matplotlib_is_refused_before_anything_is_evaluated(tmp_pat
     )
     assert out.returncode == 2 and "--plot needs matplotlib" in out.stderr
     assert not (tmp_path / "t.json").exists()
+
+
+def test_the_performance_profile_is_drawn_or_refused_in_one_line(tmp_path):
+    shipped = ROOT / "docs" / "popgym_table.json"
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--with", str(shipped), "--profile", str(tmp_path / "p.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    if importlib.util.find_spec("rliable") is None:
+        assert out.returncode == 2 and "--profile needs rliable: pip install -e '.[rliable]'" in out.stderr
+        assert not (tmp_path / "p.png").exists()
+    else:
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert "IQM of MMER over 9 envs: 0.692 (95 % CI 0.663 to 0.720" in out.stdout
