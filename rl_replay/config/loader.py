@@ -58,7 +58,7 @@ __all__ = [
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
     "device": ("cpu", "cuda", "auto"),
-    "env.vectorization": ("sync", "async", "vector_entry_point"),
+    "env.vectorization": ("sync", "async", "vector_entry_point", "envpool"),
     "collector.mode": ("fixed", "episode"),
     "loss.algorithm": ALGORITHM_NAMES,
     "loss.entropy_schedule": ("constant", "linear", "exponential"),

@@ -46,7 +46,8 @@ class EnvConfig:
     """number of parallel environments in the vector env"""
     vectorization: str = "sync"
     """vector env implementation: sync | async | vector_entry_point (the env's own batched vector env,
-    registered as its ``vector_entry_point``, e.g. ``rl_replay/MemoryCue-v0``; no env.wrappers)"""
+    registered as its ``vector_entry_point``, e.g. ``rl_replay/MemoryCue-v0``; no env.wrappers) |
+    envpool (EnvPool's C++ envs, the envpool extra; env.kwargs are EnvPool's options; no env.wrappers)"""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """extra keyword arguments passed to ``gymnasium.make``"""
     max_episode_steps: int | None = None

@@ -371,6 +371,8 @@ class Collector:
                 return
             if isinstance(self.envs, gym.vector.SyncVectorEnv):
                 why, fix = "the envs could not be pickled", "make the env's wrappers picklable"
+            elif type(self.envs).__name__ == "EnvPoolVectorEnv":
+                why, fix = "env.vectorization=envpool: EnvPool's envs live in its threads", "use env.vectorization=sync"
             else:
                 why, fix = "env.vectorization=async", "use env.vectorization=sync"
             warnings.warn(

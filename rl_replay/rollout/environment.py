@@ -263,11 +263,15 @@ def make_vector_env(
     env's own episode return is still known when a wrapper rescales rewards (``NormalizeReward``);
     read it with :func:`env_episode_return`.
 
-    ``vectorization`` is ``sync``, ``async`` or ``vector_entry_point``: the env's own batched
-    vector env (registered as its ``vector_entry_point``), which takes no wrappers.
+    ``vectorization`` is ``sync``, ``async``, ``vector_entry_point`` (the env's own batched
+    vector env, registered as its ``vector_entry_point``, which takes no wrappers) or ``envpool``
+    (:class:`~rl_replay.rollout.envpool_env.EnvPoolVectorEnv`: EnvPool's envs, configured by their
+    own options in ``kwargs``, no wrappers).
 
     The project's own environments (``rl_replay/...``) are registered on import of ``rl_replay.envs``.
     """
+    if vectorization == "envpool":
+        return _make_envpool(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys)
     env_id = resolve_env_id(env_id, imports, importer)
     if vectorization == "vector_entry_point":
         return _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys)
@@ -324,6 +328,19 @@ def _make_own_vector_env(env_id, num_envs, kwargs, max_episode_steps, wrappers, 
         raise SetupError(
             f"environment '{env_id}' rejected env.kwargs {shown(dict(kwargs or {}))}: {one_line(str(exc))[:300]}"
         ) from None
+
+
+def _make_envpool(env_id, num_envs, kwargs, max_episode_steps, wrappers, observation_keys):
+    # EnvPool preprocesses in C++ by its own options (env.kwargs); gymnasium wrappers cannot reach in.
+    if wrappers or observation_keys:
+        raise SetupError(
+            "env.vectorization=envpool steps EnvPool's envs, which take no env.wrappers or env.observation_keys: "
+            "configure EnvPool's own preprocessing in env.kwargs (frame_skip, noop_max, episodic_life, "
+            "reward_clip, stack_num...), or use env.vectorization=sync."
+        )
+    from rl_replay.rollout.envpool_env import EnvPoolVectorEnv
+
+    return EnvPoolVectorEnv(env_id, num_envs, kwargs, max_episode_steps)
 
 
 def envs_from_config(

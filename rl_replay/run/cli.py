@@ -414,6 +414,11 @@ def _evaluate(args: argparse.Namespace, run) -> int:
                 f"checkpoint {ckpt} holds wrapper statistics that cannot be used ({type(exc).__name__}: "
                 f"{str(exc)[:160]}); evaluate a checkpoint of this run's own environments."
             ) from None
+    if args.video and cfg.env.vectorization == "envpool":
+        raise SetupError(
+            "--video records a gymnasium env, which would not have the EnvPool preprocessing this run was "
+            "trained on (env.vectorization=envpool); evaluate without --video."
+        )
     if args.video:
         try:
             import moviepy  # noqa: F401

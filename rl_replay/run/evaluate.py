@@ -51,7 +51,8 @@ def evaluate(
     The agent runs in eval mode; its previous training mode is restored afterwards.
     """
     kwargs = dict(env_kwargs or {})
-    own = video_dir is None and vectorization == "vector_entry_point"  # the env's own vector env
+    # the env's own vector env, or EnvPool's (whose preprocessing gymnasium's single env would not have)
+    own = video_dir is None and vectorization in ("vector_entry_point", "envpool")
     if video_dir is not None:
         import gymnasium as gym
         from gymnasium.wrappers import RecordVideo
@@ -74,7 +75,7 @@ def evaluate(
         vector_env = make_vector_env(  # type: ignore[assignment]
             env_id,
             num_envs,
-            vectorization="vector_entry_point" if own else "sync",
+            vectorization=vectorization if own else "sync",
             kwargs=kwargs,
             max_episode_steps=max_episode_steps,
             imports=env_imports,
