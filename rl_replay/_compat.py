@@ -1,6 +1,5 @@
 """What rl_replay keeps for compatibility: old names that still resolve, gathered in one place
-with the version that drops them, and (NOTE [ Private APIs ] below) what it relies on that its
-dependencies do not promise.
+with the version that drops them.
 
 The one migration story (docs/checkpoints.md, "Migration from format 1"):
 
@@ -27,35 +26,8 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
 All of them are removed in :data:`REMOVED_IN`, the first release after 0.1.0: a test fails once
 the package's version reaches it (``tests/project/test_packaging.py``), so they cannot outlive it.
 
-NOTE [ Private APIs ]
----------------------
-Private names of torch, tensordict and gymnasium this package uses, each at the listed place and
-why; tested with torch 2.13.0, tensordict 0.15.3 and gymnasium 1.4.0. ``tests/project/test_packaging.py``
-checks that the list and the code agree; a new use is listed here or it fails.
-
-* ``torch.autograd.graph._engine_run_backward`` (``rl_replay/engine/replay.py``): the replay
-  block's nested backward, as ``torch.utils.checkpoint`` runs it.
-* ``torch.autograd._is_checkpoint_valid`` (``rl_replay/engine/replay.py``): refuses
-  ``autograd.grad`` / ``backward(inputs=...)`` through a block, as ``torch.utils.checkpoint`` does.
-* ``Tensor._version`` (``rl_replay/engine/saving.py``, ``rl_replay/engine/plan.py``): the version
-  counter that tells a saved input was changed in place before the backward.
-* ``torch.utils._pytree`` (``rl_replay/engine/layouts.py``, ``rl_replay/engine/fsdp_forward.py``):
-  flattening keyword inputs as ``torch.utils.checkpoint`` does.
-* ``torch.nn.modules.batchnorm._BatchNorm`` (``rl_replay/engine/plan.py``): the base class that
-  names every BatchNorm's running statistics.
-* ``torch.distributed.fsdp._runtime_utils._pre_backward_hook`` and ``FSDP._handle``
-  (``rl_replay/engine/fsdp.py``): FSDP1's pre-backward unshard for outputs inside a TensorDict,
-  which FSDP's own output hooks do not see.
-* ``FSDP._fsdp_wrapped_module``, ``FSDP._handle`` and ``FlatParameter._numels``
-  (``rl_replay/gathered.py``): the module a unit wraps, which collection on gathered parameters
-  calls directly, and the whole size of a unit's parameters, which decides whether it may.
-* ``TensorDict._tensordict`` (``rl_replay/engine/steps.py``, ``rl_replay/engine/layouts.py``): the
-  dict of a TensorDict's entries, read without the per-key checks of ``items()`` on the hot path.
-* ``torch._VF.gru`` and ``torch._VF.lstm`` (``agents/cores.py``): the fused multi-step kernels
-  ``nn.GRU`` / ``nn.LSTM`` call, run on a ``GRUCell`` / ``LSTMCell``'s own parameters (the same
-  layout) so the cores' weights and checkpoints stay as they are.
-* ``SyncVectorEnv._autoreset_envs`` (``rl_replay/rollout/collector.py``): gymnasium's autoreset
-  flags, saved with the sub-envs so a resume continues exactly.
+What it relies on that its dependencies do not promise is NOTE [ Private APIs ], in
+:mod:`rl_replay.private_apis`.
 """
 
 from __future__ import annotations
@@ -72,28 +44,7 @@ __all__ = [
     "translate_norm_adv",
     "translate_block_steps",
     "REMOVED_IN",
-    "PRIVATE_APIS",
 ]
-
-#: NOTE [ Private APIs ] as data: (private name, file that uses it), checked by the tests.
-PRIVATE_APIS = (
-    ("_engine_run_backward", "rl_replay/engine/replay.py"),
-    ("_is_checkpoint_valid", "rl_replay/engine/replay.py"),
-    ("._version", "rl_replay/engine/saving.py"),
-    ("._version", "rl_replay/engine/plan.py"),
-    ("torch.utils._pytree", "rl_replay/engine/layouts.py"),
-    ("torch.utils._pytree", "rl_replay/engine/fsdp_forward.py"),
-    ("_BatchNorm", "rl_replay/engine/plan.py"),
-    ("_runtime_utils._pre_backward_hook", "rl_replay/engine/fsdp.py"),
-    ("._handle", "rl_replay/engine/fsdp.py"),
-    ("._fsdp_wrapped_module", "rl_replay/gathered.py"),
-    ("._handle", "rl_replay/gathered.py"),
-    ("._numels", "rl_replay/gathered.py"),
-    ("._tensordict", "rl_replay/engine/steps.py"),
-    ("._tensordict", "rl_replay/engine/layouts.py"),
-    ("._autoreset_envs", "rl_replay/rollout/collector.py"),
-    ("torch._VF", "agents/cores.py"),
-)
 
 #: The version that drops every old name above (the first release after 0.1.0).
 REMOVED_IN = "0.2.0"

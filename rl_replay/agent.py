@@ -177,7 +177,7 @@ class Agent(nn.Module):
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         step = cls.__dict__.get("forward")
-        if step is not None and not getattr(step, "_routes_blocks", False):
+        if step is not None and not getattr(step, "_rl_replay_routes_blocks", False):
             cls.forward = _routed(step)  # type: ignore[method-assign]
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
@@ -291,7 +291,7 @@ def _routed(step_forward: Any) -> Any:
             return self.forward_steps(*args, **kwargs)
         return step_forward(self, *args, **kwargs)
 
-    forward._routes_blocks = True  # type: ignore[attr-defined]
+    forward._rl_replay_routes_blocks = True  # type: ignore[attr-defined]
     return forward
 
 

@@ -32,7 +32,7 @@ class StopOnSignal:
         self._announce = announce
         self._previous: dict[int, object] = {}
 
-    def _handle(self, signum, frame) -> None:  # noqa: ARG002
+    def _on_signal(self, signum, frame) -> None:  # noqa: ARG002
         self.signum = signum
         for s in SIGNALS:  # a second signal takes the default action: exit at once
             signal.signal(s, signal.SIG_DFL)
@@ -47,7 +47,7 @@ class StopOnSignal:
     def __enter__(self) -> StopOnSignal:
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
-                self._previous[s] = signal.signal(s, self._handle)
+                self._previous[s] = signal.signal(s, self._on_signal)
         return self
 
     def __exit__(self, *exc) -> None:

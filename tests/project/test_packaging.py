@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -120,38 +119,3 @@ def test_the_old_names_go_when_their_version_comes():
 
 # (how a use looks in the source, the name NOTE [ Private APIs ] lists it under); an attribute of
 # the module's own objects (self._handle) is not a dependency's.
-PRIVATE_PATTERNS = (
-    (r"(?<!self)\._version\b", "._version"),
-    (r"(?<!self)\._tensordict\b", "._tensordict"),
-    (r"(?<!self)\._handle\b", "._handle"),
-    (r"\._autoreset_envs\b", "._autoreset_envs"),
-    (r"torch\.utils\._pytree", "torch.utils._pytree"),
-    (r"\b_engine_run_backward\b", "_engine_run_backward"),
-    (r"\b_is_checkpoint_valid\b", "_is_checkpoint_valid"),
-    (r"\b_BatchNorm\b", "_BatchNorm"),
-    (r"\b_runtime_utils\b", "_runtime_utils._pre_backward_hook"),
-    (r"\btorch\._VF\b", "torch._VF"),
-)
-
-
-def test_the_private_api_note_lists_every_use_and_only_uses():
-    """NOTE [ Private APIs ] (rl_replay/_compat.py) and the code agree: each listed use is in its
-    file, and each file using one of the private names is listed for it."""
-    from rl_replay._compat import PRIVATE_APIS
-
-    for name, path in PRIVATE_APIS:
-        assert name in (REPO / path).read_text(), (
-            f"NOTE [ Private APIs ] lists {name} in {path}, which no longer uses it"
-        )
-    listed = {(name, path) for name, path in PRIVATE_APIS}
-    for root in ("rl_replay", "agents", "envs"):
-        for file in sorted((REPO / root).rglob("*.py")):
-            if file.name == "_compat.py":
-                continue
-            rel = str(file.relative_to(REPO))
-            text = file.read_text()
-            for pattern, name in PRIVATE_PATTERNS:
-                if re.search(pattern, text):
-                    assert (name, rel) in listed, (
-                        f"{rel} uses {name}: list it in NOTE [ Private APIs ] (rl_replay/_compat.py)"
-                    )
