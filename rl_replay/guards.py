@@ -142,8 +142,8 @@ def non_finite_env_step(env_id: str, observation, reward: np.ndarray) -> str | N
 class StepGuard:
     """The checks around one optimizer step, for the update the trainer is making.
 
-    The trainer sets :attr:`update` (the 1-based number of the update in progress) and
-    :attr:`last_checkpoint` before each update; an algorithm hands the guard to
+    :meth:`begin` gives it the 1-based number of the update in progress and the last checkpoint
+    (what a refusal names), from the run's progress the algorithm is given; an algorithm hands the guard to
     :func:`rl_replay.algorithms.common.optimizer_step`, which calls :meth:`allows_step`
     after clipping and :meth:`after_step` after ``optimizer.step()``.
     """
@@ -154,6 +154,10 @@ class StepGuard:
         self.any_rank = any_rank
         self.update = 0
         self.last_checkpoint: str | None = None
+
+    def begin(self, update: int, last_checkpoint: str | None) -> None:
+        """The update about to run (1-based) and ``"PATH (update N)"`` of the last checkpoint."""
+        self.update, self.last_checkpoint = update, last_checkpoint
 
     def allows_step(self, terms: Mapping[str, torch.Tensor], grad_norm: torch.Tensor) -> bool:
         """See :func:`check_update`: False means skip this step (budget), raises when spent."""

@@ -12,6 +12,7 @@ from rl_replay import distributed as dist_utils
 from rl_replay.agent import Policy
 from rl_replay.algorithms.common import UpdateResult
 from rl_replay.algorithms.horizon import episode_horizon
+from rl_replay.algorithms.schedules import RunProgress, entropy_coef_at, learning_rate_at
 from rl_replay.config import Config, LossConfig
 from rl_replay.guards import StepGuard
 from rl_replay.rollout.collector import Collector
@@ -23,9 +24,10 @@ class Algorithm(ABC):
     """One update rule: collection and optimisation of one update.
 
     Every algorithm is built with the same arguments (:func:`rl_replay.algorithms.make_algorithm`
-    looks the class up by ``cfg.loss.algorithm`` and calls it) and owns what one update needs;
-    the trainer only anneals the learning rate and the entropy weight, calls :meth:`update` and logs. Optimizer
-    steps go through :func:`rl_replay.algorithms.common.optimizer_step` with ``guard``.
+    looks the class up by ``cfg.loss.algorithm`` and calls it) and owns what one update needs; the
+    trainer calls :meth:`update` with where the run stands (:class:`~rl_replay.algorithms.schedules.RunProgress`)
+    and logs what comes back, and the algorithm sets its learning rate and entropy weight from the
+    progress itself. Optimizer steps go through :func:`rl_replay.algorithms.common.optimizer_step` with ``guard``.
 
     Args:
         cfg: the run's config (an algorithm reads its own sections).
@@ -60,8 +62,8 @@ class Algorithm(ABC):
         self.info = info or dist_utils.DistInfo()
         self.device = torch.device(device)
         self.guard = guard
-        #: The entropy bonus's weight in this update's loss; the trainer moves it along
-        #: ``loss.entropy_schedule`` (:func:`rl_replay.algorithms.schedules.entropy_coef_at`).
+        #: The entropy bonus's weight in this update's loss, moved along ``loss.entropy_schedule``
+        #: by :meth:`update` (:func:`rl_replay.algorithms.schedules.entropy_coef_at`).
         self.entropy_coef = cfg.loss.entropy_coef
 
     @property
@@ -88,9 +90,26 @@ class Algorithm(ABC):
         for every algorithm; ``entropy_coef`` in place of ``cfg.loss.entropy_coef`` when given
         (the schedule's weight at this update)."""
 
+    def update(self, progress: RunProgress | None = None) -> UpdateResult:
+        """Collect one rollout and optimise on it; returns the rollout and this rank's metrics.
+
+        ``progress`` (where the run stands; None: leave the learning rate and the entropy weight
+        as they are) sets the learning rate (``optim.anneal_lr``), the entropy weight
+        (``loss.entropy_schedule``) and the update the guard names in a refusal.
+        """
+        if progress is not None:
+            lr = learning_rate_at(self.cfg, progress.budget_used)
+            if self.cfg.optim.anneal_lr:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+            self.entropy_coef = entropy_coef_at(self.cfg, progress.env_steps)
+            if self.guard is not None:
+                self.guard.begin(progress.update, progress.last_checkpoint)
+        return self._update()
+
     @abstractmethod
-    def update(self) -> UpdateResult:
-        """Collect one rollout and optimise on it; returns the rollout and this rank's metrics."""
+    def _update(self) -> UpdateResult:
+        """One update's collection and optimisation, the algorithm's own (see :meth:`update`)."""
 
     @classmethod
     def normalize_advantages(cls, loss: LossConfig) -> bool:

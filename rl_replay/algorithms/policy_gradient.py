@@ -48,7 +48,7 @@ class PolicyGradient(Algorithm):
         # the collection's (detached; the same numbers).
         return dataclasses.replace(stored, data=stored.data.copy().update(outputs)), accumulator
 
-    def update(self) -> UpdateResult:
+    def _update(self) -> UpdateResult:
         t0 = time.perf_counter()
         rollout, acc = self.collect()
         t1 = time.perf_counter()

@@ -56,7 +56,7 @@ class PPO(Algorithm):
             normalize_advantages=cls.normalize_advantages(cfg.loss),
         )
 
-    def update(self) -> UpdateResult:
+    def _update(self) -> UpdateResult:
         t0 = time.perf_counter()
         rollout = self.collector.collect()
         t1 = time.perf_counter()

@@ -1,10 +1,39 @@
-"""Schedules of loss weights over a run (the learning rate's is the trainer's ``optim.anneal_lr``)."""
+"""Where a run stands (:class:`RunProgress`) and what follows from it: the learning rate
+(``optim.anneal_lr``) and the entropy bonus's weight (``loss.entropy_schedule``). The trainer hands an
+algorithm the progress; the algorithm reads its schedules here (data flows one way)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rl_replay.config import Config
 
-__all__ = ["entropy_coef_at"]
+__all__ = ["RunProgress", "entropy_coef_at", "learning_rate_at"]
+
+
+@dataclass(frozen=True)
+class RunProgress:
+    """The run as the next update starts.
+
+    Attributes:
+        update: the 1-based number of the update about to run.
+        env_steps: env steps taken so far, over all ranks.
+        budget_used: the fraction of the run done, in [0, 1]: the learning rate's clock.
+        last_checkpoint: ``"PATH (update N)"`` of the checkpoint written or loaded last (None: none),
+            which a refusal of non-finite values names.
+    """
+
+    update: int
+    env_steps: int
+    budget_used: float
+    last_checkpoint: str | None = None
+
+
+def learning_rate_at(cfg: Config, budget_used: float) -> float:
+    """``optim.lr``, annealed linearly to 0 over the run when ``optim.anneal_lr``."""
+    if not cfg.optim.anneal_lr:
+        return cfg.optim.lr
+    return cfg.optim.lr * (1.0 - budget_used)
 
 
 def entropy_coef_at(cfg: Config, env_steps: int) -> float:

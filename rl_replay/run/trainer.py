@@ -19,7 +19,7 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay import guards
 from rl_replay.algorithms.base import Algorithm
-from rl_replay.algorithms.schedules import entropy_coef_at
+from rl_replay.algorithms.schedules import RunProgress
 from rl_replay.config import Config, batch_size_per_rank, num_updates
 from rl_replay.errors import TrainingInterrupted
 from rl_replay.rollout.collector import Collector
@@ -159,13 +159,9 @@ class Trainer:
     def step(self) -> dict[str, float]:
         """One update of ``cfg.loss.algorithm`` (collect, then optimise), with its metrics."""
         cfg = self.cfg
-        if cfg.optim.anneal_lr:
-            for group in self.optimizer.param_groups:
-                group["lr"] = cfg.optim.lr * (1.0 - self.budget_used())
-        self.algorithm.entropy_coef = entropy_coef_at(cfg, self.env_steps)
-        self.guard.update, self.guard.last_checkpoint = self.update + 1, self.last_checkpoint
+        progress = RunProgress(self.update + 1, self.env_steps, self.budget_used(), self.last_checkpoint)
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
-        result = self.algorithm.update()
+        result = self.algorithm.update(progress)
         self.update += 1
         self.recent_returns.extend(result.rollout.episode_returns)
         metrics, steps = pool_update_metrics(

@@ -85,7 +85,7 @@ def test_another_ranks_non_finite_values_stop_this_rank_too():
 def test_step_guard_checks_the_model_for_the_update_in_progress(capsys):
     model = torch.nn.Linear(2, 1)
     guard = StepGuard(model, SkipBudget(1))
-    guard.update, guard.last_checkpoint = 9, "R/checkpoint.pt (update 8)"
+    guard.begin(9, "R/checkpoint.pt (update 8)")
     model(torch.ones(1, 2)).sum().backward()
     assert guard.allows_step({"loss": torch.tensor(1.0)}, torch.tensor(1.0)) is True
     model.bias.grad.fill_(float("nan"))

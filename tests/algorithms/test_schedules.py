@@ -88,3 +88,40 @@ def test_a_run_trains_with_the_scheduled_weight_and_a_resume_continues_it(tmp_pa
     assert [r["update"] for r in resumed] == [1, 2, 3, 4, 5, 6]
     for a, b in zip(full, resumed):
         assert (a["train/entropy_coef"], a["train/loss_policy"]) == (b["train/entropy_coef"], b["train/loss_policy"])
+
+
+def test_the_algorithm_sets_its_schedules_from_the_progress_it_is_given(tmp_path):
+    """Data flows one way: the trainer hands the algorithm a RunProgress; the learning rate, the
+    entropy weight and the update the guard names follow from it, and None leaves them alone."""
+    from rl_replay.algorithms.schedules import RunProgress, learning_rate_at
+
+    trainer = build(
+        load_config(
+            None,
+            [
+                f"run_dir={tmp_path / 'run'}",
+                "total_env_steps=1000",
+                "env.num_envs=2",
+                "collector.num_steps=4",
+                "optim.anneal_lr=true",
+                "loss.entropy_schedule=linear",
+                "loss.entropy_coef=0.04",
+                "loss.entropy_coef_final=0.0",
+                "log.progress=false",
+                "log.wandb_mode=disabled",
+            ],
+        )
+    )
+    try:
+        algorithm = trainer.algorithm
+        algorithm.update(RunProgress(update=3, env_steps=500, budget_used=0.25, last_checkpoint="R (update 2)"))
+        assert [g["lr"] for g in algorithm.optimizer.param_groups] == [learning_rate_at(trainer.cfg, 0.25)] * len(
+            algorithm.optimizer.param_groups
+        )
+        assert learning_rate_at(trainer.cfg, 0.25) == trainer.cfg.optim.lr * 0.75
+        assert algorithm.entropy_coef == pytest.approx(0.02)
+        assert (algorithm.guard.update, algorithm.guard.last_checkpoint) == (3, "R (update 2)")
+        algorithm.update()  # no progress: nothing moves
+        assert algorithm.entropy_coef == pytest.approx(0.02) and algorithm.guard.update == 3
+    finally:
+        trainer.close()
