@@ -36,8 +36,6 @@ from rl_replay.errors import SetupError
 
 __all__ = ["WindowAttentionCore", "RecurrentWindowCore", "attention_mask"]
 
-State = tuple[torch.Tensor, ...]
-
 
 def attention_mask(valid: torch.Tensor, keep: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Which of the ``window + k`` keys each of a block's k steps may attend to.

@@ -71,16 +71,11 @@ class Algorithm(ABC):
         """What the collector and the replay blocks call, and the optimizer steps (``policy.module``)."""
         return self.policy.module
 
-    @property
-    def replay_block_steps(self) -> int:
-        """Steps per replay block when this algorithm re-runs a stored sequence
-        (``replay.block_steps``; the horizon diagnostic replays with the same size)."""
-        return self.cfg.replay.block_steps
-
     def horizon(self, data: TensorDict) -> dict[str, float]:
         """``horizon/*`` metrics of a collected (T, N) rollout: how far back this algorithm's
         gradient reaches, replayed as its update replays (:func:`rl_replay.algorithms.horizon.episode_horizon`)."""
-        return episode_horizon(self.policy, data, self.bptt_truncate, block_steps=self.replay_block_steps)
+        # replayed in blocks of replay.block_steps, as the update re-runs its stored sequences
+        return episode_horizon(self.policy, data, self.bptt_truncate, block_steps=self.cfg.replay.block_steps)
 
     @classmethod
     @abstractmethod

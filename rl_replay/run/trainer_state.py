@@ -251,7 +251,7 @@ def trainer_state(trainer, model_state: tuple[Any, Any] | None = None) -> dict[s
         "collector": [g["collector"] for g in gathered],
         "rng": [g["rng"] for g in gathered],
         "recent_returns": [g["recent_returns"] for g in gathered],
-        "wandb_id": trainer.logger.wandb_id if trainer.logger is not None else None,
+        "wandb_id": trainer.logger.wandb_id,
         "config": config,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "world_size": info.world_size,
