@@ -114,29 +114,29 @@ def _is_bare_torch_save(head: bytes) -> bool:
     return head.startswith(b"PK\x03\x04") or head[:1] == b"\x80"
 
 
-def read_checkpoint_bytes(d: files.Dir, name: str, *, shown: Path | None = None, follow: bool = False) -> bytes:
+def read_checkpoint_bytes(d: files.Dir, name: str, *, display: Path | None = None, follow: bool = False) -> bytes:
     """The verified safetensors payload of the format-2 checkpoint ``name`` in ``d`` (``follow``:
     the user named the file and it may be a symlink; a run directory's own file may not)."""
-    shown = shown or d.shown(name)
+    display = display or d.shown(name)
     with d.open_regular(name, "checkpoint", follow=follow) as (f, size):
         if size == 0:
-            raise CheckpointError(f"checkpoint {shown} is empty (0 bytes): it was cut off while being written.")
+            raise CheckpointError(f"checkpoint {display} is empty (0 bytes): it was cut off while being written.")
         head = f.read(len(MAGIC))
         if head != MAGIC:
             if _is_bare_torch_save(head):
-                raise _legacy_error(shown, "a bare torch.save file (no header)")
-            raise CheckpointError(f"{shown} is not an rl_replay checkpoint (it does not start with its header).")
+                raise _legacy_error(display, "a bare torch.save file (no header)")
+            raise CheckpointError(f"{display} is not an rl_replay checkpoint (it does not start with its header).")
         line = head + f.readline(files.HEADER_MAX)
         version, _, rest = line[len(MAGIC) :].partition(b" ")
         if version == b"1":
-            raise _legacy_error(shown, "in the format-1 layout")
+            raise _legacy_error(display, "in the format-1 layout")
         if version != str(FORMAT).encode():
             raise CheckpointError(
-                f"checkpoint {shown} has format {one_line(version.decode(errors='replace'))[:20]!r}, which this "
+                f"checkpoint {display} has format {one_line(version.decode(errors='replace'))[:20]!r}, which this "
                 f"version of rl_replay does not read (it reads format {FORMAT}); upgrade rl_replay."
             )
-        fields = files.header_fields(b" " + rest, b"", shown, "checkpoint")
-        return files.read_payload(f, size, line, fields, shown, "checkpoint")
+        fields = files.header_fields(b" " + rest, b"", display, "checkpoint")
+        return files.read_payload(f, size, line, fields, display, "checkpoint")
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -158,7 +158,7 @@ def save_checkpoint(payload: dict[str, Any], where: files.Dir | str | os.PathLik
             )
         data = safe_tree.dumps(payload, {"format": f"rl_replay-checkpoint-{FORMAT}"})
         header = MAGIC + f"{FORMAT} sha256={hashlib.sha256(data).hexdigest()} size={len(data)}\n".encode()
-        d.write_atomic(leaf, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, shown=path))
+        d.write_atomic(leaf, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, display=path))
 
 
 def _decode(data: bytes, path: Path, d: files.Dir) -> dict[str, Any]:

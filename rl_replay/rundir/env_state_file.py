@@ -63,7 +63,7 @@ def save_env_state(pickles: list[bytes | None], d: files.Dir, key: bytes, bindin
     digest = hashlib.sha256(data).hexdigest()
     mac = trust.sign(_bound(binding, data), key)
     header = _ENV_MAGIC + f"sha256={digest} size={len(data)} key={trust.fingerprint(key)} hmac-sha256={mac}\n".encode()
-    d.write_atomic(ENV_STATE_NAME, header, data, lambda tmp: _read_env_file(d, tmp, shown=path))
+    d.write_atomic(ENV_STATE_NAME, header, data, lambda tmp: _read_env_file(d, tmp, display=path))
     return digest
 
 
@@ -71,20 +71,20 @@ def _bound(binding: bytes, data: bytes) -> bytes:
     return len(binding).to_bytes(8, "little") + binding + data
 
 
-def _read_env_file(d: files.Dir, name: str, *, shown: Path | None = None) -> tuple[dict[str, str], bytes]:
-    shown = shown or d.shown(name)
+def _read_env_file(d: files.Dir, name: str, *, display: Path | None = None) -> tuple[dict[str, str], bytes]:
+    display = display or d.shown(name)
     with d.open_regular(name, "env state") as (f, size):
         head = f.read(len(_ENV_MAGIC))
         if head == _UNBOUND_MAGIC:
             raise CheckpointError(
-                f"env state {shown} was written before env states were bound to their run, so it is not "
+                f"env state {display} was written before env states were bound to their run, so it is not "
                 "taken as this run's"
             )
         if head != _ENV_MAGIC:
-            raise CheckpointError(f"env state {shown} is not an rl_replay env-state file.")
+            raise CheckpointError(f"env state {display} is not an rl_replay env-state file.")
         line = head + f.readline(files.HEADER_MAX)
-        fields = files.header_fields(line, _ENV_MAGIC, shown, "env state")
-        return fields, files.read_payload(f, size, line, fields, shown, "env state")
+        fields = files.header_fields(line, _ENV_MAGIC, display, "env state")
+        return fields, files.read_payload(f, size, line, fields, display, "env state")
 
 
 class EnvState:

@@ -170,14 +170,14 @@ class Dir:
 
     def _open_fd(self, name: str, flags: int, what: str, *, follow: bool = False, mode: int = 0o644) -> int:
         """``os.open`` that refuses anything but a regular file (and, unless ``follow``, a symlink)."""
-        shown = self.shown(name)
+        display = self.shown(name)
         if not follow:
             info = self.lstat(name)
             if info is None:
                 if not flags & os.O_CREAT:
-                    raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(shown))
+                    raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(display))
             elif not stat.S_ISREG(info.st_mode):
-                raise _refuse(shown, what, kind_of(info.st_mode))
+                raise _refuse(display, what, kind_of(info.st_mode))
         try:
             fd = os.open(
                 name,
@@ -187,14 +187,14 @@ class Dir:
             )
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink made after the lstat
-                raise _refuse(shown, what, "a symbolic link") from None
+                raise _refuse(display, what, "a symbolic link") from None
             if isinstance(exc, FileNotFoundError):
-                raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(shown)) from None
+                raise FileNotFoundError(errno.ENOENT, "No such file or directory", os.fspath(display)) from None
             raise
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
-            raise _refuse(shown, what, kind_of(info.st_mode))
+            raise _refuse(display, what, kind_of(info.st_mode))
         os.set_blocking(fd, True)
         return fd
 
@@ -215,13 +215,13 @@ class Dir:
 
     def read_regular(self, name: str, what: str, *, limit: int, follow: bool = False) -> bytes:
         """The bytes of the regular file ``name``, refused if larger than ``limit`` bytes."""
-        shown = self.shown(name)
+        display = self.shown(name)
         with self.open_regular(name, what, follow=follow) as (f, size):
             if size > limit:
-                raise UnsafeFileError(f"{what} {shown} is {size} bytes; such a file holds at most {limit}.")
+                raise UnsafeFileError(f"{what} {display} is {size} bytes; such a file holds at most {limit}.")
             data = f.read(limit + 1)
         if len(data) > limit:  # it grew while being read
-            raise UnsafeFileError(f"{what} {shown} is over {limit} bytes; such a file holds at most {limit}.")
+            raise UnsafeFileError(f"{what} {display} is over {limit} bytes; such a file holds at most {limit}.")
         return data
 
     def iter_lines(self, name: str, what: str, *, max_line: int) -> Iterator[tuple[int, bytes]]:
@@ -452,28 +452,28 @@ def previous_name(name: str) -> str:
     return f"{stem}.prev.{suffix}" if dot else f"{name}.prev"
 
 
-def header_fields(line: bytes, magic: bytes, shown: Path, what: str) -> dict[str, str]:
+def header_fields(line: bytes, magic: bytes, display: Path, what: str) -> dict[str, str]:
     """``key=value`` fields of a header ``line`` after ``magic``; one-line CheckpointError if unreadable."""
     try:
         return dict(part.split("=", 1) for part in line[len(magic) :].decode().split())
     except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
+        raise CheckpointError(f"{what} {display} is corrupt: its header is unreadable.") from None
 
 
-def read_payload(f: Any, size: int, line: bytes, fields: dict[str, str], shown: Path, what: str) -> bytes:
+def read_payload(f: Any, size: int, line: bytes, fields: dict[str, str], display: Path, what: str) -> bytes:
     """The payload after the header ``line`` of the open file ``f`` (``size`` bytes in all), read
     only once the file's size matches the size the header declares, then checked by sha256."""
     try:
         digest, expected = fields["sha256"], int(fields["size"])
     except (KeyError, ValueError):
-        raise CheckpointError(f"{what} {shown} is corrupt: its header is unreadable.") from None
+        raise CheckpointError(f"{what} {display} is corrupt: its header is unreadable.") from None
     found = size - len(line)
     if found != expected:
-        raise CheckpointError(f"{what} {shown} is truncated or padded: {found} payload bytes instead of {expected}.")
-    check_affordable(expected, shown, what)
+        raise CheckpointError(f"{what} {display} is truncated or padded: {found} payload bytes instead of {expected}.")
+    check_affordable(expected, display, what)
     data = f.read(expected)
     if len(data) != expected or f.read(1):
-        raise CheckpointError(f"{what} {shown} changed while it was read; try again.")
+        raise CheckpointError(f"{what} {display} changed while it was read; try again.")
     if hashlib.sha256(data).hexdigest() != digest:
-        raise CheckpointError(f"{what} {shown} is corrupt: its sha256 checksum does not match its contents.")
+        raise CheckpointError(f"{what} {display} is corrupt: its sha256 checksum does not match its contents.")
     return data

@@ -138,7 +138,7 @@ def save_shard(d: files.Dir, rank: int, world: int, chunks: list[dict[str, Any]]
     data = safe_tree.dumps({"rank": rank, "world": world, "chunks": chunks}, {"format": SHARD_FORMAT})
     digest = hashlib.sha256(data).hexdigest()
     header = MAGIC + f"{FORMAT} sha256={digest} size={len(data)}\n".encode()
-    d.write_atomic(name, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, shown=d.shown(name)))
+    d.write_atomic(name, header, data, lambda tmp: read_checkpoint_bytes(d, tmp, display=d.shown(name)))
     return {"file": name, "sha256": digest, "size": len(data)}
 
 
