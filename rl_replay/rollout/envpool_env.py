@@ -31,6 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from rl_replay.errors import SetupError, one_line, shown
+from rl_replay.rollout.environment import RAW_EPISODE_KEY
 
 __all__ = ["EnvPoolVectorEnv", "envpool_task_id"]
 
@@ -126,21 +127,21 @@ class EnvPoolVectorEnv(gym.vector.VectorEnv):
 
     def step(self, actions):
         obs, reward, terminated, truncated, info = self._pool.step(np.asarray(actions))
+        terminated, truncated = np.asarray(terminated), np.asarray(truncated)
         raw = np.asarray(info.get("reward", reward), dtype=np.float64)
         real = ~self._resetting
         self._returns += np.where(real, raw, 0.0)
         self._lengths += real
-        done = (np.asarray(terminated) | np.asarray(truncated)) & real
+        ended = terminated | truncated
+        done = ended & real
         out: dict[str, Any] = {}
         if done.any():
-            from rl_replay.rollout.environment import RAW_EPISODE_KEY
-
             out[RAW_EPISODE_KEY] = {"r": np.where(done, self._returns, 0.0), "l": np.where(done, self._lengths, 0)}
             out["_" + RAW_EPISODE_KEY] = done
             self._returns[done] = 0.0
             self._lengths[done] = 0
-        self._resetting = np.asarray(terminated) | np.asarray(truncated)
-        return self._obs(obs), np.asarray(reward), np.asarray(terminated), np.asarray(truncated), out
+        self._resetting = ended
+        return self._obs(obs), np.asarray(reward), terminated, truncated, out
 
     def close_extras(self, **kwargs: Any) -> None:
         self._pool.close()

@@ -47,6 +47,16 @@ def median(xs: Iterable[float]) -> float:
 
 
 # ----------------------------------------------------------------------------- threads
+def quiet_trainer(config: str, run_dir: str, *overrides: str):
+    """The trainer of ``config`` built as ``scripts/train.py`` builds it, writing no logs, wandb or
+    checkpoints of its own (a bench measures one part of it)."""
+    from rl_replay.config import load_config
+    from rl_replay.run.setup import build
+
+    quiet = [f"run_dir={run_dir}", "log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
+    return build(load_config(config, [*quiet, *overrides]))
+
+
 def set_threads(n: int) -> None:
     torch.set_num_threads(max(1, int(n)))
     try:

@@ -33,21 +33,12 @@ def worker(spec: dict) -> None:
     write one checkpoint, report seconds, peak RSS growth and bytes."""
     import torch
     import torch.distributed as dist
-    from _bench_common import MemoryMeter
+    from _bench_common import MemoryMeter, quiet_trainer
 
-    from rl_replay.config import load_config
-    from rl_replay.run.setup import build
     from rl_replay.run.trainer_state import save_trainer
 
     rank = int(os.environ.get("RANK", "0"))
-    overrides = [
-        f"run_dir={spec['run_dir']}",
-        "log.wandb_mode=disabled",
-        "log.progress=false",
-        "checkpoint.every=0",
-        f"checkpoint.sharded={spec['sharded']}",
-    ]
-    trainer = build(load_config(spec["config"], overrides))
+    trainer = quiet_trainer(spec["config"], spec["run_dir"], f"checkpoint.sharded={spec['sharded']}")
     try:
         for p in trainer.model.parameters():
             p.grad = torch.zeros_like(p)

@@ -43,21 +43,13 @@ SETTINGS = {
 
 def worker(spec: dict) -> None:
     """One process (or one rank) of one launch: build the trainer, time its rollouts."""
-    from rl_replay.config import load_config
-    from rl_replay.run.setup import build
+    from _bench_common import quiet_trainer
 
     rank = int(os.environ.get("RANK", "0"))
-    overrides = [
-        f"run_dir={spec['run_dir']}",
-        "log.wandb_mode=disabled",
-        "log.progress=false",
-        "checkpoint.every=0",
-        f"collector.num_steps={spec['steps']}",
-        f"distributed.collect_gathered={spec['gathered']}",
-    ]
+    overrides = [f"collector.num_steps={spec['steps']}", f"distributed.collect_gathered={spec['gathered']}"]
     if spec["mode"]:
         overrides.append(f"collector.mode={spec['mode']}")
-    trainer = build(load_config(spec["config"], overrides))
+    trainer = quiet_trainer(spec["config"], spec["run_dir"], *overrides)
     try:
         t0 = time.perf_counter()
         trainer.collector.collect()  # warm-up: lazy initialisation, first allocations
