@@ -36,10 +36,5 @@ class MLPAgent(Agent):
         self.value = value_head(last)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        x = self.flatten_observation(observation)  # (N, obs_dim)
-        return TensorDict(
-            dist=self.head(self.actor(x)),
-            value=self.value(self.critic(x)).squeeze(-1),  # (N,)
-            state=state,
-            batch_size=x.shape[:1],
-        )
+        x = self.flatten_observation(observation)  # (k, N, obs_dim)
+        return self.output(dist=self.head(self.actor(x)), value=self.value(self.critic(x)).squeeze(-1), state=state)

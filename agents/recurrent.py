@@ -5,10 +5,9 @@ Every shipped recurrent agent (GRU, LSTM, LRU, minGRU) is this class with its ow
 or a CNN of :mod:`rl_replay.agents.encoders`) and so every observation space (Box, Dict,
 Discrete, uint8 images) work with every core.
 
-It runs a block of k steps as one call (:meth:`RecurrentAgent.forward_steps`): the encoder,
-the readout and the heads see the block's ``k * N`` rows at once, and only the core's
-recurrence goes step by step. :meth:`forward` (one step, what the collector calls) is the
-same code with k = 1.
+Its one call runs k steps (:meth:`RecurrentAgent.forward`): the encoder, the readout and the
+heads see the ``k * N`` rows at once, and only the core's recurrence goes step by step. Acting
+is the same code with k = 1.
 """
 
 from __future__ import annotations
@@ -136,15 +135,6 @@ class RecurrentAgent(Agent):
         return self.head(self.actor_mlp(actor_in)), self.value(self.critic_mlp(critic_in)).squeeze(-1)
 
     def forward(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        """One step (``is_first`` of shape ``(N,)``); a block of k steps goes to
-        :meth:`forward_steps` (:class:`rl_replay.Agent` routes it)."""
-        actor_in, critic_in, next_state = self._features(observation.unsqueeze(0), state, is_first.unsqueeze(0))
-        dist, value = self._heads(actor_in[0], critic_in[0])
-        return TensorDict(dist=dist, value=value, state=next_state, batch_size=is_first.shape)
-
-    def forward_steps(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
         actor_in, critic_in, next_state = self._features(observation, state, is_first)
         dist, value = self._heads(actor_in, critic_in)
-        return TensorDict(
-            outputs=TensorDict(dist=dist, value=value, batch_size=is_first.shape), state=next_state, batch_size=[]
-        )
+        return self.output(dist=dist, value=value, state=next_state)

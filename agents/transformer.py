@@ -77,12 +77,7 @@ class TransformerAgent(Agent):
         self.value = value_head(d_model)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        x = self.flatten_observation(observation)  # (N, obs_dim)
+        x = self.flatten_observation(observation).flatten(0, 1)  # (k * N, obs_dim): each step on its own
         tokens = self.embed(x).view(x.shape[0], self.context, self.d_model) + self.position
-        h = self.norm(self.encoder(tokens).mean(dim=1))  # (N, d_model)
-        return TensorDict(
-            dist=self.head(h),
-            value=self.value(h).squeeze(-1),  # (N,)
-            state=state,
-            batch_size=x.shape[:1],
-        )
+        h = self.norm(self.encoder(tokens).mean(dim=1)).unflatten(0, is_first.shape)  # (k, N, d_model)
+        return self.output(dist=self.head(h), value=self.value(h).squeeze(-1), state=state)

@@ -18,11 +18,13 @@ from rl_replay.engine import (
     checkpoint_fsdp_forward,
     keep_freed_memory,
     replay,
+    replay_sequence_call,
     replay_steps,
 )
 
 __all__ = [
     "Agent",
+    "StepwiseAgent",
     "Policy",
     "GradientAccumulator",
     "ReplayError",
@@ -30,6 +32,7 @@ __all__ = [
     "checkpoint_fsdp_forward",
     "keep_freed_memory",
     "replay",
+    "replay_sequence_call",
     "replay_steps",
 ]
 __version__ = "0.1.0"
@@ -75,7 +78,7 @@ _find_source_tree_packages()
 def __getattr__(name: str):
     # rl_replay.Agent is imported on first use, so taking the engine alone does not pull
     # in gymnasium and the trainer side.
-    if name in ("Agent", "Policy"):
+    if name in ("Agent", "StepwiseAgent", "Policy"):
         from rl_replay import agent
 
         return getattr(agent, name)

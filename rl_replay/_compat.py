@@ -17,9 +17,12 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   names where weights are loaded (evaluate, ``init_from``, a single-process resume).
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
   (:func:`translate_norm_adv`, called by ``rl_replay.config``).
-* **``heads``**, the key under which an agent's :meth:`~rl_replay.Agent.forward_steps` returned its
-  k steps' outputs, is read as ``outputs`` (by ``rl_replay.engine.steps``, which cannot import this
-  module: the engine stands alone).
+* **An agent written to the docs before the one agent shape**: a subclass of ``rl_replay.Agent``
+  whose ``forward`` takes one step (``(N, ...)`` rows) and returns ``dist``, ``value`` and
+  ``state`` side by side. :func:`one_step_agent` (called by ``rl_replay.agent.build_agent``) tells
+  it from a one-shape agent by one call on two zero rows, and runs it through the
+  :class:`~rl_replay.StepwiseAgent` adapter (its ``forward`` becomes ``step``), with a
+  DeprecationWarning. Its parameter names do not change, so its checkpoints load either way.
 * **``collector.block_steps`` and ``ppo.block_steps``** (A2C / REINFORCE's and PPO's) are read as
   the one ``replay.block_steps`` (:func:`translate_block_steps`).
 
@@ -43,6 +46,7 @@ __all__ = [
     "current_agent_keys",
     "translate_norm_adv",
     "translate_block_steps",
+    "one_step_agent",
     "REMOVED_IN",
 ]
 
@@ -163,3 +167,67 @@ def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:
     """
     own = set(own)
     return {(f"cell.{k}" if k not in own and f"cell.{k}" in own else k): v for k, v in weights.items()}
+
+
+_ADAPTED: dict[type, type] = {}
+
+
+def one_step_agent(agent: Any, stepwise: type, observation_space: Any) -> Any:
+    """``agent``, run through the ``stepwise`` adapter (``rl_replay.StepwiseAgent``) if its
+    ``forward`` is a one-step forward written before the one agent shape.
+
+    The test is a call without grad on two zero rows (RNG streams restored): the one shape,
+    ``(1, 2)`` rows, returning ``outputs`` and ``state``, keeps the agent as it is; otherwise a
+    call on ``(2,)`` rows returning ``state`` beside its outputs marks a one-step forward, and
+    the agent's class becomes a subclass of its own and of the adapter whose ``step`` is the old
+    ``forward`` (parameters, buffers and names unchanged). An agent that fails both calls is
+    left as it is, for :func:`rl_replay.contract.check_agent` to name what is wrong.
+    """
+    import warnings
+
+    import torch
+    from gymnasium.vector.utils import batch_space
+    from tensordict import TensorDictBase
+
+    from rl_replay.spaces import obs_converter
+
+    cls = type(agent)
+    if isinstance(agent, stepwise) and cls not in _ADAPTED.values():
+        return agent
+    try:
+        space = batch_space(observation_space, 2)
+        space.seed(0)
+        rows = obs_converter(observation_space)(space.sample())
+    except Exception:  # a space the agent refuses reaches the user through check_agent
+        return agent
+
+    def call(observation, is_first_shape):
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            try:
+                return agent(
+                    observation=observation,
+                    state=agent.initial_state(2),
+                    is_first=torch.ones(is_first_shape, dtype=torch.bool),
+                )
+            except Exception:
+                return None
+
+    out = call(rows.unsqueeze(0), (1, 2))
+    if isinstance(out, TensorDictBase) and "outputs" in out.keys():
+        return agent
+    out = call(rows, (2,))
+    if not (isinstance(out, TensorDictBase) and "state" in out.keys() and tuple(out.batch_size) == (2,)):
+        return agent
+    adapted = _ADAPTED.get(cls)
+    if adapted is None:
+        namespace = {"step": cls.forward, "forward": stepwise.forward, "__module__": cls.__module__}
+        adapted = _ADAPTED[cls] = type(cls.__name__, (cls, stepwise), {**namespace, "__qualname__": cls.__qualname__})
+    warnings.warn(
+        f"{cls.__module__}.{cls.__qualname__}.forward takes one step: it runs through rl_replay.StepwiseAgent. "
+        f"Subclass rl_replay.StepwiseAgent and rename forward to step, or write forward over (k, N) rows "
+        f"(docs/agents.md); one-step forwards of rl_replay.Agent stop working in {REMOVED_IN}.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    agent.__class__ = adapted
+    return agent

@@ -1,29 +1,33 @@
-"""The Agent contract: what a policy takes from a replay block and what it returns.
+"""The Agent contract: one call over ``(k, N)`` rows, what a replay block calls.
 
-A block's inputs are a TensorDict of batch size ``[N]`` (one row per environment):
+An agent has one call, ``forward(observation, state, is_first)``, over ``k`` consecutive steps
+of ``N`` environments (acting is ``k = 1``; a replay block of a stored rollout is ``k`` up to
+``replay.block_steps``):
 
 ==============  ===============================================================
-``observation``  ``(N, *obs_shape)`` float32 (uint8 for uint8 images; one-hot
-                 float32 for Discrete/MultiDiscrete), or a nested TensorDict ``[N]``
+``observation``  ``(k, N, *obs_shape)`` float32 (uint8 for uint8 images; one-hot
+                 float32 for Discrete/MultiDiscrete), or a nested TensorDict ``[k, N]``
                  for Dict/Tuple spaces (see :mod:`rl_replay.spaces`)
-``state``        TensorDict ``[N]`` with the recurrent state (empty if stateless)
-``is_first``     ``(N,)`` ``torch.bool`` on the policy's device: the observation
-                 starts a new episode. Recurrent agents zero their state here,
-                 *inside* the block (:meth:`Agent.reset_state`), so collection and
+``state``        TensorDict ``[N]``: the recurrent state before row 0 (empty if stateless)
+``is_first``     ``(k, N)`` ``torch.bool`` on the policy's device: the row's observation
+                 starts a new episode. Recurrent agents zero their state there,
+                 *inside* the call (:meth:`Agent.reset_state`), so collection and
                  replay run the same code and no gradient crosses episodes.
 ==============  ===============================================================
 
-``forward`` returns a TensorDict ``[N]`` with ``dist`` (the action distribution's
-*parameters* as tensors, e.g. a TensorDict with ``logits``: not a ``torch.distributions``
-object, since a replay block's outputs must be tensors), ``value`` ``(N,)`` and the next
-``state`` (the keys, shapes and dtypes of :meth:`Agent.initial_state`'s).
-:meth:`Agent.distribution` turns ``dist`` into a ``torch.distributions`` object.
-:func:`rl_replay.contract.check_agent` checks all of this once before a run starts.
+``forward`` returns ``TensorDict(outputs=..., state=..., batch_size=[])``
+(:meth:`Agent.output` builds it): ``outputs`` a TensorDict ``[k, N]`` with ``dist`` (the
+action distribution's *parameters* as tensors, e.g. a TensorDict with ``logits``: not a
+``torch.distributions`` object, since a replay block's outputs must be tensors) and ``value``
+``(k, N)``; ``state`` the state after the last row (the keys, shapes and dtypes of
+:meth:`Agent.initial_state`'s). :meth:`Agent.distribution` turns ``dist`` into a
+``torch.distributions`` object. An agent written one step at a time subclasses
+:class:`StepwiseAgent` instead. :func:`rl_replay.contract.check_agent` checks all of this once
+before a run starts.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -34,13 +38,16 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
+from rl_replay import _compat
 from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.registry import AGENTS
-from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_keys, leaf_scales
+from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_event_dims, leaf_keys, leaf_scales
 from rl_replay.targets import OWN, Importer, canonical_target
 
 __all__ = [
     "Agent",
+    "StepwiseAgent",
+    "Policy",
     "ActionHead",
     "MultiCategorical",
     "value_head",
@@ -48,7 +55,6 @@ __all__ = [
     "load_agent_class",
     "canonical_agent_target",
     "build_agent",
-    "has_sequence_forward",
 ]
 
 
@@ -142,12 +148,13 @@ def check_action_space(space: gym.Space, agent_name: str = "Agent") -> None:
 
 
 class Agent(nn.Module):
-    """Base class for policies trained by rl_replay.
+    """Base class for policies trained by rl_replay: one call over ``(k, N)`` rows.
 
     Subclass it, build your network in ``__init__`` (call ``super().__init__(observation_space,
     action_space)`` first) and implement :meth:`forward`. Override :meth:`initial_state` for a
     recurrent policy. ``self.head`` (an :class:`ActionHead`) and :meth:`distribution` handle the
-    action space for you.
+    action space for you. A policy written for one step at a time subclasses
+    :class:`StepwiseAgent` and implements ``step`` instead.
 
     Example::
 
@@ -158,10 +165,9 @@ class Agent(nn.Module):
                 self.head = ActionHead(action_space, hidden)
                 self.critic = nn.Linear(hidden, 1)
 
-            def forward(self, observation, state, is_first):
-                x = self.body(self.flatten_observation(observation))
-                return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1),
-                                  state=state, batch_size=observation.shape[:1])
+            def forward(self, observation, state, is_first):  # (k, N, ...) rows
+                x = self.body(self.flatten_observation(observation))  # (k, N, hidden)
+                return self.output(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state)
 
     Any observation space of :mod:`rl_replay.spaces` works: ``self.obs_dim`` is the width of
     :meth:`flatten_observation`'s output; an agent that wants the keys of a Dict observation
@@ -174,12 +180,6 @@ class Agent(nn.Module):
     #: The block-input keys this agent's forward takes as keyword arguments.
     in_keys: tuple[str, ...] = ("observation", "state", "is_first")
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        step = cls.__dict__.get("forward")
-        if step is not None and not getattr(step, "_rl_replay_routes_blocks", False):
-            cls.forward = _routed(step)  # type: ignore[method-assign]
-
     def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
         super().__init__()
         check_observation_space(observation_space, type(self).__name__)
@@ -190,109 +190,99 @@ class Agent(nn.Module):
         nested = isinstance(observation_space, (gym.spaces.Dict, gym.spaces.Tuple))
         self._obs_keys = leaf_keys(observation_space) if nested else None
         self._obs_scales = leaf_scales(observation_space)
+        self._obs_event_dims = leaf_event_dims(observation_space)
 
     def flatten_observation(self, observation: torch.Tensor | TensorDict) -> torch.Tensor:
-        """``(N, obs_dim)`` float32: the leaves in the space's fixed key order, flattened and
+        """``(*batch, obs_dim)`` float32 (``batch`` is ``(k, N)`` in :meth:`forward`, ``(N,)`` in a
+        :class:`StepwiseAgent`'s step): the leaves in the space's fixed key order, flattened and
         concatenated; uint8 images become floats in ``[0, 1]`` here, not in the saved inputs."""
-        return flatten(observation, self._obs_keys, self._obs_scales)
+        return flatten(observation, self._obs_keys, self._obs_scales, self._obs_event_dims)
 
     def initial_state(self, batch_size: int, device: torch.device | str = "cpu") -> TensorDict:
         """The recurrent state at the start of an episode: empty for stateless agents."""
         return TensorDict({}, batch_size=[batch_size], device=None)
 
     def forward(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        """One timestep of the policy for ``N`` envs (one replay block).
+        """k consecutive steps of the policy for ``N`` envs (one replay block; acting is k = 1).
 
         Args:
-            observation: ``(N, *obs_shape)`` (float32; uint8 images stay uint8, Discrete
-                observations are one-hot float32), or a TensorDict ``[N]`` for Dict/Tuple spaces.
-            state: TensorDict ``[N]``, the previous step's returned state (at the start:
+            observation: ``(k, N, *obs_shape)`` (float32; uint8 images stay uint8, Discrete
+                observations are one-hot float32), or a TensorDict ``[k, N]`` for Dict/Tuple spaces.
+            state: TensorDict ``[N]``, the state before row 0 (at an episode's start:
                 :meth:`initial_state`).
-            is_first: ``(N,)`` ``torch.bool`` on the policy's device, True where the
+            is_first: ``(k, N)`` ``torch.bool`` on the policy's device, True where the row's
                 observation starts a new episode. A recurrent agent must reset its state
-                there before using it (``h = self.reset_state(state["h"], is_first)``), or
-                memory and gradient cross episode boundaries.
+                there before row t uses it (:meth:`reset_state`), or memory and gradient
+                cross episode boundaries.
 
         Returns:
-            TensorDict ``[N]`` with
+            ``TensorDict(outputs=..., state=..., batch_size=[])`` (:meth:`output`):
 
-            * ``dist``: the action distribution's parameters as tensors, e.g.
-              ``self.head(x)`` (a TensorDict with ``logits``, or ``loc`` and ``scale``);
-              never a ``torch.distributions`` object (:meth:`distribution` builds that);
-            * ``value``: ``(N,)`` float, the critic's value (``critic(x).squeeze(-1)``);
-            * ``state``: the next state, with the keys, shapes and dtypes of
+            * ``outputs``: a TensorDict ``[k, N]``, row t for step t, with ``dist``, the action
+              distribution's parameters as tensors, e.g. ``self.head(x)`` (a TensorDict with
+              ``logits``, or ``loc`` and ``scale``; never a ``torch.distributions`` object:
+              :meth:`distribution` builds that), and ``value``, ``(k, N)`` float;
+            * ``state``: the state after the last row, with the keys, shapes and dtypes of
               :meth:`initial_state` (an empty TensorDict ``[N]`` for a stateless agent).
 
-        It must not modify parameters or buffers (a block's forward runs twice: once
-        to collect, once again in backward).
+        It must not modify parameters or buffers (a block's forward runs twice: once to
+        collect, once again in backward), and a call over k rows must agree with k calls over
+        one row each to float rounding, resets inside the rows included.
         """
         raise NotImplementedError(f"{type(self).__name__} must implement forward()")
 
-    def forward_steps(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        """k consecutive steps of ``N`` envs in one call (optional; a replay block of k steps).
-
-        Args:
-            observation: ``(k, N, *obs_shape)``, or a TensorDict ``[k, N]``.
-            state: TensorDict ``[N]``, the state before the first step.
-            is_first: ``(k, N)`` ``torch.bool``; the state is reset before step ``t`` where
-                ``is_first[t]`` is set.
-
-        Returns:
-            TensorDict ``[]`` with ``outputs``: a TensorDict ``[k, N]`` of every output of
-            :meth:`forward` but ``state`` (``dist``, ``value``), step ``t`` in row ``t``; and
-            ``state``: the state after the last step (TensorDict ``[N]``).
-
-        This default is the loop of :meth:`forward`, and the engine calls an agent that does
-        not override it one step at a time. Override it to run what does not depend on the
-        recurrence once over the ``k * N`` rows (the skeleton of the shipped recurrent
-        agents, :class:`rl_replay.agents.recurrent.RecurrentAgent`, does); it must agree
-        with the loop of :meth:`forward` to float rounding, resets inside the block
-        included. The engine calls the module itself (under FSDP, its wrapper, whose hooks
-        gather the parameters) with ``(k, N)`` inputs; :class:`Agent` routes such a call to
-        :meth:`forward_steps` (NOTE [ One call over k steps ] in this module), so
-        :meth:`forward` only ever sees one step.
-        """
-        steps = []
-        for t in range(is_first.shape[0]):
-            out = self(observation=observation[t], state=state, is_first=is_first[t])
-            steps.append(out.exclude("state"))
-            state = out["state"]
-        return TensorDict(outputs=torch.stack(steps), state=state, batch_size=[])
+    @staticmethod
+    def output(dist: TensorDict, value: torch.Tensor, state: TensorDict, **extra: Any) -> TensorDict:
+        """What :meth:`forward` returns: ``dist`` and ``value`` (and any ``extra`` outputs) over the
+        ``(k, N)`` rows, and the ``state`` after the last row."""
+        outputs = TensorDict(dist=dist, value=value, **extra, batch_size=value.shape)
+        return TensorDict(outputs=outputs, state=state, batch_size=[])
 
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
-        """The action distribution for the outputs of :meth:`forward`."""
+        """The action distribution for ``outputs`` (of any batch size): :meth:`forward`'s ``outputs``."""
         return self.head.distribution(outputs["dist"])  # type: ignore[operator, union-attr]
 
     @staticmethod
     def reset_state(state: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:
         """Zero ``state`` rows where an episode starts (the gradient to the old state is 0).
 
-        ``state`` is ``(N, ...)``, ``is_first`` the ``(N,)`` bool of :meth:`forward`.
+        ``state`` is ``(N, ...)``, ``is_first`` one row's ``(N,)`` bool (``is_first[t]``).
         """
         keep = (~is_first).to(state.dtype)
         return state * keep.view(-1, *([1] * (state.dim() - 1)))
 
 
-# NOTE [ One call over k steps ]
-# Whether a replay block of k stored steps is one model call is decided here and nowhere else.
-# The engine calls the module itself (under FSDP its wrapper, whose hooks gather the parameters)
-# with (k, N) inputs when the agent's class overrides Agent.forward_steps (has_sequence_forward;
-# rl_replay.algorithms.stored chooses the block layout from it). Every subclass's forward is
-# wrapped once, when the class is made (Agent.__init_subclass__), so that such a call, told
-# apart by its (k, N) is_first, reaches forward_steps: an agent writes forward for one step and
-# forward_steps for k, and copies no test of its own.
-def _routed(step_forward: Any) -> Any:
-    """``step_forward`` (a class's own ``forward``) that hands a ``(k, N)`` call to ``forward_steps``."""
+class StepwiseAgent(Agent):
+    """An agent written one step at a time: implement :meth:`step`; :meth:`forward` is its loop.
 
-    @functools.wraps(step_forward)
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        is_first = kwargs["is_first"] if "is_first" in kwargs else args[2] if len(args) > 2 else None
-        if isinstance(is_first, torch.Tensor) and is_first.dim() == 2 and has_sequence_forward(self):
-            return self.forward_steps(*args, **kwargs)
-        return step_forward(self, *args, **kwargs)
+    The adapter for a policy that has no call over several steps (a one-step ``forward`` as
+    written for rl_replay before the one agent shape). It owns the step loop: :meth:`forward`
+    runs :meth:`step` row by row and stacks the outputs but the state; and a replay block of k
+    stored steps calls the agent one step at a time (``rl_replay.algorithms.stored``), so the
+    block's backward recomputes and back-propagates step by step, as plain autograd runs the loop.
 
-    forward._rl_replay_routes_blocks = True  # type: ignore[attr-defined]
-    return forward
+    Example::
+
+        class MyAgent(rl_replay.StepwiseAgent):
+            def step(self, observation, state, is_first):  # (N, ...) rows
+                x = self.body(self.flatten_observation(observation))
+                return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1),
+                                  state=state, batch_size=is_first.shape)
+    """
+
+    def step(self, observation: torch.Tensor, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        """One step for ``N`` envs: ``observation`` ``(N, *obs_shape)`` (or a TensorDict ``[N]``),
+        ``state`` ``[N]``, ``is_first`` ``(N,)``; returns a TensorDict ``[N]`` with ``dist``,
+        ``value`` ``(N,)`` and the next ``state`` (reset where ``is_first`` is set first)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement step()")
+
+    def forward(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        steps = []
+        for t in range(is_first.shape[0]):
+            out = self.step(observation[t], state, is_first[t])
+            state = out["state"]
+            steps.append(out.exclude("state"))
+        return TensorDict(outputs=torch.stack(steps), state=state, batch_size=[])
 
 
 @dataclass(frozen=True)
@@ -319,13 +309,6 @@ class Policy:
         return cls(module, agent)
 
 
-def has_sequence_forward(policy: Any) -> bool:
-    """Whether ``policy`` runs a block of steps as one call: an :class:`Agent` whose class
-    overrides :meth:`Agent.forward_steps` (the default, a loop of ``forward``, does not count)."""
-    impl = getattr(type(policy), "forward_steps", None)
-    return impl is not None and impl is not Agent.forward_steps
-
-
 def load_agent_class(target: str, importer: Importer = OWN) -> type[Agent]:
     """The :class:`Agent` subclass named by ``target``: a short name of :data:`AGENTS`
     (``gru``) or an import path ``package.module:ClassName``, imported through ``importer``."""
@@ -347,7 +330,7 @@ def build_agent(
     """Instantiate the agent named by ``target`` (imported through ``importer``) for the given spaces."""
     cls = load_agent_class(target, importer)
     try:
-        return cls(observation_space, action_space, **kwargs)
+        agent = cls(observation_space, action_space, **kwargs)
     except SetupError:
         raise
     except (TypeError, ValueError, RuntimeError, OverflowError) as exc:
@@ -355,3 +338,6 @@ def build_agent(
         raise SetupError(
             f"agent.target {shown(target)} rejected agent.kwargs {shown(kwargs)}: {one_line(str(exc))[:300]}"
         ) from None
+    # An agent written to the docs before the one agent shape (a one-step forward) runs
+    # through the StepwiseAgent adapter, with a DeprecationWarning, until _compat.REMOVED_IN.
+    return _compat.one_step_agent(agent, StepwiseAgent, observation_space)

@@ -1,8 +1,8 @@
 """Check an agent against the Agent contract with one forward, before a run exists.
 
-:func:`check_agent` runs the agent's forward once (without grad) on the block inputs of a fresh
-env reset and checks what the collector and the losses rely on: ``value`` of shape
-``(N,)``, a ``state`` TensorDict of batch size ``[N]`` with the keys, shapes and dtypes of
+:func:`check_agent` runs the agent's forward once (without grad) on the first step of a fresh
+env reset, a one-row call (``(1, N)`` rows), and checks what the collector and the losses rely
+on: ``outputs`` of batch size ``[1, N]`` with ``value`` of shape ``(1, N)``, a ``state`` TensorDict of batch size ``[N]`` with the keys, shapes and dtypes of
 ``initial_state`` (the next block takes it as its input), ``dist`` a TensorDict of
 distribution parameters (not a ``torch.distributions`` object), a distribution that
 :meth:`~rl_replay.Agent.distribution` can build whose samples fit the action space, no
@@ -44,13 +44,13 @@ def _leaves(td: TensorDictBase) -> dict[str, torch.Tensor]:
     return {".".join(k) if isinstance(k, tuple) else k: v for k, v in td.items(include_nested=True, leaves_only=True)}  # type: ignore[misc]
 
 
-def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_space: gym.Space, target: str) -> None:
-    """Raise SetupError if ``policy``'s outputs on ``inputs`` break the Agent contract.
+def check_agent(model: torch.nn.Module, agent, inputs: TensorDictBase, action_space: gym.Space, target: str) -> None:
+    """Raise SetupError if ``agent``'s outputs on ``inputs`` (a one-row call) break the Agent contract.
 
-    ``model`` is what the collector calls (the FSDP wrapper under FSDP, else ``policy``).
+    ``model`` is what the collector calls (the FSDP wrapper under FSDP, else ``agent``).
     The RNG streams are left as they were.
     """
-    n = inputs.batch_size[0]
+    n = inputs["is_first"].shape[-1]
     where = f"agent {target}"
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     # The replay engine's own check of what a block must not change (buffers, and
@@ -69,39 +69,49 @@ def check_agent(model: torch.nn.Module, policy, inputs: TensorDictBase, action_s
         if not isinstance(out, TensorDictBase):
             raise SetupError(f"{where}: forward() must return a TensorDict, got {type(out).__name__}.")
         keys = sorted(out.keys())
-        for key in ("value", "state"):
-            if key not in keys:
-                raise SetupError(
-                    f"{where}: forward() returned keys {keys} without '{key}' (expected 'dist', 'value' and 'state')."
-                )
-        value = out["value"]
-        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (n,):
+        if "outputs" not in keys or "state" not in keys:
             raise SetupError(
-                f"{where}: forward() returned 'value' of shape {_shape(value)}; expected ({n},), "
-                "one value per env (e.g. critic(x).squeeze(-1))."
+                f"{where}: forward() returned keys {keys}; expected 'outputs' (the (k, N) rows' 'dist' and "
+                "'value') and 'state' (the state after the last row): return Agent.output(dist=..., value=..., "
+                "state=...), or subclass rl_replay.StepwiseAgent for a forward of one step."
             )
-        state = out["state"]
+        outputs, state = out["outputs"], out["state"]
+        if not isinstance(outputs, TensorDictBase) or tuple(outputs.batch_size) != (1, n):
+            shown = tuple(outputs.batch_size) if isinstance(outputs, TensorDictBase) else type(outputs).__name__
+            raise SetupError(
+                f"{where}: forward() returned 'outputs' {shown} for one row of {n} envs; expected a "
+                f"TensorDict of batch size [1, {n}] (the (k, N) rows of the call)."
+            )
+        keys = sorted(outputs.keys())
+        if "value" not in keys:
+            raise SetupError(f"{where}: forward() returned outputs {keys} without 'value' (expected 'dist' and 'value').")
+        value = outputs["value"]
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != (1, n):
+            raise SetupError(
+                f"{where}: forward() returned 'value' of shape {_shape(value)}; expected (1, {n}), "
+                "one value per row and env (e.g. critic(x).squeeze(-1))."
+            )
         if not isinstance(state, TensorDictBase) or tuple(state.batch_size) != (n,):
             shown = tuple(state.batch_size) if isinstance(state, TensorDictBase) else type(state).__name__
             raise SetupError(
                 f"{where}: forward() returned 'state' {shown}; expected a TensorDict of "
                 f"batch size [{n}] (an empty one for a stateless agent)."
             )
-        if "dist" in keys and isinstance(out["dist"], torch.distributions.Distribution):
+        if "dist" in keys and isinstance(outputs["dist"], torch.distributions.Distribution):
             raise SetupError(
-                f"{where}: forward() returned 'dist' as a torch.distributions {type(out['dist']).__name__}; return "
-                "its parameters instead (a TensorDict such as self.head(x), e.g. TensorDict(logits=...)) and let "
-                "distribution() build the object: a replay block's outputs must be tensors."
+                f"{where}: forward() returned 'dist' as a torch.distributions {type(outputs['dist']).__name__}; "
+                "return its parameters instead (a TensorDict such as self.head(x), e.g. TensorDict(logits=...)) and "
+                "let distribution() build the object: a replay block's outputs must be tensors."
             )
-        _check_state_structure(state, inputs["state"], where, wrapped=model is not policy)
+        _check_state_structure(state, inputs["state"], where, wrapped=model is not agent)
         try:
-            dist = policy.distribution(out)
+            dist = agent.distribution(outputs)
         except KeyError as exc:
             # TensorDict's message is 'key "dist" not found in TensorDict with keys [...]'.
             found = re.search(r'key "([^"]+)"', str(exc))
             missing = repr(found.group(1)) if found else str(exc)
             raise SetupError(
-                f"{where}: distribution() needs key {missing} but forward() returned keys {keys}."
+                f"{where}: distribution() needs key {missing} but forward() returned outputs {keys}."
             ) from None
         _check_distribution(dist, action_space, n, where)
         _check_reset(model, inputs, where)
@@ -181,12 +191,12 @@ def _check_distribution(dist, space: gym.Space, n: int, where: str) -> None:
                     f"action space {space} needs {nvec}."
                 )
     action = dist.sample()
-    if action.shape[:1] != (n,):
+    if action.shape[:2] != (1, n):
         raise SetupError(
             f"{where}: actions sampled from its distribution have shape {_shape(action)}; "
-            f"expected one row per env ({n}, ...)."
+            f"expected one per row and env (1, {n}, ...)."
         )
-    per_env = tuple(action.shape[1:])
+    per_env = tuple(action.shape[2:])
     if isinstance(space, gym.spaces.Box):
         ok = per_env in (tuple(space.shape), (int(np.prod(space.shape)),))
     elif isinstance(space, gym.spaces.MultiDiscrete):
@@ -199,5 +209,5 @@ def _check_distribution(dist, space: gym.Space, n: int, where: str) -> None:
         raise SetupError(f"{where}: sampled actions of shape {_shape(action)} do not fit the action space {space}.")
     for name in ("log_prob", "entropy"):
         value = dist.log_prob(action) if name == "log_prob" else dist.entropy()
-        if tuple(value.shape) != (n,):
-            raise SetupError(f"{where}: its distribution's {name} has shape {_shape(value)}; expected ({n},).")
+        if tuple(value.shape) != (1, n):
+            raise SetupError(f"{where}: its distribution's {name} has shape {_shape(value)}; expected (1, {n}).")

@@ -35,6 +35,7 @@ __all__ = [
     "check_observation_space",
     "leaf_keys",
     "leaf_scales",
+    "leaf_event_dims",
     "usable_keys",
 ]
 
@@ -193,15 +194,31 @@ def leaf_scales(space: gym.Space) -> list[float]:
     return [1.0 / 255.0 if image else 1.0]
 
 
+def leaf_event_dims(space: gym.Space) -> list[int]:
+    """Per leaf (in :func:`leaf_keys` order): how many trailing dimensions one observation of it
+    has once converted (1 for a one-hot, the shape's length for a Box); the dimensions before
+    them are batch dimensions, ``(N,)`` or ``(k, N)``."""
+    if isinstance(space, (gym.spaces.Dict, gym.spaces.Tuple)):
+        return [d for _, sub in _children(space) for d in leaf_event_dims(sub)]
+    if isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
+        return [1]
+    return [len(space.shape)]  # type: ignore[arg-type]
+
+
 def flatten(
-    observation: torch.Tensor | TensorDict, keys: list[tuple[str, ...]] | None = None, scales: list[float] | None = None
+    observation: torch.Tensor | TensorDict,
+    keys: list[tuple[str, ...]] | None = None,
+    scales: list[float] | None = None,
+    event_dims: list[int] | None = None,
 ) -> torch.Tensor:
-    """``(N, features)`` float32: the observation's leaves flattened and concatenated.
+    """``(*batch, features)`` float32: the observation's leaves flattened and concatenated.
 
     ``keys`` (from :func:`leaf_keys`) fixes the order of a nested observation's leaves;
     without it the TensorDict's own key order is used. Leaves become float32 here, inside
     the agent, so uint8 images stay uint8 in the saved block inputs; ``scales`` (from
-    :func:`leaf_scales`) multiplies each leaf, e.g. ``1/255`` for images.
+    :func:`leaf_scales`) multiplies each leaf, e.g. ``1/255`` for images. ``event_dims`` (from
+    :func:`leaf_event_dims`) tells the batch dimensions, ``(N,)`` or ``(k, N)``, from one
+    observation's; without it the first dimension is the only batch dimension.
     """
     if isinstance(observation, torch.Tensor):
         leaves = [observation]
@@ -211,7 +228,8 @@ def flatten(
         leaves = [observation.get(k) for k in keys]
     flat = []
     for i, leaf in enumerate(leaves):
-        x = leaf.reshape(leaf.shape[0], -1).to(torch.float32)
+        batch = leaf.shape[:1] if event_dims is None else leaf.shape[: leaf.dim() - event_dims[i]]
+        x = leaf.reshape(*batch, -1).to(torch.float32)
         if scales is not None and scales[i] != 1.0:
             x = x * scales[i]
         flat.append(x)

@@ -5,13 +5,11 @@ diagnostic run the agent again over rows the collector stored, with the gradient
 through replay blocks that share one accumulator. :func:`replay_sequence` decides how a block
 covers its steps, in this one place:
 
-* ``block_steps`` 1: one replay block per step (:func:`rl_replay.engine.replay`);
-* a stateless agent (``start_state`` holds no tensor): each block of k steps is one call over
-  ``k * n`` rows, the usual batched recompute;
-* an agent whose class overrides :meth:`~rl_replay.Agent.forward_steps`
-  (:func:`rl_replay.agent.has_sequence_forward`): each block of k steps is one call of it
-  (:func:`rl_replay.engine.replay_steps` with ``sequence=True``);
-* any other agent: each block of k steps is k calls of its ``forward`` inside one block.
+* ``block_steps`` 1: one replay block per step, a one-row call (:func:`rl_replay.engine.replay`);
+* an :class:`~rl_replay.Agent`: each block of k steps is one call over its k rows
+  (:func:`rl_replay.engine.replay_sequence_call`);
+* a :class:`~rl_replay.StepwiseAgent`: each block of k steps calls the agent once per step
+  (:func:`rl_replay.engine.replay_steps`), as its own loop does.
 
 Blocks never cross a ``bptt_truncate`` cut (:func:`block_spans`). Plain-autograd references
 live with the tests (``tests/_reference.py``) and the benchmarks, not here.
@@ -22,9 +20,9 @@ from __future__ import annotations
 import torch
 from tensordict import TensorDict
 
-from rl_replay.agent import Policy, has_sequence_forward
-from rl_replay.engine import GradientAccumulator, replay, replay_steps
-from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
+from rl_replay.agent import Policy, StepwiseAgent
+from rl_replay.engine import GradientAccumulator, replay, replay_sequence_call, replay_steps
+from rl_replay.rollout.sequence import append_outputs, cat_outputs, step_inputs, truncate
 
 __all__ = ["block_spans", "replay_sequence"]
 
@@ -62,16 +60,10 @@ def replay_sequence(
             kept until the backward.
         bptt_truncate: detach the state every K steps, as the collector does (counted
             from row 0).
-        block_steps: steps per replay block (:func:`~rl_replay.engine.replay_steps`): the
-            per-block machinery is paid once per block, and one block's k steps of activations
-            are alive at the backward's peak. An agent with its own
-            :meth:`~rl_replay.Agent.forward_steps` runs each block as one call of it; others are
-            called step by step, with the same gradients for every value.
-            A stateless agent (``start_state`` holds no tensor) has no recurrence linking its
-            steps, so a block runs its k steps as one call over ``k * n`` rows (one
-            :func:`~rl_replay.engine.replay` block): gradients then equal plain autograd's on
-            that batched call, as in the usual batched PPO / A2C recompute, not the per-step
-            loop's to the last bit (a batched matmul sums in another order).
+        block_steps: steps per replay block: the per-block machinery is paid once per block,
+            and one block's k steps of activations are alive at the backward's peak. The
+            gradients equal plain autograd's running the same calls (one call over each block's
+            rows; a :class:`~rl_replay.StepwiseAgent`'s steps one by one).
 
     Returns:
         TensorDict (T, n) whose entries are attached to autograd through the steps.
@@ -80,11 +72,9 @@ def replay_sequence(
     observation, is_first = data["observation"], data["is_first"]
     model, agent = policy.module, policy.agent
     state = start_state
-    if block_steps > 1 and start_state.is_empty():
-        return _replay_stateless(model, agent, data, accumulator, block_steps)
+    columns: dict = {}
     if block_steps > 1:
-        sequence = has_sequence_forward(agent)
-        blocks = []
+        stepwise = isinstance(agent, StepwiseAgent)
         for start, stop in block_spans(T, block_steps, bptt_truncate):
             steps = TensorDict(
                 observation=observation[start:stop],
@@ -92,50 +82,20 @@ def replay_sequence(
                 batch_size=[stop - start, n],
                 device=None,
             )
-            outputs, state = replay_steps(model, accumulator, steps, state, sequence=sequence)
+            if stepwise:
+                outputs, state = replay_steps(_OneStep(model), accumulator, steps, state)
+            else:
+                outputs, state = replay_sequence_call(model, accumulator, steps, state)
             state = truncate(state, stop - 1, bptt_truncate)
-            blocks.append(outputs)
-        return _sequence_outputs(agent, blocks, data)
-    columns: dict = {}
-    for t in range(T):
-        inputs = block_inputs(observation[t], state, is_first[t], n)
-        out = replay(model, accumulator, inputs)
-        append_outputs(columns, out)
-        state = truncate(out["state"], t, bptt_truncate)
-        del out
-    outputs = stack_outputs(columns, T, n)
+            append_outputs(columns, outputs)
+    else:
+        for t in range(T):
+            out = replay(model, accumulator, step_inputs(observation[t], state, is_first[t]))
+            append_outputs(columns, out["outputs"])
+            state = truncate(out["state"], t, bptt_truncate)
+            del out
+    outputs = cat_outputs(columns, T, n)
     del columns
-    return _sequence_outputs(agent, [outputs], data)
-
-
-def _replay_stateless(
-    model: torch.nn.Module, agent, data: TensorDict, accumulator: GradientAccumulator, block_steps: int
-) -> TensorDict:
-    """:func:`replay_sequence` for a stateless agent: each block of ``block_steps`` rows is one
-    replay block, the agent called once on the block's ``k * n`` rows (``is_first`` only resets
-    a state, so it changes nothing here; it is passed on as the contract asks)."""
-    T, n = data.batch_size
-    observation, is_first = data["observation"], data["is_first"]
-    blocks = []
-    for start, stop in block_spans(T, block_steps):
-        k = stop - start
-        inputs = TensorDict(
-            observation=observation[start:stop].flatten(0, 1),
-            state=TensorDict({}, batch_size=[k * n], device=None),
-            is_first=is_first[start:stop].flatten(0, 1),
-            batch_size=[k * n],
-            device=None,
-        )
-        out = replay(model, accumulator, inputs)
-        blocks.append(out.exclude("state").unflatten(0, (k, n)))
-    return _sequence_outputs(agent, blocks, data)
-
-
-def _sequence_outputs(agent, blocks: list[TensorDict], data: TensorDict) -> TensorDict:
-    """``log_prob``, ``entropy`` and ``value`` (T, n) from the blocks' stacked outputs, in order:
-    one distribution over all T rows. Empties ``blocks``, so only ``outputs`` holds them."""
-    outputs = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # type: ignore[arg-type]
-    blocks.clear()
     dist = agent.distribution(outputs)
     return TensorDict(
         log_prob=dist.log_prob(data["action"]),
@@ -143,3 +103,19 @@ def _sequence_outputs(agent, blocks: list[TensorDict], data: TensorDict) -> Tens
         value=outputs["value"],  # type: ignore[index]
         batch_size=data.batch_size,
     )
+
+
+class _OneStep:
+    """``module`` called on one step's ``(n, ...)`` inputs as a one-row call, returning the step's
+    outputs beside the next ``state``: the per-step model :func:`~rl_replay.engine.replay_steps`
+    calls for a :class:`~rl_replay.StepwiseAgent`. Through the module itself, so that under FSDP
+    its hooks gather the parameters for each step."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.__self__ = module  # the engine's plan watches (and under FSDP syncs) this module
+
+    def __call__(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+        out = self.__self__(**step_inputs(observation, state, is_first))
+        step = out["outputs"][0]
+        step["state"] = out["state"]
+        return step

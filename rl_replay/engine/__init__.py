@@ -8,7 +8,8 @@ logging or the trainer, so it can be used alone::
 ==========================  ================================================================
 :func:`replay`              run ``model(**inputs)`` (a TensorDict) as one replay block
 :func:`checkpoint_fsdp_forward`  the same with keyword inputs (the API of the reference helper the project started from)
-:func:`replay_steps`        k consecutive steps of a recurrent model as one block
+:func:`replay_sequence_call`  one call of a model over k consecutive steps as one block
+:func:`replay_steps`        k consecutive steps, the model called once per step, as one block
 :class:`GradientAccumulator`  one rollout's parameter-gradient sum, counters and slabs
 :class:`StateWatch`         the "a block must not change its module" check, for reuse
 :class:`ReplayError`        misuse that would give wrong gradients
@@ -29,7 +30,7 @@ from rl_replay.engine.errors import ReplayError
 from rl_replay.engine.fsdp_forward import checkpoint_fsdp_forward
 from rl_replay.engine.plan import StateWatch
 from rl_replay.engine.replay import replay
-from rl_replay.engine.steps import replay_steps
+from rl_replay.engine.steps import replay_sequence_call, replay_steps
 
 __all__ = [
     "GradientAccumulator",
@@ -38,5 +39,6 @@ __all__ = [
     "checkpoint_fsdp_forward",
     "keep_freed_memory",
     "replay",
+    "replay_sequence_call",
     "replay_steps",
 ]

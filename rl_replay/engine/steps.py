@@ -29,7 +29,7 @@ from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
 from rl_replay.engine.layouts import Layout, Recompute, TDSpec, flatten_inputs, flatten_td, intern_spec
 from rl_replay.engine.replay import ContextFn, ReplayCtx, apply_block, backward_from
 
-__all__ = ["replay_steps"]
+__all__ = ["replay_sequence_call", "replay_steps"]
 
 
 def _unstacked(spec: TDSpec) -> TDSpec:
@@ -253,7 +253,6 @@ def replay_steps(
     state: TensorDictBase,
     *,
     context_fn: ContextFn | None = None,
-    sequence: bool = False,
 ) -> tuple[TensorDict, TensorDict]:
     r"""Run k consecutive steps of a recurrent model as one replay block.
 
@@ -273,14 +272,10 @@ def replay_steps(
 
     Keyword args:
         context_fn: as for :func:`~rl_replay.engine.replay`.
-        sequence: the model runs the k steps in one call: ``model(**steps, state=state)``
-            with the ``(k, *batch)`` inputs returns a TensorDict with ``outputs`` (batch
-            ``(k, *batch)``) and the last ``state`` (an agent's
-            :meth:`~rl_replay.Agent.forward_steps`, routed through its ``forward``). The
-            block saves the same tensors (the k steps' inputs and the starting state) and its
-            backward recomputes that one call, so its gradients are bit-identical to plain
-            autograd running the same call; under FSDP each unit then gathers its parameters
-            once per block instead of once per step.
+
+    A model with one call over the k steps (an :class:`~rl_replay.Agent`) is replayed by
+    :func:`replay_sequence_call` instead; this is the path of a model that takes one step at a
+    time (a :class:`~rl_replay.StepwiseAgent`).
 
     Returns:
         ``(outputs, state)``: every output but ``state``, stacked over the k steps (batch
@@ -294,8 +289,6 @@ def replay_steps(
             + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
         )
     k = steps.batch_size[0]
-    if sequence:
-        return _replay_sequence_call(model, accumulator, steps, state, context_fn)
     if not torch.is_grad_enabled():
         columns: dict = {}
         for i in range(k):
@@ -340,7 +333,7 @@ def replay_steps(
 
 
 class _SequenceLayout(Layout):
-    """A block whose one model call runs k steps (``replay_steps(..., sequence=True)``): the
+    """A block whose one model call runs k steps (:func:`replay_sequence_call`): the
     keyword layout of its inputs, and a recompute whose nested backward continues each
     parameter's running gradient sum instead of adding the block's own sum to it.
 
@@ -375,8 +368,43 @@ class _SequenceLayout(Layout):
 _SEQUENCE_LAYOUTS: weakref.WeakValueDictionary[Any, _SequenceLayout] = weakref.WeakValueDictionary()
 
 
-def _replay_sequence_call(model, accumulator, steps: TensorDictBase, state: TensorDictBase, context_fn):
-    """:func:`replay_steps` with ``sequence=True``: one block whose model call takes the k steps."""
+def replay_sequence_call(
+    model: Callable[..., Any],
+    accumulator: GradientAccumulator,
+    steps: TensorDictBase,
+    state: TensorDictBase,
+    *,
+    context_fn: ContextFn | None = None,
+) -> tuple[TensorDict, TensorDict]:
+    r"""Run one call of a model over k consecutive steps as one replay block.
+
+    ``model(**steps, state=state)`` takes the ``(k, *batch)`` rows at once and returns
+    ``TensorDict(outputs=<batch (k, *batch)>, state=<the state after the last row>,
+    batch_size=[])``: the call of an :class:`~rl_replay.Agent`. The block saves the k steps'
+    inputs and the starting state, and its backward recomputes that one call, continuing each
+    parameter's running gradient sum, so its gradients are bit-identical to plain autograd
+    running the same call; under FSDP each unit gathers its parameters once per block.
+
+    Args:
+        model: an ``nn.Module`` (or a bound method of one); under FSDP the wrapped root.
+        accumulator: the rollout's :class:`~rl_replay.engine.GradientAccumulator`.
+        steps: a plain TensorDict of batch size ``(k, *batch)`` with the keyword inputs but the
+            state (e.g. ``observation``, ``is_first``); rows of a stored rollout are saved as views.
+        state: the state before row 0 (a plain TensorDict; may require grad).
+
+    Keyword args:
+        context_fn: as for :func:`~rl_replay.engine.replay`.
+
+    Returns:
+        ``(outputs, state)``, both attached to autograd.
+    """
+    if not isinstance(steps, TensorDictBase) or steps.batch_dims < 1 or steps.batch_size[0] < 1:
+        raise ValueError(
+            _PREFIX + "replay_sequence_call takes the steps' inputs as a TensorDict whose first batch dimension "
+            f"counts the steps, got {type(steps).__name__}"
+            + (f" of batch size {list(steps.batch_size)}" if isinstance(steps, TensorDictBase) else "")
+            + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
+        )
     inputs = TensorDict({**dict(steps.items()), "state": state}, batch_size=[])
     if not torch.is_grad_enabled():
         out = model(**inputs)
@@ -395,19 +423,17 @@ def _replay_sequence_call(model, accumulator, steps: TensorDictBase, state: Tens
 
         out = apply_block(model, accumulator, leaves, layout, context_fn, what)
     keys = set(out.keys()) if isinstance(out, TensorDictBase) else set()
-    # "heads" is what forward_steps returned before it was named "outputs" (rl_replay/_compat.py).
-    name = "outputs" if "outputs" in keys else "heads"
-    if name not in keys or "state" not in keys:
+    if "outputs" not in keys or "state" not in keys:
         got = f"a TensorDict with keys {sorted(out.keys())}" if isinstance(out, TensorDictBase) else type(out).__name__
         raise TypeError(
-            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned {got}; a call over k "
+            _PREFIX + f"replay_sequence_call: {type(model).__name__} returned {got}; a call over k "
             "steps must return TensorDict(outputs=<(k, ...) outputs>, state=<the last state>, batch_size=[]) "
-            "(Agent.forward_steps)."
+            "(Agent.output)."
         )
-    outputs = out[name]
+    outputs = out["outputs"]
     if outputs.batch_size[:1] != steps.batch_size[:1]:
         raise ValueError(
-            _PREFIX + f"replay_steps(sequence=True): {type(model).__name__} returned outputs of batch size "
+            _PREFIX + f"replay_sequence_call: {type(model).__name__} returned outputs of batch size "
             f"{list(outputs.batch_size)} for {steps.batch_size[0]} steps; row t of the outputs is step t."
         )
     return outputs, out["state"]

@@ -28,7 +28,7 @@ from rl_replay.guards import non_finite_env_step
 from rl_replay.rollout.env_state import StatefulVectorEnv, pickle_envs, set_vector_statistics, vector_statistics
 from rl_replay.rollout.environment import step_envs
 from rl_replay.rollout.episodes import EpisodeTracker, env_action
-from rl_replay.rollout.sequence import append_outputs, block_inputs, stack_outputs, truncate
+from rl_replay.rollout.sequence import append_outputs, cat_outputs, step_inputs, truncate
 from rl_replay.spaces import obs_converter
 from rl_replay.targets import unpickle
 
@@ -148,9 +148,9 @@ class Collector:
         self.episodes.reset()
 
     def _block_inputs(self) -> TensorDict:
-        """The current step's agent inputs (after a reset)."""
+        """The current step's agent inputs, a one-row call (after a reset)."""
         assert self._obs is not None and self._state is not None and self._is_first is not None
-        return block_inputs(self._obs, self._state, self._is_first, self.num_envs)
+        return step_inputs(self._obs, self._state, self._is_first)
 
     def probe_inputs(self) -> TensorDict:
         """The first block's inputs after a seeded reset, for checking the agent before a run.
@@ -203,11 +203,11 @@ class Collector:
         synced = True
         problem = None
         for t in range(self.num_steps):
-            inputs = self._block_inputs()
-            out = forward(inputs)
+            observation, is_first_now = self._obs, self._is_first
+            out = forward(self._block_inputs())
             with torch.no_grad():  # only to sample: log-probs and entropy come at the end
-                action = self.policy.agent.distribution(out).sample()
-            append_outputs(outputs, out)
+                action = self.policy.agent.distribution(out["outputs"]).sample()[0]
+            append_outputs(outputs, out["outputs"])
             valid_np = self.episodes.real_steps(skip=finished)
             obs, reward, terminated, truncated, info = step_envs(
                 self.envs, env_action(action, self.envs.single_action_space), self._env_id
@@ -223,11 +223,7 @@ class Collector:
                 lengths.append(episode.length)
                 if episode.success is not None:
                     successes.append(episode.success)
-            for key, value in (
-                ("observation", inputs["observation"]),
-                ("is_first", inputs["is_first"]),
-                ("action", action),
-            ):
+            for key, value in (("observation", observation), ("is_first", is_first_now), ("action", action)):
                 cols[key].append(value)
             flags["reward"].append(reward)
             flags["terminated"].append(terminated & valid_np)
@@ -251,13 +247,13 @@ class Collector:
             self._raise_if_bad(self.reduce_sums({"bad": 0.0, "unfinished": 0.0}), None)  # type: ignore[misc]
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
-            bootstrap = self.policy.module(**self._block_inputs())["value"]
+            bootstrap = self.policy.module(**self._block_inputs())["outputs", "value"][0]
         self._state = self._state.detach()  # type: ignore[union-attr]
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]
         # One distribution over the stacked (T, N) outputs: the loss's graph gets a few
         # nodes in all instead of a few per step (each kept until the backward).
-        stacked = stack_outputs(outputs, T, N)
+        stacked = cat_outputs(outputs, T, N)
         del outputs
         dist = self.policy.agent.distribution(stacked)
         data.update(log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=stacked["value"])

@@ -10,6 +10,7 @@ from rl_replay.errors import SetupError
 from rl_replay.rollout.env_state import apply_statistics
 from rl_replay.rollout.environment import make_env, make_vector_env, step_envs
 from rl_replay.rollout.episodes import Episode, EpisodeTracker, env_action
+from rl_replay.rollout.sequence import step_inputs
 from rl_replay.spaces import obs_converter
 from rl_replay.targets import OWN, Importer
 
@@ -111,9 +112,9 @@ def _play(
     tracker = EpisodeTracker(num_envs)
     ended: list[Episode] = []
     while len(ended) < episodes:
-        out = agent(observation=to_tensor(obs), state=state, is_first=is_first)
-        dist = agent.distribution(out)
-        action = dist.mode if deterministic else dist.sample()
+        out = agent(**step_inputs(to_tensor(obs), state, is_first))
+        dist = agent.distribution(out["outputs"])
+        action = (dist.mode if deterministic else dist.sample())[0]
         valid = tracker.real_steps()
         obs, reward, terminated, truncated, info = step_envs(
             vector_env, env_action(action, vector_env.single_action_space), env_id
