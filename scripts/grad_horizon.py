@@ -42,11 +42,11 @@ import gymnasium
 import numpy as np
 import torch
 import yaml
-from tensordict import TensorDict
 
 import rl_replay.envs  # noqa: E402,F401  (registers rl_replay/MemoryCue-v0)
 from rl_replay import GradientAccumulator, replay
 from rl_replay.agent import build_agent, load_agent_class
+from rl_replay.rollout.sequence import step_inputs
 
 #: The agents the diagnostic reports by default: the existing ones (as measured before)
 #: and the long-memory candidates.
@@ -148,13 +148,14 @@ def measure(
     first = torch.ones(batch, dtype=torch.bool)
     for t in range(delay + 2):
         obs = cue_obs if t == 0 else observations[t]
-        out = replay(agent, acc, TensorDict(observation=obs, state=state, is_first=first, batch_size=[batch]))
+        out = replay(agent, acc, step_inputs(obs, state, first))
         state = out["state"]
         first = torch.zeros(batch, dtype=torch.bool)
-    log_prob = agent.distribution(out).log_prob(torch.zeros(batch, dtype=torch.long))  # (B,)
+    outputs = out["outputs"][0]
+    log_prob = agent.distribution(outputs).log_prob(torch.zeros(batch, dtype=torch.long))  # (B,)
     log_prob.sum().backward()
     grad = cue_obs.grad.norm().item()
-    logits = out["dist"]["logits"].detach().double()  # (B, num_cues)
+    logits = outputs["dist", "logits"].detach().double()  # (B, num_cues)
     margin = logits[:, 0] - logits[:, 1]
     signal = (margin[cues == 0].mean() - margin[cues == 1].mean()).abs().item()
     return {

@@ -29,7 +29,8 @@ import torch.nn as nn
 from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
 from tensordict import TensorDict
 
-from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_steps
+from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_sequence_call, replay_steps
+from rl_replay.algorithms.stored import OneStep
 
 OK = "ok"
 #: seconds a spawned pair of ranks may take (run_ranks)
@@ -364,9 +365,9 @@ class _CountGathers:
 
 def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs) -> dict:
     """The shipped GRU (LSTM, windowed transformer) agent under FSDP1, its core (attention layers) and every Linear units of their
-    own: 3-step blocks as one sequence call each (replay_steps(sequence=True)) against plain
+    own: 3-step blocks as one sequence call each (replay_sequence_call) against plain
     autograd over the same calls on an unwrapped copy; the all-gathers of the update counted,
-    and those of the same blocks called step by step (sequence=False)."""
+    and those of the same blocks called step by step (replay_steps over one-row calls)."""
     import gymnasium as gym
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -401,7 +402,10 @@ def _fsdp_agent_sequence(rank: int, world: int, kind: str = "gru", **fsdp_kwargs
             for t0 in range(0, T, k):
                 t1 = min(T, t0 + k)
                 steps = TensorDict(observation=obs[rank][t0:t1], is_first=first[t0:t1], batch_size=[t1 - t0, B])
-                heads, state = replay_steps(model, acc, steps, state, sequence=sequence)
+                if sequence:
+                    heads, state = replay_sequence_call(model, acc, steps, state)
+                else:
+                    heads, state = replay_steps(OneStep(model), acc, steps, state)
                 loss = loss + loss_of(heads, state)
             with _CountGathers() as in_backward:
                 (loss + state[key].square().sum()).backward()

@@ -28,43 +28,18 @@ def plain_sequence(
     T, n = data.batch_size
     state = start_state
     outputs = []
-    for t in range(T):
-        out = agent(observation=data["observation"][t], state=state, is_first=data["is_first"][t])
-        outputs.append(out.exclude("state"))
+    for t in range(T):  # one-row calls
+        out = agent(observation=data["observation"][t : t + 1], state=state, is_first=data["is_first"][t : t + 1])
+        outputs.append(out["outputs"])
         state = out["state"]
         if bptt_truncate is not None and t % bptt_truncate == bptt_truncate - 1:
             state = state.detach()
-    heads = torch.stack(outputs)
+    heads = torch.cat(outputs)
     dist = agent.distribution(heads)
     result = TensorDict(
         log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=[T, n]
     )
     return result, state
-
-
-def plain_batched(agent, data: TensorDict, block_steps: int) -> TensorDict:
-    """A stateless ``agent`` over ``data`` with plain autograd, ``block_steps`` rows per call.
-
-    Each call takes rows ``[i * block_steps, (i + 1) * block_steps)`` of all n envs at once
-    (``block_steps * n`` rows), as the batched recompute of CleanRL-style PPO / A2C code does
-    with the whole rollout; the distribution is built once on the stacked (T, n) outputs.
-    """
-    T, n = data.batch_size
-    chunks = []
-    for start in range(0, T, block_steps):
-        obs = data["observation"][start : start + block_steps]
-        k = obs.shape[0]
-        out = agent(
-            observation=obs.flatten(0, 1),
-            state=agent.initial_state(k * n),
-            is_first=data["is_first"][start : start + block_steps].reshape(k * n),
-        )
-        chunks.append(out.exclude("state").reshape(k, n))
-    heads = torch.cat(chunks)
-    dist = agent.distribution(heads)
-    return TensorDict(
-        log_prob=dist.log_prob(data["action"]), entropy=dist.entropy(), value=heads["value"], batch_size=[T, n]
-    )
 
 
 def plain_blocks(
@@ -74,7 +49,7 @@ def plain_blocks(
 
     Blocks hold ``block_steps`` rows and end at every multiple of ``bptt_truncate``, where the
     state is detached; each is one call ``agent(observation=rows, state=..., is_first=rows)``
-    with ``(k, n)`` inputs (:meth:`~rl_replay.Agent.forward_steps`). The distribution is built
+    with ``(k, n)`` inputs (:meth:`~rl_replay.Agent.forward`). The distribution is built
     once on the stacked (T, n) outputs.
     """
     T, n = data.batch_size

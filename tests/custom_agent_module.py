@@ -1,6 +1,8 @@
 """A user-defined agent living outside the package, loaded through ``agent.target``.
 
 Used by tests/run/test_trainer.py as ``custom_agent_module:TinyAgent`` (tests/ on sys.path).
+TinyAgent is written to the docs from before the one agent shape (a one-step ``forward``): it
+must keep training, resuming and evaluating through the StepwiseAgent adapter.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 from tensordict import TensorDict
 from torch import nn
 
-from rl_replay.agent import ActionHead, Agent
+from rl_replay.agent import ActionHead, Agent, StepwiseAgent
 from rl_replay.agents.gru import GRUAgent
 
 
@@ -40,7 +42,11 @@ def plant_marker(*args, **kwargs):
     open(MARKER, "w").close()
 
 
-class StepwiseGRUAgent(GRUAgent):
-    """The shipped GRU agent without its sequence forward: replay blocks call it step by step."""
+class StepwiseGRUAgent(StepwiseAgent, GRUAgent):
+    """The shipped GRU agent as a step-only agent: replay blocks call it step by step."""
 
-    forward_steps = Agent.forward_steps
+    def step(self, observation, state, is_first):
+        out = GRUAgent.forward(self, observation.unsqueeze(0), state, is_first.unsqueeze(0))
+        step = out["outputs"][0]
+        step["state"] = out["state"]
+        return step

@@ -24,7 +24,7 @@ from rl_replay.agent import Policy, StepwiseAgent
 from rl_replay.engine import GradientAccumulator, replay, replay_sequence_call, replay_steps
 from rl_replay.rollout.sequence import append_outputs, cat_outputs, step_inputs, truncate
 
-__all__ = ["block_spans", "replay_sequence"]
+__all__ = ["OneStep", "block_spans", "replay_sequence"]
 
 
 def block_spans(T: int, block_steps: int, bptt_truncate: int | None = None) -> list[tuple[int, int]]:
@@ -83,7 +83,7 @@ def replay_sequence(
                 device=None,
             )
             if stepwise:
-                outputs, state = replay_steps(_OneStep(model), accumulator, steps, state)
+                outputs, state = replay_steps(OneStep(model), accumulator, steps, state)
             else:
                 outputs, state = replay_sequence_call(model, accumulator, steps, state)
             state = truncate(state, stop - 1, bptt_truncate)
@@ -105,7 +105,7 @@ def replay_sequence(
     )
 
 
-class _OneStep:
+class OneStep:
     """``module`` called on one step's ``(n, ...)`` inputs as a one-row call, returning the step's
     outputs beside the next ``state``: the per-step model :func:`~rl_replay.engine.replay_steps`
     calls for a :class:`~rl_replay.StepwiseAgent`. Through the module itself, so that under FSDP

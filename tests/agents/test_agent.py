@@ -15,6 +15,7 @@ from rl_replay.agent import (
     ActionHead,
     Agent,
     MultiCategorical,
+    StepwiseAgent,
     build_agent,
     canonical_agent_target,
     load_agent_class,
@@ -22,6 +23,7 @@ from rl_replay.agent import (
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
+from rl_replay.algorithms.stored import OneStep
 from rl_replay.errors import SetupError
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
@@ -207,11 +209,11 @@ def test_reference_agents_follow_the_contract(cls):
     agent = cls(OBS, gym.spaces.Discrete(3))
     state = agent.initial_state(5)
     assert state.batch_size == torch.Size([5])
-    out = agent(observation=torch.randn(5, 4), state=state, is_first=torch.ones(5, dtype=torch.bool))
-    assert isinstance(out, TensorDict) and out.batch_size == torch.Size([5])
-    assert out["value"].shape == (5,)
-    assert agent.distribution(out).sample().shape == (5,)
-    assert set(out["state"].keys()) == set(state.keys())
+    out = agent(observation=torch.randn(2, 5, 4), state=state, is_first=torch.ones(2, 5, dtype=torch.bool))
+    assert isinstance(out, TensorDict) and out.batch_size == torch.Size([]) and set(out.keys()) == {"outputs", "state"}
+    assert out["outputs"].batch_size == (2, 5) and out["outputs", "value"].shape == (2, 5)
+    assert agent.distribution(out["outputs"]).sample().shape == (2, 5)
+    assert set(out["state"].keys()) == set(state.keys()) and out["state"].batch_size == (5,)
 
 
 RECURRENT_KEYS = [
@@ -264,7 +266,7 @@ def test_recurrent_agents_keep_their_parameters_and_outputs(cls, state_keys, par
     state, got = agent.initial_state(3), []
     assert list(state.keys()) == state_keys
     for t in range(3):
-        out = agent(
+        out = OneStep(agent)(
             observation=torch.randn(3, 4, generator=g), state=state, is_first=torch.tensor([t == 0, False, t == 1])
         )
         state = out["state"]
@@ -304,8 +306,8 @@ def test_separate_critic_keeps_value_and_policy_gradients_apart(cls, keys):
     state = agent.initial_state(4)
     assert set(state.keys()) == keys
     obs = torch.randn(4, *OBS.shape)
-    out = agent(observation=obs, state=state, is_first=torch.zeros(4, dtype=torch.bool))
-    out = agent(observation=obs, state=out["state"], is_first=torch.tensor([True, False, False, False]))
+    out = OneStep(agent)(observation=obs, state=state, is_first=torch.zeros(4, dtype=torch.bool))
+    out = OneStep(agent)(observation=obs, state=out["state"], is_first=torch.tensor([True, False, False, False]))
     out["value"].sum().backward()
     grads = {n: p.grad for n, p in agent.named_parameters()}
     assert all(grads[n] is None for n in grads if n.startswith(("encoder.", "cell.", "head.")))
@@ -326,58 +328,69 @@ def test_gru_skip_heads_read_the_present_observation():
     obs = torch.randn(4, *OBS.shape)
     state = agent.initial_state(4)
     first = torch.ones(4, dtype=torch.bool)
-    out = agent(obs, state, first)
+    out = OneStep(agent)(obs, state, first)
     # Zeroing the GRU's output weights leaves the skip path: the logits still depend on obs.
     with torch.no_grad():
         agent.actor_mlp[0].weight[:, :8].zero_()
-    out2 = agent(obs + 1.0, state, first)
+    out2 = OneStep(agent)(obs + 1.0, state, first)
     assert not torch.allclose(out["dist", "logits"], out2["dist", "logits"])
 
 
-def test_a_call_over_k_steps_reaches_forward_steps_without_a_test_in_the_agent():
-    """NOTE [ One call over k steps ] (rl_replay/agent.py): an agent writes ``forward`` for one step and
-    ``forward_steps`` for k; a module call with (k, N) inputs (what the engine makes) reaches
-    ``forward_steps``, a one-step call ``forward``, and an agent without ``forward_steps`` is
-    never routed."""
-    import gymnasium as gym
+class _Counting(StepwiseAgent):
+    """A step-only agent: its step is counted."""
 
-    from rl_replay.agent import ActionHead, Agent
+    calls: list = []
 
-    calls = []
+    def __init__(self, observation_space, action_space):
+        super().__init__(observation_space, action_space)
+        self.head = ActionHead(action_space, self.obs_dim)
+        self.critic = torch.nn.Linear(self.obs_dim, 1)
 
-    class Counting(Agent):
-        def __init__(self, observation_space, action_space):
-            super().__init__(observation_space, action_space)
-            self.head = ActionHead(action_space, self.obs_dim)
-            self.critic = torch.nn.Linear(self.obs_dim, 1)
+    def step(self, observation, state, is_first):
+        self.calls.append(tuple(is_first.shape))
+        x = self.flatten_observation(observation)
+        return TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=is_first.shape)
 
-        def forward(self, observation, state, is_first):
-            calls.append(("forward", tuple(is_first.shape)))
-            x = self.flatten_observation(observation)
-            return TensorDict(
-                dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=is_first.shape
-            )
 
-    class Sequenced(Counting):
-        def forward_steps(self, observation, state, is_first):
-            calls.append(("forward_steps", tuple(is_first.shape)))
-            return super().forward_steps(observation, state, is_first)  # Agent's loop of forward
-
+def test_a_stepwise_agent_runs_its_step_once_per_row():
+    """StepwiseAgent's forward is the one step loop: a call over (k, N) rows runs step k times on
+    (N,) rows, and its outputs are the k steps' stacked, equal to k one-row calls."""
     space, actions = gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Discrete(2)
     k, n = 4, 2
-    agent = Sequenced(space, actions)
-    out = agent(
-        observation=torch.zeros(k, n, 3), state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool)
-    )
-    assert calls == [("forward_steps", (k, n))] + [("forward", (n,))] * k and out["outputs"].batch_size == (k, n)
-    for cls in (Sequenced, Counting):
-        agent, calls[:] = cls(space, actions), []
-        agent(torch.zeros(n, 3), agent.initial_state(n), torch.zeros(n, dtype=torch.bool))  # positional, one step
-        assert calls == [("forward", (n,))]
-    # Without forward_steps nothing is routed: the class's own forward gets whatever it is called with.
-    agent, calls[:] = Counting(space, actions), []
-    with pytest.raises(RuntimeError):  # (its one-step forward cannot take k steps)
-        agent(
-            observation=torch.zeros(k, n, 3), state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool)
-        )
-    assert calls == [("forward", (k, n))]
+    torch.manual_seed(0)
+    agent = _Counting(space, actions)
+    agent.calls.clear()
+    obs = torch.randn(k, n, 3)
+    out = agent(observation=obs, state=agent.initial_state(n), is_first=torch.zeros(k, n, dtype=torch.bool))
+    assert agent.calls == [(n,)] * k and out["outputs"].batch_size == (k, n) and out["state"].batch_size == (n,)
+    rows = [OneStep(agent)(obs[t], agent.initial_state(n), torch.zeros(n, dtype=torch.bool)) for t in range(k)]
+    assert torch.equal(out["outputs", "dist", "logits"], torch.stack([r["dist", "logits"] for r in rows]))
+
+
+def test_an_agent_written_to_the_old_docs_runs_through_the_stepwise_adapter():
+    """A subclass of Agent whose forward takes one step (the docs before the one agent shape) is
+    built as a StepwiseAgent, with a DeprecationWarning naming the removal version; its class name,
+    parameters and outputs are its own. A one-shape agent is built as it is, without a warning."""
+    import warnings
+
+    from custom_agent_module import TinyAgent
+
+    from rl_replay._compat import REMOVED_IN
+
+    space, actions = gym.spaces.Box(-1.0, 1.0, (3,)), gym.spaces.Discrete(2)
+    torch.manual_seed(0)
+    plain = TinyAgent(space, actions)
+    torch.manual_seed(0)
+    with pytest.warns(DeprecationWarning, match=f"runs through rl_replay.StepwiseAgent.*{REMOVED_IN}"):
+        agent = build_agent("custom_agent_module:TinyAgent", {}, space, actions)
+    assert isinstance(agent, StepwiseAgent) and isinstance(agent, TinyAgent) and type(agent).__name__ == "TinyAgent"
+    assert list(agent.state_dict()) == list(plain.state_dict())
+    obs, first = torch.randn(3, 2, 3), torch.zeros(3, 2, dtype=torch.bool)
+    out = agent(observation=obs, state=agent.initial_state(2), is_first=first)
+    for t in range(3):  # row t is the old forward on step t
+        old = plain(observation=obs[t], state=plain.initial_state(2), is_first=first[t])
+        assert torch.equal(out["outputs", "value"][t], old["value"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mlp = build_agent("mlp", {}, space, actions)
+    assert type(mlp) is MLPAgent

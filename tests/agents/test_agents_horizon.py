@@ -24,7 +24,9 @@ from rl_replay.agents.gtrxl import WindowTransformerAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mingru import MinGRUAgent
+from rl_replay.algorithms.stored import OneStep
 from rl_replay.errors import SetupError
+from rl_replay.rollout.sequence import step_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(5,), dtype=np.float32)
@@ -73,14 +75,10 @@ def rollout_loss(agent, observations, is_first, actions, weights, state, block):
     """A per-step policy-gradient-like loss over a rollout; ``block`` runs one step."""
     terms, values = [], []
     for t in range(observations.shape[0]):
-        out = block(
-            TensorDict(
-                observation=observations[t], state=state, is_first=is_first[t], batch_size=[observations.shape[1]]
-            )
-        )
-        dist = agent.distribution(out)
+        out = block(step_inputs(observations[t], state, is_first[t]))
+        dist = agent.distribution(out["outputs"][0])
         terms.append((dist.log_prob(actions[t]) * weights[t]).sum() + 0.1 * dist.entropy().sum())
-        values.append(out["value"])
+        values.append(out["outputs", "value"][0])
         state = out["state"]
     # The value of the last step and a function of the final state also carry gradient.
     loss = torch.stack(terms).sum() + torch.stack(values).square().sum()
@@ -135,8 +133,8 @@ def test_state_resets_at_episode_start(name):
     agent = AGENTS[name]()
     obs = torch.randn(2, 5)
     first = torch.ones(2, dtype=torch.bool)
-    a = agent(observation=obs, state=agent.initial_state(2), is_first=first)
-    b = agent(observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5), is_first=first)
+    a = OneStep(agent)(observation=obs, state=agent.initial_state(2), is_first=first)
+    b = OneStep(agent)(observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5), is_first=first)
     torch.testing.assert_close(a["dist"]["logits"], b["dist"]["logits"])
     for key in a["state"].keys():
         torch.testing.assert_close(a["state"][key], b["state"][key])
@@ -202,11 +200,11 @@ def test_lru_without_encoder_a_blank_observation_writes_nothing(max_phase):
     torch.manual_seed(0)
     agent = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), r_min=0.9, r_max=0.999, max_phase=max_phase)
     first = torch.zeros(2, dtype=torch.bool)
-    state = agent(observation=torch.randn(2, 5), state=agent.initial_state(2), is_first=first)["state"]
+    state = OneStep(agent)(observation=torch.randn(2, 5), state=agent.initial_state(2), is_first=first)["state"]
     lam = agent.eigenvalues().detach()
     with torch.no_grad():
         x = torch.complex(state["x"], state["x_im"]) if max_phase else state["x"]
-        after = agent(observation=torch.zeros(2, 5), state=state, is_first=first)["state"]
+        after = OneStep(agent)(observation=torch.zeros(2, 5), state=state, is_first=first)["state"]
         got = torch.complex(after["x"], after["x_im"]) if max_phase else after["x"]
     assert x.abs().min() > 0
     torch.testing.assert_close(got, x * (lam if max_phase else lam.real), rtol=1e-6, atol=1e-7)
@@ -215,7 +213,7 @@ def test_lru_without_encoder_a_blank_observation_writes_nothing(max_phase):
     torch.nn.init.constant_(biased.encoder[0].bias, 0.5)
     with torch.no_grad():
         s0 = biased.initial_state(2)
-        out = biased(observation=torch.zeros(2, 5), state=s0, is_first=first)["state"]
+        out = OneStep(biased)(observation=torch.zeros(2, 5), state=s0, is_first=first)["state"]
     assert out["x"].abs().max() > 0
 
 
@@ -229,7 +227,7 @@ def test_lru_input_scale_scales_the_initial_write():
     assert not zero.cell.B.any()
     # B = 0 writes nothing at first, but B still receives gradient (the write can be learned).
     first = torch.zeros(2, dtype=torch.bool)
-    out = zero(observation=torch.randn(2, 5), state=zero.initial_state(2), is_first=first)
+    out = OneStep(zero)(observation=torch.randn(2, 5), state=zero.initial_state(2), is_first=first)
     assert not out["state"]["x"].any()
     out["value"].sum().backward()
     assert zero.cell.B.grad is not None and zero.cell.B.grad.abs().sum() > 0
@@ -247,8 +245,8 @@ def test_lru_normalisation_shrinks_a_slow_units_write_by_sqrt_one_minus_lambda_s
     torch.testing.assert_close(normed.cell.B, plain.cell.B)
     cue = torch.randn(2, 5)
     first = torch.ones(2, dtype=torch.bool)
-    x_normed = normed(observation=cue, state=normed.initial_state(2), is_first=first)["state"]["x"]
-    x_plain = plain(observation=cue, state=plain.initial_state(2), is_first=first)["state"]["x"]
+    x_normed = OneStep(normed)(observation=cue, state=normed.initial_state(2), is_first=first)["state"]["x"]
+    x_plain = OneStep(plain)(observation=cue, state=plain.initial_state(2), is_first=first)["state"]["x"]
     modulus = normed.eigenvalues().abs().detach()
     gamma = torch.sqrt(1 - modulus**2)
     assert float(gamma.max()) < 0.032  # |lambda| >= 0.9995 for every unit
@@ -264,7 +262,7 @@ def test_lru_gradient_to_a_past_input_is_lambda_to_the_power_of_the_delay():
     x0 = state["x"]
     first = torch.zeros(1, dtype=torch.bool)
     for _ in range(1000):
-        state = agent(observation=torch.randn(1, 5), state=state, is_first=first)["state"]
+        state = OneStep(agent)(observation=torch.randn(1, 5), state=state, is_first=first)["state"]
     state["x"].sum().backward()
     lam = agent.eigenvalues().real.detach().double()
     torch.testing.assert_close(x0.grad[0].double(), lam**1000, rtol=1e-4, atol=0)

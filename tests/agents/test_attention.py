@@ -24,7 +24,7 @@ from rl_replay.agent import Policy
 from rl_replay.agents.attention import WindowAttentionCore, attention_mask
 from rl_replay.agents.gtrxl import WindowTransformerAgent
 from rl_replay.algorithms.stored import replay_sequence
-from rl_replay.engine import GradientAccumulator, replay_steps
+from rl_replay.engine import GradientAccumulator, replay_sequence_call
 from rl_replay.errors import SetupError
 
 OBS = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
@@ -120,7 +120,7 @@ def test_a_block_saves_its_steps_inputs_and_one_state():
         observation=torch.randn(k, n, 4), is_first=torch.zeros(k, n, dtype=torch.bool), batch_size=[k, n]
     )
     acc = GradientAccumulator()
-    heads, last = replay_steps(agent, acc, steps, state, sequence=True)
+    heads, last = replay_sequence_call(agent, acc, steps, state)
     want = sum(t.numel() * t.element_size() for t in (*steps.values(), state["memory"], state["valid"]))
     assert acc.saved_bytes == want
     (heads["value"].sum() + last["memory"].sum()).backward()

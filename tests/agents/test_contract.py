@@ -1,10 +1,11 @@
 """rl_replay/contract.py: ``check_agent``, the Agent contract checked with one forward.
 
 Every violation is one line, a SetupError starting ``agent <target>:``: a forward that does
-not return a TensorDict, lacks ``value`` or ``state``, returns ``value`` not of shape
-``(N,)`` or a ``state`` not of batch size ``[N]``, a ``distribution()`` that needs a key the
+not return a TensorDict, lacks ``outputs`` (a one-step forward's flat keys included), ``value``
+or ``state``, returns outputs not of batch size ``[1, N]`` for one row, ``value`` not of shape
+``(1, N)`` or a ``state`` not of batch size ``[N]``, a ``distribution()`` that needs a key the
 forward did not return, logits wider or narrower than the action space, samples that do
-not fit it, a ``log_prob`` not of shape ``(N,)``, and a forward that changes a buffer or a
+not fit it, a ``log_prob`` not of shape ``(1, N)``, and a forward that changes a buffer or a
 parameter. A conforming agent passes for each action-space kind, and the check leaves the
 RNG streams as they were. (Through ``build()``, before a run directory exists:
 tests/agents/test_contract_errors.py.)
@@ -22,6 +23,7 @@ from torch import nn
 from rl_replay.agent import ActionHead, Agent
 from rl_replay.contract import check_agent
 from rl_replay.errors import SetupError
+from rl_replay.rollout.sequence import step_inputs
 
 OBS = gym.spaces.Box(-1.0, 1.0, (4,), np.float32)
 N = 3
@@ -41,7 +43,7 @@ class Probe(Agent):
         self.edit, self.dist_fn, self.mutate, self.noisy = edit, dist_fn, mutate, noisy
 
     def forward(self, observation, state, is_first):
-        x = torch.tanh(self.body(self.flatten_observation(observation)))
+        x = torch.tanh(self.body(self.flatten_observation(observation).flatten(0, 1))).unflatten(0, is_first.shape)
         if self.noisy:
             x = x + 0.01 * torch.randn_like(x)
         if self.mutate == "buffer":
@@ -49,7 +51,7 @@ class Probe(Agent):
         elif self.mutate == "parameter":
             with torch.no_grad():
                 self.critic.bias.add_(1.0)
-        out = TensorDict(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=x.shape[:1])
+        out = self.output(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state)
         return out if self.edit is None else self.edit(out)
 
     def distribution(self, outputs):
@@ -58,12 +60,7 @@ class Probe(Agent):
 
 def inputs_for(agent):
     """The first block's inputs, as the collector's probe_inputs() gives them."""
-    return TensorDict(
-        observation=torch.rand(N, 4) * 2 - 1,
-        state=agent.initial_state(N),
-        is_first=torch.ones(N, dtype=torch.bool),
-        batch_size=[N],
-    )
+    return step_inputs(torch.rand(N, 4) * 2 - 1, agent.initial_state(N), torch.ones(N, dtype=torch.bool))
 
 
 def check(agent, action_space=None, inputs=None):
@@ -72,7 +69,8 @@ def check(agent, action_space=None, inputs=None):
 
 
 def renamed(out):
-    out["distribution"] = out.pop("dist")
+    outputs = out["outputs"]
+    outputs["distribution"] = outputs.pop("dist")
     return out
 
 
@@ -90,25 +88,35 @@ BOX2, BOX3 = gym.spaces.Box(-1, 1, (2,), np.float32), gym.spaces.Box(-1, 1, (3,)
 
 VIOLATIONS = {  # id: (agent, action space checked against, message after "agent TARGET: ")
     "not_a_tensordict": (
-        lambda: Probe(D2, edit=lambda out: (out["value"],)),
+        lambda: Probe(D2, edit=lambda out: (out["outputs", "value"],)),
         None,
         r"forward\(\) must return a TensorDict, got tuple\.",
     ),
-    "no_value": (
-        lambda: Probe(D2, edit=lambda out: out.exclude("value")),
+    "one_step_forward": (
+        lambda: Probe(D2, edit=lambda out: out["outputs"][0].set("state", out["state"])),
         None,
-        r"forward\(\) returned keys \['dist', 'state'\] without 'value' \(expected 'dist', 'value' and "
-        r"'state'\)\.",
+        r"forward\(\) returned keys \['dist', 'state', 'value'\]; expected 'outputs' .* or subclass "
+        r"rl_replay.StepwiseAgent for a forward of one step\.$",
     ),
     "no_state": (
         lambda: Probe(D2, edit=lambda out: out.exclude("state")),
         None,
-        r"forward\(\) returned keys \['dist', 'value'\] without 'state'",
+        r"forward\(\) returned keys \['outputs'\]; expected 'outputs'",
+    ),
+    "outputs_of_one_step": (
+        lambda: Probe(D2, edit=lambda out: set_entry("outputs", out["outputs"][0])(out)),
+        None,
+        r"forward\(\) returned 'outputs' \(3,\) for one row of 3 envs; expected a TensorDict of batch size \[1, 3\]",
+    ),
+    "no_value": (
+        lambda: Probe(D2, edit=lambda out: out.exclude(("outputs", "value"))),
+        None,
+        r"forward\(\) returned outputs \['dist'\] without 'value' \(expected 'dist' and 'value'\)\.",
     ),
     "column_value": (
-        lambda: Probe(D2, edit=lambda out: set_entry("value", out["value"].unsqueeze(-1))(out)),
+        lambda: Probe(D2, edit=lambda out: set_entry(("outputs", "value"), out["outputs", "value"].unsqueeze(-1))(out)),
         None,
-        r"forward\(\) returned 'value' of shape \(3, 1\); expected \(3,\), one value per env",
+        r"forward\(\) returned 'value' of shape \(1, 3, 1\); expected \(1, 3\), one value per row and env",
     ),
     "state_a_tensor": (
         lambda: Probe(D2, edit=set_entry("state", torch.zeros(N))),
@@ -123,8 +131,7 @@ VIOLATIONS = {  # id: (agent, action space checked against, message after "agent
     "dist_renamed": (
         lambda: Probe(D2, edit=renamed),
         None,
-        r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', 'state', "
-        r"'value'\]\.$",
+        r"distribution\(\) needs key 'dist' but forward\(\) returned outputs \['distribution', 'value'\]\.$",
     ),
     "narrow_logits": (
         lambda: Probe(D2),
@@ -137,16 +144,20 @@ VIOLATIONS = {  # id: (agent, action space checked against, message after "agent
         r"its action distribution has logits of widths \[2, 3\] but the action space "
         r"MultiDiscrete\(\[3 3\]\) needs \[3, 3\]\.$",
     ),
-    "box_actions": (lambda: Probe(BOX2), BOX3, r"sampled actions of shape \(3, 2\) do not fit the action space Box"),
+    "box_actions": (
+        lambda: Probe(BOX2),
+        BOX3,
+        r"sampled actions of shape \(1, 3, 2\) do not fit the action space Box",
+    ),
     "rows": (
-        lambda: Probe(D2, dist_fn=lambda out: torch.distributions.Categorical(logits=out["dist", "logits"][:1])),
+        lambda: Probe(D2, dist_fn=lambda out: torch.distributions.Categorical(logits=out["dist", "logits"][:, :1])),
         None,
-        r"actions sampled from its distribution have shape \(1,\); expected one row per env \(3, \.\.\.\)",
+        r"actions sampled from its distribution have shape \(1, 1\); expected one per row and env \(1, 3, \.\.\.\)",
     ),
     "log_prob_per_dim": (
         lambda: Probe(BOX2, dist_fn=lambda out: torch.distributions.Normal(out["dist", "loc"], out["dist", "scale"])),
         None,
-        r"its distribution's log_prob has shape \(3, 2\); expected \(3,\)\.$",
+        r"its distribution's log_prob has shape \(1, 3, 2\); expected \(1, 3\)\.$",
     ),
     "buffer_changed": (
         lambda: Probe(D2, mutate="buffer"),
@@ -194,11 +205,11 @@ class Recurrent(Probe):
     def initial_state(self, batch_size, device="cpu"):
         return TensorDict(h=torch.zeros(batch_size, 4), batch_size=[batch_size])
 
-    def forward(self, observation, state, is_first):
-        h = self.reset_state(state["h"], is_first) if self.reset else state["h"]
-        h = self.cell(self.drop(observation), h)
+    def forward(self, observation, state, is_first):  # one row (what check_agent calls)
+        h = self.reset_state(state["h"], is_first[0]) if self.reset else state["h"]
+        h = self.cell(self.drop(observation[0]), h)
         out = super().forward(observation, state, is_first)
-        out["value"] = out["value"] + h.sum(-1)
+        out["outputs", "value"] = out["outputs", "value"] + h.sum(-1)
         out["state"] = TensorDict(h=h, batch_size=h.shape[:1])
         return out if self.returned is None else self.returned(out)
 
@@ -227,14 +238,16 @@ STATE_VIOLATIONS = {
     ),
     "no_reset": (
         Recurrent(reset=False),
-        r"with is_first set \(every env starts an episode\), forward\(\)'s outputs \['state.h', 'value'\] "
+        r"with is_first set \(every env starts an episode\), forward\(\)'s outputs \['outputs.value', 'state.h'\] "
         r"depend on the incoming state: reset it before using it, state = Agent.reset_state\(state, "
         r"is_first\)",
     ),
     "dist_object": (
         Probe(
             D2,
-            edit=lambda out: set_entry("dist", torch.distributions.Categorical(logits=out["dist", "logits"]))(out),
+            edit=lambda out: set_entry(
+                ("outputs", "dist"), torch.distributions.Categorical(logits=out["outputs", "dist", "logits"])
+            )(out),
             dist_fn=lambda out: out["dist"],
         ),
         r"forward\(\) returned 'dist' as a torch.distributions Categorical; return its parameters "
@@ -275,10 +288,4 @@ def test_every_shipped_agent_passes(name, space):
 
     torch.manual_seed(0)
     agent = build_agent(name.split("-")[0], SHIPPED[name], OBS, space)
-    inputs = TensorDict(
-        observation=torch.rand(N, 4) * 2 - 1,
-        state=agent.initial_state(N),
-        is_first=torch.ones(N, dtype=torch.bool),
-        batch_size=[N],
-    )
-    check_agent(agent, agent, inputs, space, name)
+    check_agent(agent, agent, inputs_for(agent), space, name)

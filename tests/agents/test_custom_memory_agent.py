@@ -65,8 +65,8 @@ def test_the_example_steps_and_sequences_alike():
         whole = agent(observation=d["observation"], state=agent.initial_state(N), is_first=d["is_first"])
         state, values = agent.initial_state(N), []
         for t in range(T):
-            out = agent(observation=d["observation"][t], state=state, is_first=d["is_first"][t])
-            values.append(out["value"])
+            out = agent(observation=d["observation"][t : t + 1], state=state, is_first=d["is_first"][t : t + 1])
+            values.append(out["outputs", "value"][0])
             state = out["state"]
     torch.testing.assert_close(whole["outputs", "value"], torch.stack(values), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(whole["state", "past"], state["past"], rtol=1e-5, atol=1e-6)

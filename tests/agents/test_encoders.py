@@ -19,7 +19,7 @@ from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator, replay
 from rl_replay.errors import SetupError
-from rl_replay.rollout.sequence import block_inputs
+from rl_replay.rollout.sequence import step_inputs
 from rl_replay.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)
@@ -120,12 +120,12 @@ def test_an_image_step_saves_the_uint8_frame_and_the_state():
     )
     n = 4
     state = agent.initial_state(n).apply(lambda x: torch.randn_like(x).requires_grad_(True))
-    inputs = block_inputs(batch(space, n), state, torch.zeros(n, dtype=torch.bool), n)
+    inputs = step_inputs(batch(space, n), state, torch.zeros(n, dtype=torch.bool))
     acc = GradientAccumulator()
     out = replay(agent, acc, inputs)
     frame, h, is_first = n * 84 * 84 * 3, n * 256 * 4, n
     assert acc.saved_bytes == frame + h + is_first
-    out["value"].sum().backward()  # the saved uint8 frame replays
+    out["outputs", "value"].sum().backward()  # the saved uint8 frame replays
     assert acc.blocks_replayed == 1 and agent.encoder.convs[0].weight.grad.abs().sum() > 0
     # Plain autograd keeps the float frame and every activation instead: several times more.
     assert _plain_saved_bytes(agent, inputs) > 5 * acc.saved_bytes
@@ -204,8 +204,8 @@ def test_separate_critic_and_skip_with_a_cnn():
     space, kwargs = ENCODERS["grid_cnn"]
     agent = GRUAgent(space, ACT, hidden_size=8, separate_critic=True, skip=True, encoder="grid_cnn", **kwargs)
     assert isinstance(agent.critic_encoder, ConvEncoder) and agent.actor_mlp is not None
-    out = agent(observation=batch(space, N), state=agent.initial_state(N), is_first=torch.ones(N, dtype=torch.bool))
-    assert out["value"].shape == (N,) and set(out["state"].keys()) == {"h", "h_critic"}
+    out = agent(**step_inputs(batch(space, N), agent.initial_state(N), torch.ones(N, dtype=torch.bool)))
+    assert out["outputs", "value"].shape == (1, N) and set(out["state"].keys()) == {"h", "h_critic"}
 
 
 # ------------------------------------------------------------------ refused setups

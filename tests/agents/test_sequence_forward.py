@@ -1,12 +1,12 @@
-"""Blocks as sequences: every shipped recurrent agent runs k steps as one call
-(``Agent.forward_steps``), and replay blocks use that call.
+"""Blocks as sequences: every shipped recurrent agent runs k steps as one call (the one agent
+shape, ``Agent.forward`` over ``(k, N)`` rows), and replay blocks use that call.
 
-* the sequence forward equals the loop of one-step forwards to float rounding, resets inside
-  the block included, for every core with every encoder family and observation kind;
+* a call over k rows equals k one-row calls to float rounding, resets inside the block
+  included, for every core with every encoder family and observation kind;
 * replay with it gives gradients bit-identical to plain autograd running the same sequence
   calls (recurrence, resets, a truncation that is not a multiple of k, Dict and uint8);
 * a block saves what a multi-step block of one-step calls saves: the k steps' inputs and one state;
-* an agent without ``forward_steps`` keeps being called one step at a time.
+* a StepwiseAgent is called one step at a time.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from _reference import plain_blocks
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from rl_replay.agent import Agent, Policy, has_sequence_forward
+from rl_replay.agent import Policy, StepwiseAgent
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.gtrxl import WindowTransformerAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mingru import MinGRUAgent
-from rl_replay.agents.mlp import MLPAgent
-from rl_replay.algorithms.stored import replay_sequence
-from rl_replay.engine import GradientAccumulator, replay_steps
+from rl_replay.algorithms.stored import OneStep, replay_sequence
+from rl_replay.engine import GradientAccumulator, replay_sequence_call, replay_steps
 from rl_replay.spaces import obs_converter
 
 ACT = gym.spaces.Discrete(3)
@@ -98,19 +97,17 @@ def build(core: str, kind: str):
 
 @pytest.mark.parametrize("kind", sorted(OBSERVATIONS))
 @pytest.mark.parametrize("core", sorted(CORES))
-def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
+def test_a_call_over_k_rows_equals_k_one_row_calls(core, kind):
     agent, space = build(core, kind)
-    assert has_sequence_forward(agent)
     data = rows(space)
     state = random_state(agent)
     with torch.no_grad():
-        whole = agent.forward_steps(data["observation"], state, data["is_first"])
+        whole = agent(observation=data["observation"], state=state, is_first=data["is_first"])
         assert whole.batch_size == torch.Size([]) and whole["outputs"].batch_size == torch.Size([T, N])
         assert set(whole["state"].keys()) == set(state.keys())
-        through_forward = agent(observation=data["observation"], state=state, is_first=data["is_first"])
         s, steps = state, []
         for t in range(T):
-            out = agent(observation=data["observation"][t], state=s, is_first=data["is_first"][t])
+            out = OneStep(agent)(observation=data["observation"][t], state=s, is_first=data["is_first"][t])
             assert out.batch_size == torch.Size([N])
             steps.append(out.exclude("state"))
             s = out["state"]
@@ -118,13 +115,12 @@ def test_the_sequence_forward_equals_the_loop_of_forward(core, kind):
     # float rounding only: the encoder, readout and heads see the T * N rows in one product
     for key, value in loop.items(include_nested=True, leaves_only=True):
         torch.testing.assert_close(whole["outputs"][key], value, rtol=1e-5, atol=1e-5, msg=str(key))
-        assert torch.equal(through_forward["outputs"][key], whole["outputs"][key])
     for key in state.keys():
         torch.testing.assert_close(whole["state"][key], s[key], rtol=1e-5, atol=1e-5)
     # a reset inside the sequence: what came before it does not reach the outputs after it
     other = random_state(agent)
     with torch.no_grad():
-        again = agent.forward_steps(data["observation"], other, data["is_first"])
+        again = agent(observation=data["observation"], state=other, is_first=data["is_first"])
     assert torch.equal(again["outputs", "value"][2:, 0], whole["outputs", "value"][2:, 0])
     assert not torch.equal(again["outputs", "value"][:2, 0], whole["outputs", "value"][:2, 0])
 
@@ -190,15 +186,18 @@ def test_a_sequence_block_saves_its_steps_inputs_and_one_state():
     want = sum(t.numel() * t.element_size() for t in (data["observation"][:k], data["is_first"][:k], state["h"]))
     for sequence in (True, False):
         acc = GradientAccumulator()
-        heads, last = replay_steps(agent, acc, steps, state, sequence=sequence)
+        if sequence:
+            heads, last = replay_sequence_call(agent, acc, steps, state)
+        else:
+            heads, last = replay_steps(OneStep(agent), acc, steps, state)
         assert heads.batch_size == torch.Size([k, N]) and last.batch_size == torch.Size([N])
         assert acc.saved_bytes == want, (sequence, acc.saved_bytes, want)
         (heads["value"].sum() + last["h"].sum()).backward()
         assert acc.blocks_replayed == 1
 
 
-class StepOnly(Agent):
-    """A custom agent with a forward and no forward_steps: called one step at a time."""
+class StepOnly(StepwiseAgent):
+    """A custom agent with a step and no call over k steps: called one step at a time."""
 
     def __init__(self, observation_space, action_space):
         super().__init__(observation_space, action_space)
@@ -210,7 +209,7 @@ class StepOnly(Agent):
     def initial_state(self, batch_size, device="cpu"):
         return TensorDict(h=torch.zeros(batch_size, 4, device=device), batch_size=[batch_size])
 
-    def forward(self, observation, state, is_first):
+    def step(self, observation, state, is_first):
         self.calls.append(tuple(is_first.shape))
         h = self.cell(
             torch.tanh(self.body(self.flatten_observation(observation))), self.reset_state(state["h"], is_first)
@@ -226,16 +225,16 @@ class StepOnly(Agent):
         return torch.distributions.Categorical(logits=outputs["dist", "logits"])
 
 
-def test_an_agent_without_forward_steps_is_called_step_by_step():
+def test_a_stepwise_agent_is_called_step_by_step():
     agent = StepOnly(VECTOR, ACT)
-    assert not has_sequence_forward(agent) and not has_sequence_forward(MLPAgent(VECTOR, ACT))
     data = rows(VECTOR)
     acc = GradientAccumulator()
     out = replay_sequence(Policy.of(agent), data, agent.initial_state(N), acc, None, 4)
+    agent.calls.clear()
     out["value"].sum().backward()
-    assert set(agent.calls) == {(N,)}
-    # the base class's forward_steps is the loop of forward
+    assert agent.calls == [(N,)] * T and acc.blocks_replayed == 2  # each block's steps recomputed one by one
+    # its forward is the loop of step
     with torch.no_grad():
-        whole = agent.forward_steps(data["observation"], agent.initial_state(N), data["is_first"])
+        whole = agent(observation=data["observation"], state=agent.initial_state(N), is_first=data["is_first"])
     assert whole["outputs"].batch_size == torch.Size([T, N])
     torch.testing.assert_close(whole["outputs", "value"], out["value"].detach(), rtol=0, atol=0)

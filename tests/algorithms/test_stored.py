@@ -8,17 +8,17 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
-from _reference import plain_batched, plain_blocks, plain_sequence
+from _reference import plain_blocks, plain_sequence
 from conftest import assert_grads_match
 from tensordict import TensorDict
 
-from rl_replay.agent import ActionHead, Policy, has_sequence_forward
+from rl_replay.agent import ActionHead, Policy
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.agents.mlp import MLPAgent
 from rl_replay.algorithms.stored import block_spans, replay_sequence
 from rl_replay.engine import GradientAccumulator
-from rl_replay.rollout.sequence import append_outputs, stack_outputs, truncate
+from rl_replay.rollout.sequence import append_outputs, cat_outputs, truncate
 
 OBS = gym.spaces.Box(-1.0, 1.0, shape=(4,), dtype=np.float32)
 ACT = gym.spaces.Discrete(3)
@@ -73,26 +73,15 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
     replayed, got = gradients(
         agent, data, start_state, lambda d, s: replay_sequence(Policy.of(agent), d, s, acc, bptt_truncate, block_steps)
     )
-    # A stateless agent has no state to cut: its blocks ignore bptt_truncate.
-    cut = None if name == "mlp" and block_steps > 1 else bptt_truncate
-    assert acc.blocks_replayed == acc.num_blocks == len(block_spans(T, block_steps, cut))
-    if name == "mlp" and block_steps > 1:
-        # A stateless agent's block is one call over its k * n rows: the reference is plain
-        # autograd on the same batched calls, and the per-step loop agrees to float rounding.
+    assert acc.blocks_replayed == acc.num_blocks == len(block_spans(T, block_steps, bptt_truncate))
+    if block_steps > 1:
+        # A block is one call of the agent over its rows (the MLP's batched over k * n rows):
+        # the reference is plain autograd on the same calls, and the per-step loop agrees to
+        # float rounding.
         per_step, per_step_grads = gradients(
             agent, data, start_state, lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0]
         )
-        assert_grads_match(got, per_step_grads, "sequence-mlp-batched-vs-per-step", rtol=1e-5, atol=1e-6)
-        for key in ("log_prob", "entropy", "value"):
-            torch.testing.assert_close(replayed[key], per_step[key], rtol=1e-5, atol=1e-6)
-        reference = lambda d, s: plain_batched(agent, d, block_steps)  # noqa: E731
-    elif has_sequence_forward(agent) and block_steps > 1:
-        # A skeleton agent's block is one call of its sequence forward: the reference is plain
-        # autograd on the same calls, and the per-step loop agrees to float rounding.
-        per_step, per_step_grads = gradients(
-            agent, data, start_state, lambda d, s: plain_sequence(agent, d, s, bptt_truncate)[0]
-        )
-        assert_grads_match(got, per_step_grads, f"sequence-{name}-blocks-vs-per-step", rtol=1e-4, atol=1e-6)
+        assert_grads_match(got, per_step_grads, f"sequence-{name}-blocks-vs-per-step", rtol=1e-4, atol=1e-5)
         for key in ("log_prob", "entropy", "value"):
             torch.testing.assert_close(replayed[key], per_step[key], rtol=1e-5, atol=1e-6)
         reference = lambda d, s: plain_blocks(agent, d, s, block_steps, bptt_truncate)  # noqa: E731
@@ -109,7 +98,7 @@ def test_replay_sequence_equals_plain_autograd(name, bptt_truncate, block_steps)
 
 
 def test_stateless_blocks_take_dict_observations():
-    # A Dict observation (a TensorDict per row) is flattened to k * n rows the same way.
+    # A Dict observation (a TensorDict per row) reaches the MLP as (k, n) rows the same way.
     space = gym.spaces.Dict(
         {"pos": gym.spaces.Box(-1.0, 1.0, shape=(2,), dtype=np.float32), "flag": gym.spaces.Discrete(3)}
     )
@@ -132,7 +121,7 @@ def test_stateless_blocks_take_dict_observations():
     (got["log_prob"].sum() + got["value"].sum()).backward()
     replayed = {n: p.grad.clone() for n, p in agent.named_parameters()}
     agent.zero_grad(set_to_none=True)
-    want = plain_batched(agent, data, 5)
+    want = plain_blocks(agent, data, agent.initial_state(N), 5)
     (want["log_prob"].sum() + want["value"].sum()).backward()
     assert acc.num_blocks == 3 and torch.equal(got["log_prob"].detach(), want["log_prob"].detach())
     assert all(torch.equal(replayed[n], p.grad) for n, p in agent.named_parameters())
@@ -155,7 +144,7 @@ def test_bptt_truncate_cuts_the_gradient_to_earlier_rows():
 
 
 def test_sequence_blocks_equal_plain_autograd_over_the_same_calls_bit_for_bit():
-    # One forward_steps call per 4-step block, with and without replay blocks (what
+    # One agent call per 4-step block, with and without replay blocks (what
     # scripts/bench/bench_ppo.py measures as plain autograd).
     torch.manual_seed(0)
     agent = AGENTS["gru"]()
@@ -200,9 +189,8 @@ def test_log_prob_and_entropy_on_stacked_outputs_equal_the_per_step_ones(space):
     ent_ref = torch.stack([d.entropy() for d in per_step])
     columns: dict = {}
     for o in outs:
-        append_outputs(columns, o)
-    assert not any(k == "state" or (isinstance(k, tuple) and k[0] == "state") for k in columns)
-    heads = stack_outputs(columns, T, N)
+        append_outputs(columns, o.exclude("state").unsqueeze(0))  # a one-row call's outputs
+    heads = cat_outputs(columns, T, N)
     dist = head.distribution(heads["dist"])
     logp, ent = dist.log_prob(actions), dist.entropy()
     assert torch.equal(logp, logp_ref) and torch.equal(ent, ent_ref)
@@ -218,28 +206,3 @@ def test_block_spans_end_at_the_cuts():
     assert block_spans(12, 5, 4) == [(0, 4), (4, 8), (8, 12)]
     assert block_spans(10, 3, 4) == [(0, 3), (3, 4), (4, 7), (7, 8), (8, 10)]
     assert block_spans(3, 8) == [(0, 3)]
-
-
-def test_a_forward_steps_that_returns_heads_the_old_name_still_replays():
-    """``heads`` was forward_steps' key for the k steps' outputs before it was named ``outputs``
-    (rl_replay/_compat.py): a user's agent that still returns it replays to the same gradients."""
-
-    class OldNames(GRUAgent):
-        def forward_steps(self, observation, state, is_first):
-            out = super().forward_steps(observation, state, is_first)
-            return TensorDict(heads=out["outputs"], state=out["state"], batch_size=[])
-
-    torch.manual_seed(0)
-    new = AGENTS["gru"]()
-    old = OldNames(OBS, ACT, hidden_size=8, encoder_sizes=(8,))
-    old.load_state_dict(new.state_dict())
-    data, start = sequence(), new.initial_state(N)
-    results = []
-    for agent in (new, old):
-        acc = GradientAccumulator()
-        results.append(
-            gradients(agent, data, start, lambda d, s, a=agent, c=acc: replay_sequence(Policy.of(a), d, s, c, None, 4))
-        )
-    (out_new, g_new), (out_old, g_old) = results
-    assert (out_new == out_old).all()
-    assert all(torch.equal(g_new[k], g_old[k]) for k in g_new)

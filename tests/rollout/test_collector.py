@@ -27,7 +27,7 @@ from rl_replay.config import Config
 from rl_replay.envs.chain import ChainEnv
 from rl_replay.rollout.collector import Collector
 from rl_replay.rollout.environment import make_vector_env
-from rl_replay.rollout.sequence import block_inputs
+from rl_replay.rollout.sequence import step_inputs
 
 T_, F_ = True, False
 
@@ -326,7 +326,7 @@ def test_replay_gradient_equals_plain_autograd(agent_name):
         torch.testing.assert_close(final_state["h"], plain_state["h"].detach())
     # The bootstrap of the last row is V(next obs) with the carried state.
     with torch.no_grad():
-        boot = agent(**block_inputs(collector._obs, collector._state, collector._is_first, collector.num_envs))["value"]
+        boot = agent(**step_inputs(collector._obs, collector._state, collector._is_first))["outputs", "value"][0]
     torch.testing.assert_close(d["next_value"][-1], boot)
     assert_grads_match(
         replay_grads, {n: p.grad for n, p in agent.named_parameters()}, f"parity_{agent_name}", rtol=1e-5, atol=1e-6
