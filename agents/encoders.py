@@ -38,7 +38,7 @@ from rl_replay.agents.mlp import mlp
 from rl_replay.errors import SetupError
 from rl_replay.spaces import flat_size, flatten, leaf_keys, leaf_scales
 
-__all__ = ["ENCODERS", "ConvEncoder", "image_layout", "make_encoder", "takes_raw_observation"]
+__all__ = ["ENCODERS", "ConvEncoder", "make_encoder", "resolve_image_layout", "takes_raw_observation"]
 
 
 def _orthogonal(module: nn.Module) -> nn.Module:
@@ -105,7 +105,7 @@ def grid_cnn(in_channels: int, channels: Sequence[int] = (16, 32, 64)) -> nn.Seq
 ENCODERS = {"nature_cnn": nature_cnn, "impala_cnn": impala_cnn, "grid_cnn": grid_cnn}
 
 
-def image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, tuple[int, int, int]]:
+def resolve_image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, tuple[int, int, int]]:
     """How an image of ``shape`` becomes ``(C, H, W)``: ``(layout, (C, H, W))`` with layout
     ``"hw"``, ``"hwc"``, ``"chw"`` or ``"shwc"``; SetupError for other ranks.
 
@@ -132,9 +132,6 @@ def image_layout(shape: Sequence[int], layout: str | None = None) -> tuple[str, 
         f"an image observation must have 2 to 4 dimensions ((H, W), (H, W, C), (C, H, W) or "
         f"(S, H, W, C)), got shape {shape}."
     )
-
-
-_layout = image_layout  # ConvEncoder's argument of that name shadows it
 
 
 def _is_image(space: gym.Space) -> bool:
@@ -172,7 +169,7 @@ class ConvEncoder(nn.Module):
             MiniGrid's uint8 views hold small object, colour and state indices (0-10), for
             which 1 (or 0.1) suits better than ``1/255``.
         image_layout: ``"hwc"`` or ``"chw"`` for a rank-3 image whose layout the shape does
-            not tell (see :func:`image_layout`); None: guessed from the shape.
+            not tell (see :func:`resolve_image_layout`); None: guessed from the shape.
 
     Attributes:
         out_features: width of the output.
@@ -193,7 +190,7 @@ class ConvEncoder(nn.Module):
         if name not in ENCODERS:
             raise SetupError(f"encoder must be mlp or one of {sorted(ENCODERS)}, got {name!r}.")
         self.image_key, image_space, vector_space = self._split(observation_space, image_key)
-        self.layout, (c, h, w) = _layout(image_space.shape, image_layout)
+        self.layout, (c, h, w) = resolve_image_layout(image_space.shape, image_layout)
         if image_scale is None:
             image_scale = 1.0 / 255.0 if image_space.dtype == np.uint8 else 1.0
         if not (isinstance(image_scale, (int, float)) and math.isfinite(image_scale) and image_scale > 0):

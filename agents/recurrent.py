@@ -83,7 +83,6 @@ class RecurrentAgent(Agent):
         encoder_sizes = list(encoder_sizes)
         self.encoder, width = make_encoder(self, encoder, encoder_sizes, self.activation, encoder_kwargs)
         self.cell = make_core(width)
-        self.hidden_size = self.cell.hidden_size
         self.state_keys = tuple(self.cell.state_keys)
         if separate_critic:
             # The critic's own encoder and core: the value loss, large while returns are

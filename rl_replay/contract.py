@@ -84,7 +84,9 @@ def check_agent(model: torch.nn.Module, agent, inputs: TensorDictBase, action_sp
             )
         keys = sorted(outputs.keys())
         if "value" not in keys:
-            raise SetupError(f"{where}: forward() returned outputs {keys} without 'value' (expected 'dist' and 'value').")
+            raise SetupError(
+                f"{where}: forward() returned outputs {keys} without 'value' (expected 'dist' and 'value')."
+            )
         value = outputs["value"]
         if not isinstance(value, torch.Tensor) or tuple(value.shape) != (1, n):
             raise SetupError(

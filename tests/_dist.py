@@ -29,7 +29,14 @@ import torch.nn as nn
 from _policies import GRUPolicy, MLPPolicy, gru_loss, step_loss  # noqa: F401  (also used as _dist.X)
 from tensordict import TensorDict
 
-from rl_replay import GradientAccumulator, ReplayError, checkpoint_fsdp_forward, replay, replay_sequence_call, replay_steps
+from rl_replay import (
+    GradientAccumulator,
+    ReplayError,
+    checkpoint_fsdp_forward,
+    replay,
+    replay_sequence_call,
+    replay_steps,
+)
 from rl_replay.algorithms.stored import OneStep
 
 OK = "ok"

@@ -12,7 +12,6 @@ from rl_replay.config.loader import (
     dump_config,
     load_config,
     loads_config,
-    save_config,
     type_name,
     validate,
 )
@@ -55,7 +54,6 @@ __all__ = [
     "config_to_dict",
     "load_config",
     "num_updates",
-    "save_config",
     "type_name",
     "validate",
 ]

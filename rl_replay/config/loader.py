@@ -21,7 +21,6 @@ import copy
 import dataclasses
 import math
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -47,7 +46,6 @@ __all__ = [
     "dump_config",
     "config_from_dict",
     "config_to_dict",
-    "save_config",
     "validate",
     "type_name",
 ]
@@ -536,27 +534,5 @@ def _same_agent(a: Any, b: Any) -> bool:
 
 
 def dump_config(cfg: Config) -> str:
-    """``cfg`` as the YAML text :func:`save_config` writes."""
+    """``cfg`` as YAML text (what a run directory's ``config.yaml`` holds)."""
     return yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=False)
-
-
-def save_config(cfg: Config, path: str | os.PathLike[str]) -> None:
-    """Write ``cfg`` as YAML, atomically (a new temporary file in the same directory, then
-    os.replace, which replaces a symlink at ``path`` rather than writing through it)."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    text = dump_config(cfg)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise

@@ -131,15 +131,14 @@ class PPOConfig:
 @dataclass
 class ReplayConfig:
     block_steps: int = 16
-    """steps of a stored sequence per replay block (rl_replay.engine.replay_steps), for every
+    """steps of a stored sequence per replay block (rl_replay.engine.replay_sequence_call), for every
     algorithm: PPO replays each minibatch's sequences in blocks of k steps; A2C and REINFORCE
     collect under no_grad and replay the stored rollout in blocks of k steps before the loss (1 =
     each step is a replay block as the envs are stepped, the graph built during collection). The
     per-block machinery is paid once per block, and one block's steps of activations are alive at
-    the backward's peak. An agent with its own forward_steps (the shipped recurrent agents) runs a
-    block as one call, its encoder and heads over all the block's rows at once; other agents are
-    called step by step, with the same gradients (under FSDP then recomputed once more per step:
-    use 1 there). The same gradients up to float rounding where a block is one call, for an agent
+    the backward's peak. Every agent runs a block as one call over its k rows (the shipped recurrent
+    agents: encoder and heads over all the block's rows at once); a StepwiseAgent is called step by
+    step, with the same gradients (under FSDP then recomputed once more per step: use 1 there). The same gradients up to float rounding where a block is one call, for an agent
     whose forward draws no random numbers; with dropout under A2C / REINFORCE the loss sees other
     masks than the ones that sampled the actions (use 1 for exactly on-policy dropout). Speed:
     docs/benchmarks.md. (Was collector.block_steps for A2C / REINFORCE and ppo.block_steps for PPO;

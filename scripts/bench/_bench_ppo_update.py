@@ -44,13 +44,13 @@ def stored_rollout(agent, observation: torch.Tensor, g: torch.Generator, device:
     state = start_state
     with torch.no_grad():
         for t in range(T):
-            out = agent(observation=observation[t], state=state, is_first=is_first[t])
-            dist = agent.distribution(out)
+            out = agent(observation=observation[t : t + 1], state=state, is_first=is_first[t : t + 1])
+            dist = agent.distribution(out["outputs"][0])
             a = torch.randint(agent.action_space.n, (N,), generator=g).to(device)
             action.append(a)
             log_prob.append(dist.log_prob(a))
             entropy.append(dist.entropy())
-            value.append(out["value"])
+            value.append(out["outputs", "value"][0])
             state = out["state"]
     value = torch.stack(value)
     terminated = torch.cat([is_first[1:], torch.zeros_like(is_first[:1])])
@@ -74,20 +74,15 @@ def stored_rollout(agent, observation: torch.Tensor, g: torch.Generator, device:
 def plain_calls(agent, data: TensorDict, start_state: TensorDict, block_steps: int) -> TensorDict:
     """``log_prob``, ``entropy``, ``value`` of ``agent`` over a stored (T, n) minibatch with plain
     autograd, every call's graph kept: the calls the replay path makes (one per block of
-    ``block_steps`` rows for an agent with ``forward_steps``, one per step for the others)."""
-    from rl_replay.agent import has_sequence_forward
+    ``block_steps`` rows, one per step for a StepwiseAgent)."""
+    from rl_replay.agent import StepwiseAgent
     from rl_replay.algorithms.stored import block_spans
 
     T, n = data.batch_size
     state, heads = start_state, []
-    sequence = block_steps > 1 and has_sequence_forward(agent)
-    for start, stop in block_spans(T, block_steps if sequence else 1):
-        if sequence:
-            out = agent(observation=data["observation"][start:stop], state=state, is_first=data["is_first"][start:stop])
-            heads.append(out["outputs"])
-        else:
-            out = agent(observation=data["observation"][start], state=state, is_first=data["is_first"][start])
-            heads.append(out.exclude("state").unsqueeze(0))
+    for start, stop in block_spans(T, 1 if isinstance(agent, StepwiseAgent) else block_steps):
+        out = agent(observation=data["observation"][start:stop], state=state, is_first=data["is_first"][start:stop])
+        heads.append(out["outputs"])
         state = out["state"]
     stacked = torch.cat(heads)
     dist = agent.distribution(stacked)
@@ -101,8 +96,8 @@ def plain_optimize(cfg, agent, optimizer, rollout, calls=plain_calls) -> dict:
 
     The same minibatches, calls (:func:`plain_calls`) and loss (``PPO.loss``) as the replay path
     (:func:`rl_replay.algorithms.stored.replay_sequence`), so only the replay blocks differ. An agent
-    with its own ``forward_steps`` makes one call per ``replay.block_steps`` steps, as the replay
-    path does, so the gradients compare bit for bit. ``calls(agent, minibatch, start_state,
+    makes one call per ``replay.block_steps`` steps, as the replay path does, so the gradients
+    compare bit for bit. ``calls(agent, minibatch, start_state,
     block_steps)`` makes the policy's outputs (another library's policy, ``bench_torchrl.py``).
     """
     from rl_replay.algorithms.common import optimizer_step

@@ -45,6 +45,8 @@ from _bench_common import (
 from _bench_report import add_worker_arguments, refuse_smoke_docs, write_section
 from tensordict import TensorDict
 
+from rl_replay.rollout.sequence import step_inputs
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "configs", "default.yaml")
@@ -98,8 +100,8 @@ class BatchedA2C:
         N = self.num_envs
         rows = []
         for _ in range(self.num_steps):
-            out = self.agent(observation=self.obs, state=self._state(N), is_first=self.is_first)
-            action = self.agent.distribution(out).sample()
+            out = self.agent(**step_inputs(self.obs, self._state(N), self.is_first))
+            action = self.agent.distribution(out["outputs"]).sample()[0]
             valid = ~self.autoreset
             obs, reward, term, trunc, _ = self.envs.step(action.numpy())
             rows.append(
@@ -117,19 +119,18 @@ class BatchedA2C:
             self.is_first = torch.as_tensor(self.autoreset)
             self.autoreset = term | trunc
             self.obs = torch.as_tensor(np.asarray(obs), dtype=torch.float32)
-        bootstrap = self.agent(observation=self.obs, state=self._state(N), is_first=self.is_first)["value"]
+        bootstrap = self.agent(**step_inputs(self.obs, self._state(N), self.is_first))["outputs", "value"][0]
         return torch.stack(rows), bootstrap  # [T, N], [N]
 
     def attach(self, data: TensorDict, bootstrap: torch.Tensor) -> TensorDict:
-        """One batched forward over the T*N stored observations -> log_prob, entropy, value."""
+        """One forward over the (T, N) stored observations -> log_prob, entropy, value."""
         T, N = data.batch_size
-        flat = data.reshape(T * N)
-        out = self.agent(observation=flat["observation"], state=self._state(T * N), is_first=flat["is_first"])
+        out = self.agent(observation=data["observation"], state=self._state(N), is_first=data["is_first"])["outputs"]
         dist = self.agent.distribution(out)
         data = data.clone(False)
-        data.set("log_prob", dist.log_prob(flat["action"]).view(T, N))
-        data.set("entropy", dist.entropy().view(T, N))
-        value = out["value"].view(T, N)
+        data.set("log_prob", dist.log_prob(data["action"]))
+        data.set("entropy", dist.entropy())
+        value = out["value"]
         data.set("value", value)
         data.set("next_value", torch.cat([value[1:].detach(), bootstrap.view(1, N)]))
         return data

@@ -11,8 +11,7 @@ and log-probabilities at the end):
 * ``nograd``:  the forward alone under ``torch.no_grad`` (the cost of the extra forward a
   replay does in its backward).
 
-With ``--block-steps k`` an agent that has its own ``forward_steps`` (the shipped recurrent
-agents) runs each block as one call: ``plain`` and ``nograd`` then make the same calls (plain
+With ``--block-steps k`` an agent (a StepwiseAgent excepted) runs each block as one call: ``plain`` and ``nograd`` then make the same calls (plain
 autograd over the sequence forward: the floor of the agent's own arithmetic), and the last
 column times the per-step plain loop beside them.
 
@@ -48,6 +47,8 @@ import time
 
 import torch
 from tensordict import TensorDict
+
+from rl_replay.rollout.sequence import step_inputs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -103,8 +104,8 @@ def run_plain(agent, obs, B):
     is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
     for _t, o in enumerate(obs):
-        out = agent(observation=o, state=state, is_first=is_first)
-        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
+        out = agent(**step_inputs(o, state, is_first))
+        total = total + _loss(agent, out["outputs"][0], torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
     total.backward()
 
@@ -118,8 +119,8 @@ def run_replay(agent, obs, B):
     is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     total = 0.0
     for _t, o in enumerate(obs):
-        out = rl_replay.replay(agent, acc, TensorDict(observation=o, state=state, is_first=is_first, batch_size=[B]))
-        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
+        out = rl_replay.replay(agent, acc, step_inputs(o, state, is_first))
+        total = total + _loss(agent, out["outputs"][0], torch.zeros(B, dtype=torch.long, device=dev))
         state = out["state"]
     total.backward()
 
@@ -158,14 +159,15 @@ def run_nograd_blocks(agent, obs, B, k):
 
 
 def run_replay_steps(agent, obs, B, k, sequence=False):
-    """The same loop in multi-step blocks of k steps (rl_replay.replay_steps); ``sequence``:
-    each block one call of the agent's sequence forward."""
+    """The same loop in multi-step blocks of k steps; ``sequence``: each block one call of the
+    agent (rl_replay.replay_sequence_call), else one call per step (rl_replay.replay_steps)."""
     import rl_replay
+    from rl_replay.algorithms.stored import OneStep
 
     if sequence:
         acc = rl_replay.GradientAccumulator()
         _blocks(
-            agent, obs, B, k, lambda steps, state: rl_replay.replay_steps(agent, acc, steps, state, sequence=True)
+            agent, obs, B, k, lambda steps, state: rl_replay.replay_sequence_call(agent, acc, steps, state)
         ).backward()
         return
     dev = _device(obs)
@@ -177,7 +179,10 @@ def run_replay_steps(agent, obs, B, k, sequence=False):
     for t0 in range(0, len(obs), k):
         t1 = min(len(obs), t0 + k)
         heads, state = rl_replay.replay_steps(
-            agent, acc, TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]), state
+            OneStep(agent),
+            acc,
+            TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B]),
+            state,
         )
         for i in range(t1 - t0):  # the same per-step loss terms as the other loops
             total = total + _loss(agent, heads[i], torch.zeros(B, dtype=torch.long, device=dev))
@@ -246,7 +251,7 @@ def run_nograd(agent, obs, B):
     state = agent.initial_state(B, dev)
     is_first = torch.zeros(B, dtype=torch.bool, device=dev)
     for o in obs:
-        state = agent(observation=o, state=state, is_first=is_first)["state"]
+        state = agent(**step_inputs(o, state, is_first))["state"]
 
 
 def grads(agent):
@@ -269,12 +274,12 @@ def measure(
     agent = torch.compile(module, dynamic=False) if compile else module
     sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     obs = make_inputs(convert, space, T, B)
-    # Agents with their own forward_steps run a block as one call: plain autograd and the
-    # no-grad forward then make the same calls (the floor of the agent's own arithmetic), and
-    # the per-step plain loop is timed beside them.
-    from rl_replay.agent import has_sequence_forward
+    # An agent runs a block as one call (a StepwiseAgent one call per step): plain autograd and
+    # the no-grad forward then make the same calls (the floor of the agent's own arithmetic),
+    # and the per-step plain loop is timed beside them.
+    from rl_replay.agent import StepwiseAgent
 
-    sequence = block_steps > 1 and has_sequence_forward(module)
+    sequence = block_steps > 1 and not isinstance(module, StepwiseAgent)
     replayed = run_replay if block_steps == 1 else (lambda a, o, b: run_replay_steps(a, o, b, block_steps, sequence))
     plain = (lambda a, o, b: run_plain_blocks(a, o, b, block_steps)) if sequence else run_plain
     nograd = (lambda a, o, b: run_nograd_blocks(a, o, b, block_steps)) if sequence else run_nograd

@@ -104,7 +104,7 @@ def episodes_rollout(agent, T: int, N: int, episode_steps: int, device: torch.de
     action = torch.randint(ACTIONS, (T, N), generator=g)
     observation, is_first, action = observation.to(device), is_first.to(device), action.to(device)
     start_state = agent.initial_state(N, device)
-    with torch.no_grad():  # (T, N) inputs: one forward_steps call over the whole rollout
+    with torch.no_grad():  # (T, N) inputs: one call over the whole rollout
         out = agent(observation=observation, state=start_state, is_first=is_first)["outputs"]
     dist = agent.distribution(out)
     value = out["value"]

@@ -63,16 +63,19 @@ def probe(run_dir: Path, episodes: int, lags: list[int], seed: int, trust_config
 def _play(agent, envs, convert, n: int, lags: list[int], seed: int, max_steps: int) -> dict:
     import torch
 
+    from rl_replay.algorithms.stored import OneStep
+
     generator = torch.Generator().manual_seed(seed)
     obs, _ = envs.reset(seed=seed)
     num = envs.num_envs
     state = agent.initial_state(num, "cpu")
+    step = OneStep(agent)  # one step: outputs (num,) beside the next state
     first = torch.ones(num, dtype=torch.bool)
     alive = np.ones(num, dtype=bool)  # each env plays one episode; finished ones are masked out
     cards, acts, masks, entropies, value_spread, value_std, prob_change = [], [], [], [], [], [], []
     with torch.no_grad():
         for t in range(max_steps):
-            out = agent(observation=convert(obs), state=state, is_first=first)
+            out = step(observation=convert(obs), state=state, is_first=first)
             dist = agent.distribution(out)
             if alive.sum() > 1:  # how much the value differs between episodes at the same step
                 value_std.append(float(out["value"].reshape(num)[torch.from_numpy(alive)].std()))
@@ -80,7 +83,7 @@ def _play(agent, envs, convert, n: int, lags: list[int], seed: int, max_steps: i
                 values, probs = [], []
                 for a in range(n):
                     changed = dict(obs, prev_action=np.full_like(np.asarray(obs["prev_action"]), a))
-                    alt = agent(observation=convert(changed), state=state, is_first=first)
+                    alt = step(observation=convert(changed), state=state, is_first=first)
                     values.append(alt["value"].reshape(num))
                     probs.append(agent.distribution(alt).probs.reshape(num, n))
                 v, p = torch.stack(values), torch.stack(probs)

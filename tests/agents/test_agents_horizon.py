@@ -134,7 +134,9 @@ def test_state_resets_at_episode_start(name):
     obs = torch.randn(2, 5)
     first = torch.ones(2, dtype=torch.bool)
     a = OneStep(agent)(observation=obs, state=agent.initial_state(2), is_first=first)
-    b = OneStep(agent)(observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5), is_first=first)
+    b = OneStep(agent)(
+        observation=obs, state=agent.initial_state(2).apply(lambda x: torch.randn_like(x) * 5), is_first=first
+    )
     torch.testing.assert_close(a["dist"]["logits"], b["dist"]["logits"])
     for key in a["state"].keys():
         torch.testing.assert_close(a["state"][key], b["state"][key])

@@ -12,7 +12,7 @@ from conftest import assert_grads_match
 from tensordict import TensorDict
 
 from rl_replay.agent import Policy
-from rl_replay.agents.encoders import ConvEncoder, image_layout
+from rl_replay.agents.encoders import ConvEncoder, resolve_image_layout
 from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lru import LRUAgent
 from rl_replay.agents.lstm import LSTMAgent
@@ -143,15 +143,15 @@ def test_an_image_step_saves_the_uint8_frame_and_the_state():
     ],
 )
 def test_image_layouts(shape, layout, chw):
-    assert image_layout(shape) == (layout, chw)
+    assert resolve_image_layout(shape) == (layout, chw)
 
 
 def test_image_layout_override_for_channel_last_views_with_many_channels():
     # MiniGrid's one-hot view (OneHotPartialObsWrapper) is (7, 7, 20): channel-last, which the
     # shape alone would read as 7 stacked 7x20 frames.
-    assert image_layout((7, 7, 20)) == ("chw", (7, 7, 20))
-    assert image_layout((7, 7, 20), "hwc") == ("hwc", (20, 7, 7))
-    assert image_layout((84, 84, 3), "chw") == ("chw", (84, 84, 3))
+    assert resolve_image_layout((7, 7, 20)) == ("chw", (7, 7, 20))
+    assert resolve_image_layout((7, 7, 20), "hwc") == ("hwc", (20, 7, 7))
+    assert resolve_image_layout((84, 84, 3), "chw") == ("chw", (84, 84, 3))
     space = gym.spaces.Box(0, 1, (7, 7, 20), np.uint8)
     encoder = ConvEncoder(space, "grid_cnn", [], torch.nn.ReLU, image_scale=1.0, image_layout="hwc")
     assert encoder.convs[0].in_channels == 20

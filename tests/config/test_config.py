@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 from pathlib import Path
 
 import pytest
@@ -15,9 +14,9 @@ from rl_replay.config import (
     batch_size_per_rank,
     config_from_dict,
     config_to_dict,
+    dump_config,
     load_config,
     num_updates,
-    save_config,
     validate,
 )
 from rl_replay.errors import SetupError
@@ -467,33 +466,15 @@ def test_validate_rejects_bad_direct_construction():
 # ----------------------------------------------------------------------------- save / load
 
 
-def test_save_load_round_trip(tmp_path):
+def test_dump_load_round_trip(tmp_path):
     cfg = load_config(
         CONFIG_DIR / "memory_gru.yaml",
         ["optim.lr=3e-5", "log.run_name=001", "distributed.mixed_precision=bf16", "env.kwargs.extra=[1, 2]"],
     )
-    out = tmp_path / "run" / "config.yaml"  # parent folder is created
-    save_config(cfg, out)
-    assert out.is_file()
+    out = tmp_path / "config.yaml"
+    out.write_text(dump_config(cfg))
     assert load_config(out) == cfg
     assert yaml.safe_load(out.read_text()) == config_to_dict(cfg)
-    assert os.listdir(out.parent) == ["config.yaml"]  # no temp file left behind
-
-
-def test_save_overwrites_atomically(tmp_path):
-    out = tmp_path / "config.yaml"
-    save_config(Config(), out)
-    save_config(load_config(overrides=["seed=9"]), out)
-    assert load_config(out).seed == 9
-    assert os.listdir(tmp_path) == ["config.yaml"]
-
-
-def test_failed_save_leaves_no_temp_file(tmp_path):
-    cfg = Config()
-    cfg.env.kwargs = {"bad": object()}  # not YAML-serialisable
-    with pytest.raises(yaml.YAMLError):
-        save_config(cfg, tmp_path / "config.yaml")
-    assert os.listdir(tmp_path) == []
 
 
 def test_config_to_dict_is_a_deep_copy_and_round_trips():

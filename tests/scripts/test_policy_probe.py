@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rl_replay.config import load_config, save_config
+from rl_replay.config import dump_config, load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "tools" / "policy_probe.py"
@@ -42,7 +42,7 @@ def test_the_probe_reads_a_trained_popgym_run(tmp_path):
 def test_a_run_without_the_previous_action_is_refused_before_its_checkpoint_is_read(tmp_path):
     run = tmp_path / "cartpole"
     run.mkdir()
-    save_config(load_config(ROOT / "configs" / "ppo_cartpole.yaml"), run / "config.yaml")
+    (run / "config.yaml").write_text(dump_config(load_config(ROOT / "configs" / "ppo_cartpole.yaml")))
     (run / "checkpoint.pt").write_bytes(b"not a checkpoint")
     out = subprocess.run([sys.executable, str(SCRIPT), str(run)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2

@@ -130,7 +130,7 @@ def test_not_a_run_directory_is_one_line(tmp_path):
 
 def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs(tmp_path):
     # a row's mean is over one recipe's seeds: two recipes on one env would be averaged into one row
-    from rl_replay.config import save_config
+    from rl_replay.config import dump_config
 
     base = load_config(ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml")
     runs = {}
@@ -143,7 +143,7 @@ def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs
         run.mkdir()
         cfg = load_config(ROOT / "configs" / "popgym" / "repeat_previous_medium.yaml", overrides)
         assert cfg.env.id == base.env.id
-        save_config(cfg, run / "config.yaml")
+        (run / "config.yaml").write_text(dump_config(cfg))
         (run / "metrics.jsonl").write_text("")
         runs[name] = run
     table_mod.check_one_recipe_per_env([runs["a"], runs["b"]])  # seeds, budget and logging differ: one recipe
@@ -160,11 +160,11 @@ def test_runs_of_one_env_with_different_recipes_are_refused_before_anything_runs
 
 
 def _fake_run(tmp_path, name, config, seed, score):
-    from rl_replay.config import save_config
+    from rl_replay.config import dump_config
 
     d = tmp_path / name
     d.mkdir()
-    save_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"]), d / "config.yaml")
+    (d / "config.yaml").write_text(dump_config(load_config(ROOT / "configs" / "popgym" / config, [f"seed={seed}"])))
     d.joinpath("metrics.jsonl").write_text(
         json.dumps({"update": 1, "env_steps": 65_536, "rollout/episodes": 100, "rollout/return_recent": score}) + "\n"
     )
