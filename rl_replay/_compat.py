@@ -172,15 +172,17 @@ def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:
 _ADAPTED: dict[type, type] = {}
 
 
-def one_step_agent(agent: Any, stepwise: type, observation_space: Any) -> Any:
+def one_step_agent(agent: Any, stepwise: type, step_loop: Any, observation_space: Any) -> Any:
     """``agent``, run through the ``stepwise`` adapter (``rl_replay.StepwiseAgent``) if its
-    ``forward`` is a one-step forward written before the one agent shape.
+    ``forward`` is a one-step forward written before the one agent shape (``step_loop``:
+    ``rl_replay.agent.step_loop``).
 
     The test is a call without grad on two zero rows (RNG streams restored): the one shape,
     ``(1, 2)`` rows, returning ``outputs`` and ``state``, keeps the agent as it is; otherwise a
     call on ``(2,)`` rows returning ``state`` beside its outputs marks a one-step forward, and
-    the agent's class becomes a subclass of its own and of the adapter whose ``step`` is the old
-    ``forward`` (parameters, buffers and names unchanged). An agent that fails both calls is
+    the agent's class becomes a subclass of its own and of the adapter whose ``forward`` is the step
+    loop of the old ``forward`` (parameters, buffers, names and any ``step`` method of its own
+    unchanged). An agent that fails both calls is
     left as it is, for :func:`rl_replay.contract.check_agent` to name what is wrong.
     """
     import warnings
@@ -220,8 +222,13 @@ def one_step_agent(agent: Any, stepwise: type, observation_space: Any) -> Any:
         return agent
     adapted = _ADAPTED.get(cls)
     if adapted is None:
-        namespace = {"step": cls.forward, "forward": stepwise.forward, "__module__": cls.__module__}
-        adapted = _ADAPTED[cls] = type(cls.__name__, (cls, stepwise), {**namespace, "__qualname__": cls.__qualname__})
+        one_step = cls.forward
+
+        def forward(self, observation, state, is_first):
+            return step_loop(lambda *row: one_step(self, *row), observation, state, is_first)
+
+        namespace = {"forward": forward, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        adapted = _ADAPTED[cls] = type(cls.__name__, (cls, stepwise), namespace)
     warnings.warn(
         f"{cls.__module__}.{cls.__qualname__}.forward takes one step: it runs through rl_replay.StepwiseAgent. "
         f"Subclass rl_replay.StepwiseAgent and rename forward to step, or write forward over (k, N) rows "

@@ -277,12 +277,19 @@ class StepwiseAgent(Agent):
         raise NotImplementedError(f"{type(self).__name__} must implement step()")
 
     def forward(self, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
-        steps = []
-        for t in range(is_first.shape[0]):
-            out = self.step(observation[t], state, is_first[t])
-            state = out["state"]
-            steps.append(out.exclude("state"))
-        return TensorDict(outputs=torch.stack(steps), state=state, batch_size=[])
+        return step_loop(self.step, observation, state, is_first)
+
+
+def step_loop(step: Any, observation, state: TensorDict, is_first: torch.Tensor) -> TensorDict:
+    """The one step loop: ``step`` (a :meth:`StepwiseAgent.step`) on each of the ``(k, N)`` rows in
+    turn, the state flowing from row to row; returns :meth:`Agent.forward`'s ``outputs`` (each
+    row's outputs but the state, stacked) and the last ``state``."""
+    steps = []
+    for t in range(is_first.shape[0]):
+        out = step(observation[t], state, is_first[t])
+        state = out["state"]
+        steps.append(out.exclude("state"))
+    return TensorDict(outputs=torch.stack(steps), state=state, batch_size=[])
 
 
 @dataclass(frozen=True)
@@ -340,4 +347,4 @@ def build_agent(
         ) from None
     # An agent written to the docs before the one agent shape (a one-step forward) runs
     # through the StepwiseAgent adapter, with a DeprecationWarning, until _compat.REMOVED_IN.
-    return _compat.one_step_agent(agent, StepwiseAgent, observation_space)
+    return _compat.one_step_agent(agent, StepwiseAgent, step_loop, observation_space)

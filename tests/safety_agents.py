@@ -22,10 +22,8 @@ class _Base(Agent):
         self.critic = nn.Linear(hidden, 1)
 
     def forward(self, observation, state, is_first):
-        x = self.body(observation.flatten(1))
-        return TensorDict(
-            dist=self.head(x), value=self.critic(x).squeeze(-1), state=state, batch_size=observation.shape[:1]
-        )
+        x = self.body(self.flatten_observation(observation).flatten(0, 1)).unflatten(0, is_first.shape)
+        return self.output(dist=self.head(x), value=self.critic(x).squeeze(-1), state=state)
 
 
 class WrongKeyAgent(_Base):
@@ -33,16 +31,16 @@ class WrongKeyAgent(_Base):
 
     def forward(self, observation, state, is_first):
         out = super().forward(observation, state, is_first)
-        out["distribution"] = out.pop("dist")
+        out["outputs", "distribution"] = out["outputs"].pop("dist")
         return out
 
 
 class ColumnValueAgent(_Base):
-    """Returns value of shape (N, 1) (forgot the squeeze)."""
+    """Returns value of shape (k, N, 1) (forgot the squeeze)."""
 
     def forward(self, observation, state, is_first):
         out = super().forward(observation, state, is_first)
-        out["value"] = out["value"].unsqueeze(-1)
+        out["outputs", "value"] = out["outputs", "value"].unsqueeze(-1)
         return out
 
 
@@ -78,7 +76,10 @@ class SlowAgent(_Base):
 
 
 class _GRUBase(_Base):
-    """A GRU agent whose state is ``h`` of width ``hidden`` (initial_state zeros)."""
+    """A GRU agent whose state is ``h`` of width ``hidden`` (initial_state zeros); ``resets``:
+    whether it zeroes ``h`` where an episode starts."""
+
+    resets = True
 
     def __init__(self, observation_space, action_space, hidden: int = 8):
         super().__init__(observation_space, action_space, hidden)
@@ -88,28 +89,25 @@ class _GRUBase(_Base):
     def initial_state(self, batch_size, device="cpu"):
         return TensorDict(h=torch.zeros(batch_size, self.hidden, device=device), batch_size=[batch_size])
 
-    def step(self, observation, h):
-        h = self.cell(self.body(observation.flatten(1)), h)
-        return TensorDict(
-            dist=self.head(h),
-            value=self.critic(h).squeeze(-1),
-            state=TensorDict(h=h, batch_size=h.shape[:1]),
-            batch_size=observation.shape[:1],
-        )
+    def forward(self, observation, state, is_first):
+        x = self.body(self.flatten_observation(observation))  # (k, N, hidden)
+        h, rows = state["h"], []
+        for t in range(is_first.shape[0]):
+            h = self.cell(x[t], self.reset_state(h, is_first[t]) if self.resets else h)
+            rows.append(h)
+        hs = torch.stack(rows)
+        state = TensorDict(h=h, batch_size=h.shape[:1])
+        return self.output(dist=self.head(hs), value=self.critic(hs).squeeze(-1), state=state)
 
 
 class ResetGRUAgent(_GRUBase):
     """Conforming: resets h where an episode starts."""
 
-    def forward(self, observation, state, is_first):
-        return self.step(observation, self.reset_state(state["h"], is_first))
-
 
 class NoResetAgent(_GRUBase):
     """Never resets its state at is_first: memory crosses episode boundaries."""
 
-    def forward(self, observation, state, is_first):
-        return self.step(observation, state["h"])
+    resets = False
 
 
 class WideStateAgent(ResetGRUAgent):
@@ -117,7 +115,7 @@ class WideStateAgent(ResetGRUAgent):
 
     def forward(self, observation, state, is_first):
         out = super().forward(observation, state, is_first)
-        out["state"] = TensorDict(h=out["state", "h"].repeat(1, 2), batch_size=out.batch_size)
+        out["state"] = TensorDict(h=out["state", "h"].repeat(1, 2), batch_size=out["state"].batch_size)
         return out
 
 
@@ -126,7 +124,7 @@ class DistributionObjectAgent(_Base):
 
     def forward(self, observation, state, is_first):
         out = super().forward(observation, state, is_first)
-        out["dist"] = torch.distributions.Categorical(logits=out["dist", "logits"])
+        out["outputs", "dist"] = torch.distributions.Categorical(logits=out["outputs", "dist", "logits"])
         return out
 
     def distribution(self, outputs):

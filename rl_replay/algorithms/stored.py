@@ -74,7 +74,7 @@ def replay_sequence(
     state = start_state
     columns: dict = {}
     if block_steps > 1:
-        stepwise = isinstance(agent, StepwiseAgent)
+        one_step = OneStep(model) if isinstance(agent, StepwiseAgent) else None
         for start, stop in block_spans(T, block_steps, bptt_truncate):
             steps = TensorDict(
                 observation=observation[start:stop],
@@ -82,8 +82,8 @@ def replay_sequence(
                 batch_size=[stop - start, n],
                 device=None,
             )
-            if stepwise:
-                outputs, state = replay_steps(OneStep(model), accumulator, steps, state)
+            if one_step is not None:
+                outputs, state = replay_steps(one_step, accumulator, steps, state)
             else:
                 outputs, state = replay_sequence_call(model, accumulator, steps, state)
             state = truncate(state, stop - 1, bptt_truncate)
@@ -100,7 +100,7 @@ def replay_sequence(
     return TensorDict(
         log_prob=dist.log_prob(data["action"]),
         entropy=dist.entropy(),
-        value=outputs["value"],  # type: ignore[index]
+        value=outputs["value"],
         batch_size=data.batch_size,
     )
 

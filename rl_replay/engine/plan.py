@@ -269,9 +269,13 @@ def _with_silent_stat_updates(module: torch.nn.Module | None, changed: list[str]
 
 
 def plan_for(accumulator: GradientAccumulator, model: Callable) -> ModelPlan:
-    plan = accumulator._plans.get(id(model))
-    if plan is None or plan.module is not module_of(model):  # type: ignore[attr-defined]
-        plan = accumulator._plans[id(model)] = ModelPlan(model)
+    # One plan per module, whatever callable reaches it (the module, a bound method, a per-step
+    # caller): Rule 11's one reduction counts the module's blocks, not the callable's.
+    module = module_of(model)
+    key = id(model if module is None else module)
+    plan = accumulator._plans.get(key)
+    if plan is None or plan.module is not module:  # type: ignore[attr-defined]
+        plan = accumulator._plans[key] = ModelPlan(model)
     return plan  # type: ignore[return-value]
 
 

@@ -200,11 +200,8 @@ class _BareBlock(torch.autograd.Function):
     def forward(ctx, agent, state_keys, out_keys, anchor, observation, is_first, *state):
         ctx.agent, ctx.state_keys, ctx.out_keys = agent, state_keys, out_keys
         ctx.save_for_backward(observation, is_first, *state)
-        out = agent(
-            observation=observation,
-            is_first=is_first,
-            state=TensorDict(dict(zip(state_keys, state)), batch_size=[observation.shape[0]]),
-        )
+        B = is_first.shape[0]
+        out = agent(**step_inputs(observation, TensorDict(dict(zip(state_keys, state)), batch_size=[B]), is_first))
         if not out_keys:
             out_keys.extend(out.keys(include_nested=True, leaves_only=True))
         return tuple(out.get(k) for k in out_keys)
@@ -214,11 +211,8 @@ class _BareBlock(torch.autograd.Function):
         observation, is_first, *state = ctx.saved_tensors
         state = [t.detach().requires_grad_(True) for t in state]
         with torch.enable_grad():
-            out = ctx.agent(
-                observation=observation,
-                is_first=is_first,
-                state=TensorDict(dict(zip(ctx.state_keys, state)), batch_size=[observation.shape[0]]),
-            )
+            state_td = TensorDict(dict(zip(ctx.state_keys, state)), batch_size=[is_first.shape[0]])
+            out = ctx.agent(**step_inputs(observation, state_td, is_first))
         pairs = [(out.get(k), g) for k, g in zip(ctx.out_keys, grads) if g is not None]
         pairs = [(o, g) for o, g in pairs if o.requires_grad]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -236,10 +230,11 @@ def run_bare(agent, obs, B):
     total = 0.0
     for o in obs:
         leaves = _BareBlock.apply(agent, state_keys, out_keys, anchor, o, is_first, *[state.get(k) for k in state_keys])
-        out = TensorDict({}, batch_size=[B])
+        out = TensorDict({}, batch_size=[])
         for k, v in zip(out_keys, leaves):
             out.set(k, v)
-        total = total + _loss(agent, out, torch.zeros(B, dtype=torch.long, device=dev))
+        step = out["outputs"].apply(lambda x: x[0])  # the one row
+        total = total + _loss(agent, step, torch.zeros(B, dtype=torch.long, device=dev))
         if state_keys:  # a stateless agent's empty state has no leaf to carry
             state = out["state"]
     total.backward()

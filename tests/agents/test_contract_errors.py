@@ -15,8 +15,8 @@ from rl_replay.run.setup import build
 @pytest.mark.parametrize(
     "agent, pattern",
     [
-        ("WrongKeyAgent", r"distribution\(\) needs key 'dist' but forward\(\) returned keys \['distribution', "),
-        ("ColumnValueAgent", r"'value' of shape \(2, 1\); expected \(2,\)"),
+        ("WrongKeyAgent", r"distribution\(\) needs key 'dist' but forward\(\) returned outputs \['distribution', "),
+        ("ColumnValueAgent", r"'value' of shape \(1, 2, 1\); expected \(1, 2\)"),
         ("WideLogitsAgent", r"has 3 logits but the action space Discrete\(2\) has 2 actions"),
         ("NarrowLogitsAgent", r"has 1 logits but the action space Discrete\(2\) has 2 actions"),
         ("BatchNormAgent", r"forward\(\) changed its buffer 'body.1.running_mean', .*num_batches_tracked.*eval mode"),

@@ -46,12 +46,7 @@ class LinearValueAgent(Agent):
             self.critic.bias.fill_(b)
 
     def forward(self, observation, state, is_first):
-        return TensorDict(
-            dist=self.head(observation),
-            value=self.critic(observation).squeeze(-1),
-            state=state,
-            batch_size=observation.shape[:1],
-        )
+        return self.output(dist=self.head(observation), value=self.critic(observation).squeeze(-1), state=state)
 
 
 def chain_collector(length, *, max_episode_steps=None, num_steps=6, num_envs=2, w=3.0, b=1.0, **kw):
@@ -132,9 +127,9 @@ def test_fixed_rollout_with_truncation():
     # The truncated row bootstraps from V(final observation), computed with the agent.
     final_obs = torch.tensor([[0.6, 0.0, 0.0]])
     with torch.no_grad():
-        v_final = agent(observation=final_obs, state=agent.initial_state(1), is_first=torch.zeros(1, dtype=torch.bool))[
-            "value"
-        ]
+        v_final = agent(**step_inputs(final_obs, agent.initial_state(1), torch.zeros(1, dtype=torch.bool)))[
+            "outputs", "value"
+        ][0]
     assert torch.equal(d["next_value"][2], v_final.expand(2))
     assert torch.equal(d["observation"][3], final_obs.expand(2, 3))
     assert r.episode_returns == [6.0, 6.0] and r.episode_lengths == [3, 3]

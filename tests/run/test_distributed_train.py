@@ -50,12 +50,13 @@ def plain_rollout_grads(
 
     from rl_replay.algorithms.a2c import A2C
     from rl_replay.algorithms.losses import total_loss
+    from rl_replay.rollout.sequence import step_inputs
 
     T, N = data.batch_size
     agent.zero_grad(set_to_none=True)
     heads, state = plain_sequence(agent, data, agent.initial_state(N, final_obs.device))
     with torch.no_grad():
-        bootstrap = agent(observation=final_obs, state=state, is_first=final_is_first)["value"]
+        bootstrap = agent(**step_inputs(final_obs, state, final_is_first))["outputs", "value"][0]
     plain = data.exclude("next_value").update(heads)
     plain.set("next_value", torch.cat([heads["value"][1:].detach(), bootstrap.unsqueeze(0)]))
     total_loss(A2C.loss(plain, cfg)).backward()
