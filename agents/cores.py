@@ -101,7 +101,7 @@ class GRUCore(nn.GRUCell, Core):
         H = hidden_size
         self.out_features = H
         if chrono_t_max is not None:
-            t_max = check_t_max(chrono_t_max, "GRUAgent")
+            t_max = check_t_max(chrono_t_max, type(self).__name__)
             with torch.no_grad():  # z = sigmoid(b_iz + b_hz + ...) is the keep gate in torch
                 self.bias_ih[H : 2 * H].copy_(chrono_bias(H, t_max))
                 self.bias_hh[H : 2 * H].zero_()
@@ -157,7 +157,7 @@ class LSTMCore(nn.LSTMCell, Core):
             self.bias_ih[H : 2 * H].fill_(forget_bias)
             self.bias_hh[H : 2 * H].zero_()
             if chrono_t_max is not None:
-                forget = chrono_bias(H, check_t_max(chrono_t_max, "LSTMAgent"))
+                forget = chrono_bias(H, check_t_max(chrono_t_max, type(self).__name__))
                 self.bias_ih[H : 2 * H].copy_(forget)
                 self.bias_ih[:H].copy_(-forget)
                 self.bias_hh[:H].zero_()
@@ -211,13 +211,15 @@ class LRUCore(Core):
     ):
         super().__init__()
         if not (isinstance(hidden_size, int) and hidden_size > 0):
-            raise SetupError(f"LRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
+            raise SetupError(f"{type(self).__name__}: hidden_size must be a positive integer, got {hidden_size!r}.")
         if not (0.0 <= r_min <= r_max < 1.0):
-            raise SetupError(f"LRUAgent: need 0 <= r_min <= r_max < 1, got r_min={r_min!r}, r_max={r_max!r}.")
+            raise SetupError(
+                f"{type(self).__name__}: need 0 <= r_min <= r_max < 1, got r_min={r_min!r}, r_max={r_max!r}."
+            )
         if not (0.0 <= max_phase <= 2 * math.pi):
-            raise SetupError(f"LRUAgent: max_phase must be in [0, 2*pi], got {max_phase!r}.")
+            raise SetupError(f"{type(self).__name__}: max_phase must be in [0, 2*pi], got {max_phase!r}.")
         if not (isinstance(input_scale, (int, float)) and math.isfinite(input_scale) and input_scale >= 0):
-            raise SetupError(f"LRUAgent: input_scale must be a finite number >= 0, got {input_scale!r}.")
+            raise SetupError(f"{type(self).__name__}: input_scale must be a finite number >= 0, got {input_scale!r}.")
         self.hidden_size = hidden_size
         self.out_features = in_features
         self.complex = max_phase > 0
@@ -277,13 +279,13 @@ class MinGRUCore(Core):
     def __init__(self, in_features: int, hidden_size: int, chrono_t_max: float = 1024):
         super().__init__()
         if not (isinstance(hidden_size, int) and hidden_size > 0):
-            raise SetupError(f"MinGRUAgent: hidden_size must be a positive integer, got {hidden_size!r}.")
+            raise SetupError(f"{type(self).__name__}: hidden_size must be a positive integer, got {hidden_size!r}.")
         self.hidden_size = self.out_features = hidden_size
         self.gate = nn.Linear(in_features, hidden_size)
         self.candidate = nn.Linear(in_features, hidden_size)
         with torch.no_grad():
             # z = sigmoid(b) is the write gate; 1 - z = sigmoid(-b) keeps, so -b gets the chrono bias.
-            self.gate.bias.copy_(-chrono_bias(hidden_size, check_t_max(chrono_t_max, "MinGRUAgent")))
+            self.gate.bias.copy_(-chrono_bias(hidden_size, check_t_max(chrono_t_max, type(self).__name__)))
 
     def forward(self, u, state, keep):
         z = torch.sigmoid(self.gate(u))  # (k, N, H)

@@ -107,8 +107,8 @@ class Algorithm(ABC):
         """One update's collection and optimisation, the algorithm's own (see :meth:`update`)."""
 
     @classmethod
-    def normalize_advantages(cls, loss: LossConfig) -> bool:
+    def normalize_advantages(cls, loss_cfg: LossConfig) -> bool:
         """``loss.normalize_advantages``, or this algorithm's default where it is None."""
-        if loss.normalize_advantages is None:
+        if loss_cfg.normalize_advantages is None:
             return cls.normalizes_advantages_by_default
-        return loss.normalize_advantages
+        return loss_cfg.normalize_advantages

@@ -16,12 +16,12 @@ class REINFORCE(PolicyGradient):
 
     @classmethod
     def loss(cls, data: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
-        loss = cfg.loss
+        loss_cfg = cfg.loss
         return reinforce_loss(
             data,
-            gamma=loss.gamma,
-            baseline=loss.baseline,
-            value_coef=loss.value_coef,
-            entropy_coef=loss.entropy_coef if entropy_coef is None else entropy_coef,
-            normalize_advantages=cls.normalize_advantages(loss),
+            gamma=loss_cfg.gamma,
+            baseline=loss_cfg.baseline,
+            value_coef=loss_cfg.value_coef,
+            entropy_coef=loss_cfg.entropy_coef if entropy_coef is None else entropy_coef,
+            normalize_advantages=cls.normalize_advantages(loss_cfg),
         )

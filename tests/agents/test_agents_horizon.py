@@ -189,8 +189,10 @@ def test_lru_ring_init_and_bad_arguments():
         ({"input_scale": -1.0}, "input_scale must be a finite number >= 0"),
         ({"input_scale": float("nan")}, "input_scale must be a finite number >= 0"),
     ):
-        with pytest.raises(SetupError, match=match):
+        with pytest.raises(SetupError, match=f"^LRUCore: .*{match}"):  # the core names itself,
             LRUAgent(OBS, ACT, **kwargs)
+    with pytest.raises(SetupError, match="^LRUCore: hidden_size"):  # whichever agent holds it
+        WindowTransformerAgent(OBS, ACT, d_model=8, num_heads=2, recurrence="lru", recurrent_size=0)
 
 
 @pytest.mark.parametrize("max_phase", [0.0, 0.3])

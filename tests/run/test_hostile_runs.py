@@ -25,7 +25,7 @@ import pytest
 import torch
 from _checkpoint_files import write_format2
 
-from rl_replay.config import load_config, save_config
+from rl_replay.config import dump_config, load_config
 from rl_replay.run.cli import evaluate_main, train_main
 from rl_replay.rundir import safe_tree, trust
 from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
@@ -86,7 +86,7 @@ def warm_start(source: Path, new: Path) -> int:
 
 def write_foreign_config(run_dir: Path, *overrides: str) -> None:
     """The run's config with ``overrides``, written unsigned (as another user's tool would)."""
-    save_config(load_config(run_dir / "config.yaml", overrides), run_dir / "config.yaml")
+    (run_dir / "config.yaml").write_text(dump_config(load_config(run_dir / "config.yaml", overrides)))
 
 
 def plant_module(directory: Path, marker: Path) -> None:

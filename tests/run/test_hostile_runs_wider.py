@@ -477,11 +477,11 @@ def test_the_tools_follow_no_link_and_check_sizes_before_reading(run, tmp_path, 
 
 
 def test_popgym_table_escapes_what_a_run_says(tmp_path):
-    from rl_replay.config import load_config, save_config
+    from rl_replay.config import dump_config, load_config
 
     d = tmp_path / "run"
     d.mkdir()
-    save_config(load_config(REPO / "configs" / "popgym" / "higher_lower_easy.yaml"), d / "config.yaml")
+    (d / "config.yaml").write_text(dump_config(load_config(REPO / "configs" / "popgym" / "higher_lower_easy.yaml")))
     text = (d / "config.yaml").read_text()  # an env id that drives the terminal (YAML's escapes)
     (d / "config.yaml").write_text(re.sub(r"(?m)^  id: .*$", lambda _: '  id: "popgym-Evil\\e]0;owned\\a-v0"', text))
     (d / "metrics.jsonl").write_text(

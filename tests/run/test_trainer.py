@@ -261,10 +261,15 @@ def test_a_run_that_names_its_agent_by_the_old_path_resumes_under_the_short_name
 
 # ------------------------------------------------------------------ custom agent
 def test_custom_agent_from_config(tmp_path, monkeypatch):
+    """TinyAgent is written to the docs from before the one agent shape (a one-step forward): it
+    trains, resumes and evaluates through the StepwiseAgent adapter, with a DeprecationWarning."""
+    from rl_replay.agent import StepwiseAgent
+
     monkeypatch.syspath_prepend(str(TESTS))
     cfg = tiny_cfg(tmp_path / "run", 3, "agent.target=custom_agent_module:TinyAgent", "agent.kwargs={hidden: 5}")
-    trainer = build(cfg)
-    assert type(trainer.model).__name__ == "TinyAgent"
+    with pytest.warns(DeprecationWarning, match="runs through rl_replay.StepwiseAgent"):
+        trainer = build(cfg)
+    assert type(trainer.model).__name__ == "TinyAgent" and isinstance(trainer.model, StepwiseAgent)
     assert trainer.model.body[0].out_features == 5
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     trainer.train()

@@ -342,9 +342,9 @@ def test_a_foreign_config_calls_nothing_but_agents_wrappers_and_registered_envs(
     marker = tmp_path / "pwned"
     monkeypatch.setattr(custom_agent_module, "MARKER", str(marker))
     cfg = load_config(victim / "config.yaml", [override])
-    from rl_replay.config import save_config
+    from rl_replay.config import dump_config
 
-    save_config(cfg, victim / "config.yaml")
+    (victim / "config.yaml").write_text(dump_config(cfg))
     assert evaluate_main([str(victim), "--episodes", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "names module 'custom_agent_module'" in err and "--trust-config" in err, err
