@@ -42,6 +42,7 @@ from rl_replay.run.logger import (
 from rl_replay.run.trainer import Trainer
 from rl_replay.run.trainer_state import (
     Progress,
+    RunPlace,
     check_rng,
     load_trainer,
     read_trainer_state,
@@ -202,7 +203,8 @@ def _build(
         algorithm, num_params = _build_objects(cfg, info, device, cleanup, init_weights=init_weights, importer=importer)
         progress = Progress()
         if state is not None:
-            progress = _load_resume_state(algorithm, state, ckpt, directory.path, info, device)  # type: ignore[arg-type, union-attr]
+            assert directory is not None and ckpt is not None  # a state is read from a run directory
+            progress = _load_resume_state(algorithm, state, ckpt, RunPlace(cfg, info, device, directory))
         # Nothing has been written yet; from here on the run exists on disk.
         if directory is None:
             directory = dist_utils.on_main(lambda: _claim_new(cfg), info)
@@ -289,17 +291,11 @@ def _read_resume_state(
     return state, ckpt
 
 
-def _load_resume_state(
-    algorithm: Algorithm,
-    state: dict[str, Any],
-    ckpt: Path,
-    resume: Path,
-    info: dist_utils.DistInfo,
-    device: torch.device,
-) -> Progress:
+def _load_resume_state(algorithm: Algorithm, state: dict[str, Any], ckpt: Path, place: RunPlace) -> Progress:
     """Load the checkpoint into the newly built objects (RNG streams come last, in build)."""
+    resume = place.directory.path
     try:
-        progress = load_trainer(algorithm, state, info, device, resume)
+        progress = load_trainer(algorithm, state, place)
     except (RuntimeError, KeyError, ValueError, TypeError, IndexError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise SetupError(

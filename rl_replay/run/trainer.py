@@ -27,7 +27,14 @@ from rl_replay.run.interrupt import StopOnSignal
 from rl_replay.run.logger import METRICS_NAME, RunLogger
 from rl_replay.run.memory_stats import begin_update
 from rl_replay.run.metrics import pool_update_metrics
-from rl_replay.run.trainer_state import Progress, load_trainer, restore_trainer_rng, save_trainer, trainer_state
+from rl_replay.run.trainer_state import (
+    Progress,
+    RunPlace,
+    load_trainer,
+    restore_trainer_rng,
+    save_trainer,
+    trainer_state,
+)
 from rl_replay.rundir.checkpoint import checkpoint_path
 from rl_replay.rundir.door import RunDirectory
 from rl_replay.rundir.lock import RunLock, writing
@@ -77,15 +84,34 @@ class Trainer:
         # Known in advance only in fixed mode; in episode mode an update takes as many steps
         # as its longest episode, so the run goes on until the step budget is reached.
         self.num_updates = num_updates(cfg, world_size=info.world_size) if cfg.collector.mode == "fixed" else None
-        self.recent_returns: collections.deque[float] = collections.deque(maxlen=100)
-        self._set_progress(progress)
+        #: The trainer's own state (what a checkpoint holds besides the algorithm's).
+        self.progress = progress
 
-    def _set_progress(self, progress: Progress) -> None:
-        self.update = progress.update
-        self.env_steps = progress.env_steps  # summed over all ranks
-        self.recent_returns.clear()
-        self.recent_returns.extend(progress.recent_returns)
-        self.last_checkpoint = progress.last_checkpoint  # "PATH (update N)" of the last checkpoint written or loaded
+    @property
+    def update(self) -> int:
+        """Updates done so far."""
+        return self.progress.update
+
+    @property
+    def env_steps(self) -> int:
+        """Env steps taken so far, summed over all ranks."""
+        return self.progress.env_steps
+
+    @property
+    def recent_returns(self) -> collections.deque[float]:
+        """This rank's last episode returns (what ``train/return_mean`` averages)."""
+        return self.progress.recent_returns
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        """``"PATH (update N)"`` of the last checkpoint written or loaded."""
+        return self.progress.last_checkpoint
+
+    @property
+    def place(self) -> RunPlace:
+        """Where this run's checkpoints are written, and for what (:func:`save_trainer`)."""
+        assert self.directory is not None, "a trainer built by build() holds its run directory"
+        return RunPlace(self.cfg, self.info, self.device, self.directory, self.run_id, self.logger.wandb_id)
 
     @property
     def collector(self) -> Collector:
@@ -162,8 +188,8 @@ class Trainer:
         progress = RunProgress(self.update + 1, self.env_steps, self.budget_used(), self.last_checkpoint)
         begin_update(self.device)  # the memory metrics below are this update's, not the run's
         result = self.algorithm.update(progress)
-        self.update += 1
-        self.recent_returns.extend(result.rollout.episode_returns)
+        self.progress.update += 1
+        self.progress.recent_returns.extend(result.rollout.episode_returns)
         metrics, steps = pool_update_metrics(
             result,
             recent_returns=self.recent_returns,
@@ -172,7 +198,7 @@ class Trainer:
             device=self.device,
             info=self.info,
         )
-        self.env_steps += steps
+        self.progress.env_steps += steps
         metrics["run/world_size"] = float(self.info.world_size)  # where a resume changed it, the row says so
         if cfg.loss.entropy_schedule != "constant":
             metrics["train/entropy_coef"] = self.algorithm.entropy_coef
@@ -233,8 +259,8 @@ class Trainer:
         checkpoint in place.
         """
         with self._writing(checkpoint_path(self.run_dir)):
-            path = save_trainer(self)
-        self.last_checkpoint = f"{path} (update {self.update})"
+            path = save_trainer(self.algorithm, self.progress, self.place)
+        self.progress.last_checkpoint = f"{path} (update {self.update})"
         with self._writing(self.run_dir):
             self.logger.checkpointed(self.update)  # wandb gets only rows a resume would not redo
 
@@ -248,11 +274,11 @@ class Trainer:
         Call it on every rank: under FSDP it gathers, returns the state on the main process and
         ``None`` elsewhere. :meth:`save` writes it; :meth:`load_state_dict` takes it back.
         """
-        return trainer_state(self)
+        return trainer_state(self.algorithm, self.progress, self.place)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a state from :meth:`state_dict` or a checkpoint (``read_trainer_state``), RNG streams included."""
-        self._set_progress(load_trainer(self.algorithm, state, self.info, self.device, self.run_dir))
+        self.progress = load_trainer(self.algorithm, state, self.place)
         restore_trainer_rng(state, self.info, self.device)
 
     def close(self) -> None:

@@ -29,7 +29,10 @@ numbers and JSON only, nothing that runs code when read):
                    episodes with streams from the run's seed and its rank (:func:`world_change`).
 =================  ==============================================================
 
-Saving is collective (every rank calls :func:`save_trainer`); the ranks write their shards (if
+The functions here take the algorithm (agent, optimizer, collectors), the trainer's
+:class:`Progress` and the :class:`RunPlace` (config, ranks, device, run directory), never a trainer:
+:func:`save_trainer` writes ``algorithm`` and ``progress``, :func:`load_trainer` loads the first and
+returns the second. Saving is collective (every rank calls :func:`save_trainer`); the ranks write their shards (if
 sharded), rank 0 gathers the rest and writes ``checkpoint.pt``, then tells every rank whether the
 write succeeded, so no rank runs ahead of the file and
 a failed write fails every rank instead of hanging them. Resuming: each rank reads the
@@ -41,6 +44,7 @@ back the counters (:class:`Progress`), and :func:`restore_trainer_rng` sets the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import hashlib
 import json
@@ -77,6 +81,7 @@ __all__ = [
     "read_trainer_state",
     "load_trainer",
     "Progress",
+    "RunPlace",
     "restore_trainer_rng",
     "world_change",
     "capture_rng",
@@ -85,6 +90,38 @@ __all__ = [
     "load_agent_weights",
     "optimizer_state_problem",
 ]
+
+
+RECENT_RETURNS = 100  # the episodes train/return_mean averages over
+
+
+@dataclass
+class Progress:
+    """How far a run got: the trainer's own state (weights, optimizer and collectors are the
+    algorithm's). :func:`save_trainer` writes it beside the algorithm's state and
+    :func:`load_trainer` gives it back."""
+
+    update: int = 0
+    env_steps: int = 0  # summed over all ranks
+    recent_returns: collections.deque[float] = field(default_factory=lambda: collections.deque(maxlen=RECENT_RETURNS))
+    last_checkpoint: str | None = None  # "PATH (update N)" of the checkpoint written or loaded last
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.recent_returns, collections.deque) or self.recent_returns.maxlen != RECENT_RETURNS:
+            self.recent_returns = collections.deque(self.recent_returns, maxlen=RECENT_RETURNS)
+
+
+@dataclass(frozen=True)
+class RunPlace:
+    """Where and for what a trainer's state is written: the same for every checkpoint of a run
+    (not state). ``wandb_id`` is the run's wandb id, if it logs to wandb."""
+
+    cfg: Any
+    info: Any  # rl_replay.distributed.DistInfo
+    device: torch.device
+    directory: RunDirectory
+    run_id: str | None = None
+    wandb_id: str | None = None
 
 
 def _is_fsdp(model: torch.nn.Module) -> bool:
@@ -150,30 +187,26 @@ def writes_shards(model: torch.nn.Module, info, sharded: bool) -> bool:
     return model.sharding_strategy != ShardingStrategy.NO_SHARD
 
 
-def _model_state(trainer, sharded: bool) -> tuple[Any, Any]:
+def _model_state(algorithm, device: torch.device, sharded: bool) -> tuple[Any, Any]:
     """The agent's and the optimizer's state dicts (under FSDP: full on rank 0 only, or each
     rank's shards); collective under FSDP."""
-    model = trainer.model
+    model, optimizer = algorithm.model, algorithm.optimizer
     if not _is_fsdp(model):
-        return model.state_dict(), trainer.optimizer.state_dict()
+        return model.state_dict(), optimizer.state_dict()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    how = (
-        _sharded_state_dict_type(model, trainer.device)
-        if sharded
-        else _full_state_dict_type(model, trainer.device, rank0_only=True)
-    )
+    how = _sharded_state_dict_type(model, device) if sharded else _full_state_dict_type(model, device, rank0_only=True)
     with how:
-        return model.state_dict(), FSDP.optim_state_dict(model, trainer.optimizer)
+        return model.state_dict(), FSDP.optim_state_dict(model, optimizer)
 
 
-def _save_shards(trainer, chunks: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+def _save_shards(place: RunPlace, chunks: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
     """Every rank writes its chunks at once; the manifest's records of the files, on every rank.
     Collective: a rank that cannot write, or non-finite weights on any rank, fail every rank
     (before anything is written, for the weights)."""
     import torch.distributed as dist
 
-    info = trainer.info
+    info = place.info
     bad = shards.non_finite_chunks(chunks)
     flags: list[Any] = [None] * info.world_size
     dist.all_gather_object(flags, bad)
@@ -185,7 +218,7 @@ def _save_shards(trainer, chunks: list[dict[str, Any]], path: Path) -> list[dict
         )
     record: Any
     try:
-        record = shards.save_shard(trainer.directory.dir, info.rank, info.world_size, chunks)
+        record = shards.save_shard(place.directory.dir, info.rank, info.world_size, chunks)
     except Exception as exc:  # told to every rank below
         record = f"{type(exc).__name__}: {exc}"
     records: list[Any] = [None] * info.world_size
@@ -209,12 +242,12 @@ def _map_tensors(obj: Any, device: torch.device | str) -> Any:
     return obj
 
 
-def _rank_state(trainer) -> dict[str, Any]:
+def _rank_state(algorithm, progress: Progress, device: torch.device) -> dict[str, Any]:
     """What differs between ranks: collector, RNG streams, recent returns (on the CPU)."""
     return {
-        "collector": _map_tensors(trainer.collector.state_dict(), "cpu"),
-        "rng": capture_rng(trainer.device),
-        "recent_returns": list(trainer.recent_returns),
+        "collector": _map_tensors(algorithm.collector.state_dict(), "cpu"),
+        "rng": capture_rng(device),
+        "recent_returns": list(progress.recent_returns),
     }
 
 
@@ -228,54 +261,60 @@ def _gather_to_main(obj: Any, info) -> list[Any] | None:
     return gathered
 
 
-def trainer_state(trainer, model_state: tuple[Any, Any] | None = None) -> dict[str, Any] | None:
-    """``trainer``'s whole state as a tree of tensors and plain values; call it on every rank.
+def trainer_state(
+    algorithm, progress: Progress, place: RunPlace, model_state: tuple[Any, Any] | None = None
+) -> dict[str, Any] | None:
+    """A run's whole state (the ``algorithm``'s agent, optimizer and collectors, the ``progress``,
+    the RNG streams) as a tree of tensors and plain values; call it on every rank.
 
     A collective under FSDP (the full agent and optimizer state are gathered on rank 0, unless
     ``model_state`` gives the agent's and optimizer's state already), so it returns the state on the
     main process and ``None`` on the others. Each collector state still holds its env pickle under
     ``"envs"``; :func:`save_trainer` moves those to their own file.
     """
-    info = trainer.info
-    agent_state, optim_state = model_state if model_state is not None else _model_state(trainer, sharded=False)
-    gathered = _gather_to_main(_rank_state(trainer), info)
+    info = place.info
+    agent_state, optim_state = (
+        model_state if model_state is not None else _model_state(algorithm, place.device, sharded=False)
+    )
+    gathered = _gather_to_main(_rank_state(algorithm, progress, place.device), info)
     if not info.is_main:
         return None
     assert gathered is not None
-    config = config_to_dict(trainer.cfg)
+    config = config_to_dict(place.cfg)
     return {
-        "update": trainer.update,
-        "env_steps": trainer.env_steps,
+        "update": progress.update,
+        "env_steps": progress.env_steps,
         "agent": agent_state,
         "optimizer": optim_state,
         "collector": [g["collector"] for g in gathered],
         "rng": [g["rng"] for g in gathered],
         "recent_returns": [g["recent_returns"] for g in gathered],
-        "wandb_id": trainer.logger.wandb_id,
+        "wandb_id": place.wandb_id,
         "config": config,
         "config_sha256": hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest(),
         "world_size": info.world_size,
     }
 
 
-def save_trainer(trainer) -> Path:
-    """Write ``trainer``'s checkpoint; call it on every rank (a collective under FSDP).
+def save_trainer(algorithm, progress: Progress, place: RunPlace) -> Path:
+    """Write the checkpoint of ``algorithm`` and ``progress`` into ``place``; call it on every rank
+    (a collective under FSDP). :func:`load_trainer` reads it back.
 
     Returns the path written. Raises on every rank if rank 0 could not write it (e.g. a
     :class:`~rl_replay.errors.CheckpointError` for non-finite weights).
     """
-    path = checkpoint_path(trainer.run_dir)
-    directory = trainer.directory  # held open by rank 0, which writes (and by the others, for their shards)
-    sharded = writes_shards(trainer.model, trainer.info, trainer.cfg.checkpoint.sharded)
-    agent_state, optim_state = _model_state(trainer, sharded)
+    info, directory = place.info, place.directory  # held open by rank 0, which writes (and the others, for shards)
+    path = checkpoint_path(directory.path)
+    sharded = writes_shards(algorithm.model, info, place.cfg.checkpoint.sharded)
+    agent_state, optim_state = _model_state(algorithm, place.device, sharded)
     manifest = None
     if sharded:
         # Every rank writes its rows of the weights and optimizer state; checkpoint.pt names them.
-        tree, chunks, specs = shards.split({"agent": agent_state, "optimizer": optim_state}, rank=trainer.info.rank)
+        tree, chunks, specs = shards.split({"agent": agent_state, "optimizer": optim_state}, rank=info.rank)
         agent_state, optim_state = tree["agent"], tree["optimizer"]
-        records = _save_shards(trainer, chunks, path)
-        manifest = {"world": trainer.info.world_size, "files": records, "tensors": specs}
-    state = trainer_state(trainer, (agent_state, optim_state))
+        records = _save_shards(place, chunks, path)
+        manifest = {"world": info.world_size, "files": records, "tensors": specs}
+    state = trainer_state(algorithm, progress, place, (agent_state, optim_state))
     error: BaseException | None = None
     if state is not None:
         # What must stay a pickle goes to its own file, signed with this user's key.
@@ -287,13 +326,13 @@ def save_trainer(trainer) -> Path:
         try:
             # (Non-finite weights are refused by save_checkpoint; refuse them before the env file too.)
             if any(p is not None for p in pickles) and not non_finite_tensors(state["agent"]):
-                binding = env_binding(trainer.cfg.env, trainer.run_id)
+                binding = env_binding(place.cfg.env, place.run_id)
                 payload["env_state"] = save_env_state(pickles, directory.dir, trust.user_secret(), binding)
             save_checkpoint(payload, directory.dir)
         except BaseException as exc:  # tell the other ranks before failing
             error = exc
     # Barrier: no rank continues before rank 0 has written (or failed to write) the file.
-    message = dist_utils.broadcast_from_main(None if error is None else str(error), trainer.info)
+    message = dist_utils.broadcast_from_main(None if error is None else str(error), info)
     if error is not None:
         raise error
     if message is not None:
@@ -402,22 +441,14 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-@dataclass
-class Progress:
-    """How far a run got: what a checkpoint gives back besides weights, optimizer and collectors."""
-
-    update: int = 0
-    env_steps: int = 0  # summed over all ranks
-    recent_returns: list[float] = field(default_factory=list)  # this rank's
-    last_checkpoint: str | None = None  # "PATH (update N)" of the checkpoint written or loaded last
-
-
-def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, where: str | Path) -> Progress:
-    """Load the agent, optimizer and collector of ``state`` into ``algorithm`` (their owner;
-    collective under FSDP) and return its counters; ``where`` names the run in errors.
+def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
+    """Load the agent, optimizer and collector of ``state`` (:func:`trainer_state`'s, or a
+    checkpoint's: :func:`read_trainer_state`) into ``algorithm`` (their owner; collective under
+    FSDP) and return its :class:`Progress`.
 
     The RNG streams are restored separately (:func:`restore_trainer_rng`), last.
     """
+    info, device, where = place.info, place.device, place.directory.path
     model, optimizer = algorithm.model, algorithm.optimizer
     if _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -439,9 +470,9 @@ def load_trainer(algorithm, state: dict[str, Any], info, device: torch.device, w
         )
     optimizer.load_state_dict(optim_state)
     if info.rank >= state["world_size"]:  # a rank the writer did not have: fresh episodes (world_change)
-        return Progress(state["update"], state["env_steps"], [])
+        return Progress(state["update"], state["env_steps"])
     algorithm.collector.load_state_dict(_map_tensors(state["collector"][info.rank], device))
-    return Progress(state["update"], state["env_steps"], list(state["recent_returns"][info.rank]))
+    return Progress(state["update"], state["env_steps"], collections.deque(state["recent_returns"][info.rank]))
 
 
 def _parameter_names(model: torch.nn.Module) -> list[str]:

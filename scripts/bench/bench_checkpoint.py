@@ -61,7 +61,7 @@ def main() -> int:
             saves, loads = [], []
             for _ in range(args.repeats):
                 start = time.perf_counter()
-                save_trainer(trainer)
+                save_trainer(trainer.algorithm, trainer.progress, trainer.place)
                 saves.append(time.perf_counter() - start)
             files = {
                 p.name: p.stat().st_size
@@ -75,7 +75,7 @@ def main() -> int:
                 start = time.perf_counter()
                 with RunDirectory.open(run_dir) as run:
                     state, _, _ = read_trainer_state(run, trainer.info, run_binding(run.dir))
-                load_trainer(trainer.algorithm, state, trainer.info, trainer.device, run_dir)
+                load_trainer(trainer.algorithm, state, trainer.place)
                 loads.append(time.perf_counter() - start)
         finally:
             trainer.close()

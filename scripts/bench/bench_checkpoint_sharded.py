@@ -48,7 +48,7 @@ def worker(spec: dict) -> None:
         meter = MemoryMeter(torch.device("cpu"))
         meter.start()
         t0 = time.perf_counter()
-        save_trainer(trainer)
+        save_trainer(trainer.algorithm, trainer.progress, trainer.place)
         seconds = time.perf_counter() - t0
         growth = meter.peak_rss_growth()
     finally:
