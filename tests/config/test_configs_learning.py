@@ -1,5 +1,5 @@
 """The shipped learning configs (configs/memory_*.yaml, configs/ppo_memory_*.yaml, configs/tmaze_*.yaml,
-configs/popgym_*.yaml) build their
+configs/popgym/*.yaml) build their
 env and agent and train: tiny sizes, a couple of updates each. The learning itself is
 measured in docs/learning.md, not here."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import gymnasium as gym
 import numpy as np
 import pytest
 import torch
@@ -17,7 +16,6 @@ from rl_replay.run.setup import build
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 MEMORY = sorted([*CONFIGS.glob("memory_*.yaml"), *CONFIGS.glob("ppo_memory_*.yaml")])
-POPGYM = sorted(CONFIGS.glob("popgym_*.yaml"))
 POPGYM_TABLE = sorted(p for p in (CONFIGS / "popgym").glob("*.yaml") if p.name != "base.yaml")
 TMAZE = sorted(CONFIGS.glob("tmaze_*.yaml"))
 TINY = ["log.wandb_mode=disabled", "log.progress=false", "checkpoint.every=0"]
@@ -55,16 +53,14 @@ def train(cfg, updates: int):
 
 
 def test_the_config_globs_find_the_shipped_configs():
-    names = {p.name for p in MEMORY + POPGYM + TMAZE}
+    names = {p.name for p in MEMORY + POPGYM_TABLE + TMAZE}
     assert {
         "memory_256.yaml",
         "memory_gru.yaml",
         "ppo_memory_256.yaml",
         "ppo_memory_gru.yaml",
-        "popgym_repeat_previous_easy.yaml",
-        "popgym_repeat_first_medium.yaml",
-        "popgym_count_recall_easy.yaml",
-        "popgym_repeat_previous_hard.yaml",
+        "repeat_previous_medium.yaml",
+        "count_recall_easy.yaml",
         "tmaze_passive_100.yaml",
         "tmaze_passive_1500.yaml",
         "tmaze_passive_4096.yaml",
@@ -104,26 +100,6 @@ def test_memory_config_keeps_step_cap_in_sync_and_runs_an_update(path, tmp_path)
     )
     _, metrics = train(cfg, updates=1)
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
-
-
-@pytest.mark.parametrize("path", POPGYM, ids=lambda p: p.stem)
-def test_popgym_config_builds_and_runs_two_updates(path, tmp_path):
-    pytest.importorskip("popgym")
-    shipped = load_config(path)
-    assert shipped.env.imports == ["popgym"] and shipped.env.id.startswith("popgym-")
-    cfg = tiny(
-        path,
-        tmp_path,
-        shipped,
-        "env.num_envs=4",
-        "collector.num_steps=8",
-        "total_env_steps=64",
-        "ppo.num_minibatches=2",
-    )
-    trainer, _ = train(cfg, updates=2)
-    space = trainer.collector.envs.single_observation_space
-    assert isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete))
-    assert trainer.model.obs_dim == int(np.sum(space.nvec) if hasattr(space, "nvec") else space.n)  # one-hot
 
 
 @pytest.mark.parametrize("path", POPGYM_TABLE, ids=lambda p: p.stem)

@@ -281,28 +281,6 @@ def test_uint8_images_train(tmp_path):
     )
 
 
-def test_popgym_repeat_previous_easy_trains_two_updates(tmp_path):
-    pytest.importorskip("popgym")
-    from pathlib import Path
-
-    config = Path(__file__).resolve().parents[2] / "configs" / "popgym_repeat_previous_easy.yaml"
-    cfg = load_config(
-        config,
-        [
-            "env.num_envs=2",
-            "collector.num_steps=8",
-            "total_env_steps=32",
-            "ppo.num_minibatches=2",
-            "log.wandb_mode=disabled",
-            "log.progress=false",
-            f"run_dir={tmp_path / 'run'}",
-            "agent.kwargs={hidden_size: 8, encoder_sizes: [8]}",
-        ],
-    )
-    trainer = train_two_updates_in_process(cfg)
-    assert trainer.collector.envs.single_observation_space == gym.spaces.Discrete(4)
-
-
 def test_returns_are_the_envs_own_under_a_reward_wrapper(tmp_path):
     """NormalizeReward rescales the rewards the agent learns from; rollout and evaluation
     returns stay the env's own (CartPole pays 1 per step, so a return is the episode length)."""
