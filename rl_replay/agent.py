@@ -102,7 +102,7 @@ class ActionHead(nn.Module):
         elif isinstance(action_space, gym.spaces.MultiDiscrete):
             out = int(np.sum(action_space.nvec))
         else:
-            out = int(math.prod(action_space.shape))  # type: ignore[arg-type]
+            out = int(math.prod(action_space.shape or ()))
             self.log_std = nn.Parameter(torch.zeros(out))
         self.linear = nn.Linear(in_features, out)
         nn.init.orthogonal_(self.linear.weight, gain=init_std)
@@ -179,6 +179,8 @@ class Agent(nn.Module):
 
     #: The block-input keys this agent's forward takes as keyword arguments.
     in_keys: tuple[str, ...] = ("observation", "state", "is_first")
+    #: The action head :meth:`distribution` asks (set by the subclass's ``__init__``).
+    head: ActionHead
 
     def __init__(self, observation_space: gym.Space, action_space: gym.Space) -> None:
         super().__init__()
@@ -240,7 +242,7 @@ class Agent(nn.Module):
 
     def distribution(self, outputs: TensorDict) -> torch.distributions.Distribution:
         """The action distribution for ``outputs`` (of any batch size): :meth:`forward`'s ``outputs``."""
-        return self.head.distribution(outputs["dist"])  # type: ignore[operator, union-attr]
+        return self.head.distribution(outputs["dist"])
 
     @staticmethod
     def reset_state(state: torch.Tensor, is_first: torch.Tensor) -> torch.Tensor:

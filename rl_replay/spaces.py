@@ -176,7 +176,7 @@ def flat_size(space: gym.Space) -> int:
         return int(space.n)
     if isinstance(space, gym.spaces.MultiDiscrete):
         return int(space.nvec.sum())
-    return int(math.prod(space.shape))  # type: ignore[arg-type]
+    return int(math.prod(space.shape or ()))
 
 
 def leaf_keys(space: gym.Space) -> list[tuple[str, ...]]:
@@ -202,7 +202,7 @@ def leaf_event_dims(space: gym.Space) -> list[int]:
         return [d for _, sub in _children(space) for d in leaf_event_dims(sub)]
     if isinstance(space, (gym.spaces.Discrete, gym.spaces.MultiDiscrete)):
         return [1]
-    return [len(space.shape)]  # type: ignore[arg-type]
+    return [len(space.shape or ())]
 
 
 def flatten(

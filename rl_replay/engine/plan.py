@@ -274,9 +274,9 @@ def plan_for(accumulator: GradientAccumulator, model: Callable) -> ModelPlan:
     module = module_of(model)
     key = id(model if module is None else module)
     plan = accumulator._plans.get(key)
-    if plan is None or plan.module is not module:  # type: ignore[attr-defined]
+    if not isinstance(plan, ModelPlan) or plan.module is not module:
         plan = accumulator._plans[key] = ModelPlan(model)
-    return plan  # type: ignore[return-value]
+    return plan
 
 
 def module_of(model: Callable) -> torch.nn.Module | None:

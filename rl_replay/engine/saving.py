@@ -34,7 +34,10 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
     slice of a caller's buffer and ``saved[i]`` that buffer (None otherwise).
     """
     # devices, versions, slices: tuples, shared when not all None
-    saved, devices, versions, slices = [], [], [], []  # type: ignore[var-annotated]
+    saved: list[torch.Tensor | None] = []
+    devices: list[torch.device | None] = []
+    versions: list[int | None] = []
+    slices: list[tuple | None] = []
     for t in tensors:
         slice_of = None
         if t.is_cuda:
@@ -42,12 +45,12 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
             src = t if dense(t) else t.contiguous()
             saved.append(slabs.copy(src, pinned=True))
             devices.append(t.device)
-            versions.append(None)  # type: ignore[arg-type]
+            versions.append(None)
         else:
             how = _how_to_save(t, slabs)
             if how is _COPY:
                 saved.append(slabs.copy(t, pinned=False))
-                versions.append(None)  # type: ignore[arg-type]
+                versions.append(None)
             elif how is _ALIAS:
                 # Sharing its storage and version counter, without its autograd metadata
                 # (grad_fn, output number): ~0.5 KiB less per block until backward.
@@ -66,7 +69,7 @@ def save_inputs(tensors: Sequence[torch.Tensor], slabs, intern: Callable[[tuple]
             else:
                 saved.append(t)
                 versions.append(t._version)
-            devices.append(None)  # type: ignore[arg-type]
+            devices.append(None)
         slices.append(slice_of)
     return saved, _compact(devices), _compact(versions), _compact(slices)
 

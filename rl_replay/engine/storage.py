@@ -147,10 +147,11 @@ class SlabStore:
             self._chunks[chunk.data_ptr] = chunk
             self.reserved_bytes += size
             out = chunk.take(t)
+        assert out is not None  # a fresh chunk holds at least the tensor
         # Blocking, as save_on_cpu's: the copy is done before the caller can touch t.
-        out.copy_(t)  # type: ignore[union-attr]
+        out.copy_(t)
         self.copied_bytes += t.numel() * t.element_size()
-        return out  # type: ignore[return-value]
+        return out
 
     def place(self, t: torch.Tensor, position: int) -> torch.Tensor:
         """A copy of dense host ``t`` in a pageable chunk, for a block's output number

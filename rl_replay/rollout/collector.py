@@ -185,7 +185,8 @@ class Collector:
             self._reset(None if self._obs is not None else self.seed)
         elif self._obs is None:
             self._reset(self.seed)
-        start_state = self._state.detach().clone()  # type: ignore[union-attr]
+        assert self._state is not None  # set by the reset above
+        start_state = self._state.detach().clone()
         N = self.num_envs
         # Per-key columns, stacked once at the end (cheaper than a TensorDict per step).
         cols: dict[str, list] = {k: [] for k in ("observation", "is_first", "action")}
@@ -198,7 +199,8 @@ class Collector:
         # stopping alone would strand the others in it); otherwise every EPISODE_SYNC_STEPS steps
         # in episode mode, and once, after the loop, in fixed mode. The sync steps are the same on
         # every rank, and a rank that stops early joins the next one.
-        distributed = self.reduce_sums is not None
+        reduce_sums = self.reduce_sums
+        distributed = reduce_sums is not None
         every = 1 if not self.gather_once else EPISODE_SYNC_STEPS if self.mode == "episode" else None
         synced = True
         problem = None
@@ -237,18 +239,18 @@ class Collector:
                 finished |= done
             everyone_finished = self.mode == "episode" and bool(finished.all())
             synced = not distributed
-            if distributed and (problem or (every is not None and (t + 1) % every == 0)):
-                sums = self.reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})  # type: ignore[misc]
+            if reduce_sums is not None and (problem or (every is not None and (t + 1) % every == 0)):
+                sums = reduce_sums({"bad": float(problem is not None), "unfinished": float(not everyone_finished)})
                 self._raise_if_bad(sums, problem)
                 everyone_finished, synced = self.mode == "episode" and not sums["unfinished"], True
             if everyone_finished and synced:
                 break
-        if not synced:  # the last sync: the rollout ended between sync steps (or fixed mode's only one)
-            self._raise_if_bad(self.reduce_sums({"bad": 0.0, "unfinished": 0.0}), None)  # type: ignore[misc]
+        if reduce_sums is not None and not synced:  # the last sync: the rollout ended between sync steps
+            self._raise_if_bad(reduce_sums({"bad": 0.0, "unfinished": 0.0}), None)
         # Bootstrap value of the observation after the last row (no gradient needed).
         with torch.no_grad():
             bootstrap = self.policy.module(**self._block_inputs())["outputs", "value"][0]
-        self._state = self._state.detach()  # type: ignore[union-attr]
+        self._state = state.detach()  # the state after the last row
         data = {key: torch.stack(column) for key, column in cols.items()}  # (T, N, ...)
         T = data["action"].shape[0]
         # One distribution over the stacked (T, N) outputs: the loss's graph gets a few

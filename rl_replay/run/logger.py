@@ -390,13 +390,15 @@ class RunLogger:
         self._dir.replace_with_text(TENSORBOARD_MARK_NAME, json.dumps({"update": self._tb_mark}))
 
     def _send(self, rows: list[dict[str, Any]]) -> None:
+        run = self._wandb
+        assert run is not None  # rows are sent only to an open wandb run
         for row in rows:
             # NaN is "no point" on a wandb chart, as null is in metrics.jsonl; dropping it
             # keeps wandb's last-value summary of, e.g., the return meaningful.
             sent = {k: v for k, v in row.items() if not (isinstance(v, float) and math.isnan(v))}
-            self._wandb.log(sent, step=int(row["update"]))  # type: ignore[union-attr]
+            run.log(sent, step=int(row["update"]))
         if rows:
-            self._wandb.summary.update(self._summary.value())  # type: ignore[union-attr]
+            run.summary.update(self._summary.value())
             self._write_mark(int(rows[-1]["update"]))
 
     def _write_mark(self, update: int) -> None:

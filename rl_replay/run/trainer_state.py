@@ -423,8 +423,9 @@ def read_trainer_state(directory: RunDirectory, info, binding: bytes) -> tuple[d
         flags: list[Any] = [None] * info.world_size
         dist.all_gather_object(flags, usable)
         usable = all(flags)
+    pickles = found.pickles if usable and found is not None else None
     for rank, collector in enumerate(state["collector"]):
-        collector["envs"] = found.pickles[rank] if usable else None  # type: ignore[index, union-attr]
+        collector["envs"] = pickles[rank] if pickles is not None else None
         if digest and not usable:
             why = found.note if found and found.note else "another rank could not use its env state"
             collector["fresh_envs"] = (
@@ -432,8 +433,9 @@ def read_trainer_state(directory: RunDirectory, info, binding: bytes) -> tuple[d
                 "resume with --trust-env-state to unpickle it if you trust where it came "
                 "from (unpickling can run any code)",
             )
-    if usable and found.note:  # type: ignore[union-attr]
-        warning = f"{warning} {found.note}" if warning else found.note  # type: ignore[union-attr]
+    note = found.note if usable and found is not None else None
+    if note:
+        warning = f"{warning} {note}" if warning else note
     return state, path, warning
 
 
