@@ -6,7 +6,7 @@ The recurrence is ``x_t = lambda * x_{t-1} + gamma * (B u_t)`` with a diagonal `
 (complex, or real when ``max_phase == 0``). Nothing nonlinear sits between ``x_{t-1}`` and
 ``x_t``, so the gradient from step ``t`` to step ``t - k`` is exactly ``lambda ** k`` per
 unit: with ``|lambda|`` drawn close to 1 it neither vanishes nor explodes over thousands of
-steps, and it does not depend on what the cell saw in between.
+steps, and it does not depend on what the core saw in between.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class LRUAgent(RecurrentAgent):
 
     ``lambda = exp(-exp(nu_log) + i exp(theta_log))``: the exponential parameterisation
     keeps ``|lambda| < 1`` whatever the optimizer does, so the recurrence stays stable. The
-    recurrence's parameters live in ``self.cell`` (:class:`~rl_replay.agents.cores.LRUCore`).
+    recurrence's parameters live in ``self.core`` (:class:`~rl_replay.agents.cores.LRUCore`).
     """
 
     def __init__(
@@ -86,4 +86,4 @@ class LRUAgent(RecurrentAgent):
 
     def eigenvalues(self) -> torch.Tensor:
         """The diagonal ``lambda`` as a complex tensor ``(hidden_size,)``."""
-        return self.cell.eigenvalues()
+        return self.core.eigenvalues()

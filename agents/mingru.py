@@ -1,4 +1,4 @@
-"""minGRU (Feng et al., "Were RNNs all we needed?", 2024) as an actor-critic: a gated cell
+"""minGRU (Feng et al., "Were RNNs all we needed?", 2024) as an actor-critic: a gated core
 whose gate and candidate depend on the input only, so the state update is linear in the
 state: ``h_t = (1 - z_t) * h_{t-1} + z_t * h~_t``.
 
@@ -21,8 +21,8 @@ class MinGRUAgent(RecurrentAgent):
 
     Args:
         hidden_size: recurrent units.
-        encoder_sizes: MLP widths before the cell (tanh); the last is the cell's input ``u``.
-        readout_sizes: MLP widths after the cell; its input is ``h`` next to ``u``, so the
+        encoder_sizes: MLP widths before the core (tanh); the last is the core's input ``u``.
+        readout_sizes: MLP widths after the core; its input is ``h`` next to ``u``, so the
             current observation reaches the heads without going through the slow memory.
         chrono_t_max: the longest memory time (steps) the gate bias is initialised for.
         skip: the readout reads ``u`` next to ``h`` (on by default: see ``readout_sizes``).

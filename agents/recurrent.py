@@ -35,7 +35,7 @@ def activation_class(name: str, agent_name: str) -> type[nn.Module]:
 
 
 class RecurrentAgent(Agent):
-    """Encoder -> core (``self.cell``) -> readout -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
+    """Encoder -> core (``self.core``) -> readout -> ``actor_mlp`` / ``critic_mlp`` -> ``head`` / ``value``.
 
     A subclass passes ``make_core(in_features) -> Core``. Every state tensor is zeroed where
     ``is_first`` is set, before the step reads it, so no gradient crosses an episode boundary.
@@ -50,7 +50,7 @@ class RecurrentAgent(Agent):
             ``image_scale``; see :class:`~rl_replay.agents.encoders.ConvEncoder`).
         activation: ``"tanh"`` or ``"relu"``, for the encoder, readout and head layers.
         skip: the readout reads the encoded observation next to the core's output. A gated
-            cell's state is a leaky average of past inputs, so without the skip a reactive
+            core's state is a leaky average of past inputs, so without the skip a reactive
             task sees the present only through that lag; with it the state only has to carry
             what the present observation lacks.
         readout_sizes: a shared MLP after the core (and skip), read by both heads.
@@ -82,14 +82,14 @@ class RecurrentAgent(Agent):
         self.separate_critic = separate_critic
         encoder_sizes = list(encoder_sizes)
         self.encoder, width = make_encoder(self, encoder, encoder_sizes, self.activation, encoder_kwargs)
-        self.cell = make_core(width)
-        self.state_keys = tuple(self.cell.state_keys)
+        self.core = make_core(width)
+        self.state_keys = tuple(self.core.state_keys)
         if separate_critic:
             # The critic's own encoder and core: the value loss, large while returns are
             # unnormalised, then cannot drown the policy's gradient in a shared trunk.
             self.critic_encoder, _ = make_encoder(self, encoder, encoder_sizes, self.activation, encoder_kwargs)
-            self.critic_cell = make_core(width)
-        features = self.cell.out_features + (width if skip else 0)
+            self.critic_core = make_core(width)
+        features = self.core.out_features + (width if skip else 0)
         readout_sizes, head_sizes = list(readout_sizes), list(head_sizes)
         self.readout = mlp(features, readout_sizes, self.activation)
         features = readout_sizes[-1] if readout_sizes else features
@@ -100,16 +100,16 @@ class RecurrentAgent(Agent):
         self.value = value_head(last)
 
     def initial_state(self, batch_size: int, device="cpu") -> TensorDict:
-        state = {k: torch.zeros(batch_size, *self.cell.state_shape(k), device=device) for k in self.state_keys}
+        state = {k: torch.zeros(batch_size, *self.core.state_shape(k), device=device) for k in self.state_keys}
         if self.separate_critic:
             state.update({k + "_critic": torch.zeros_like(v) for k, v in state.items()})
         return TensorDict(state, batch_size=[batch_size])
 
-    def _trunk(self, encoder, cell, x, k: int, n: int, state: TensorDict, keep, suffix: str, next_state: dict):
-        """Encode the ``k * n`` rows ``x``, run ``cell`` over the k steps from ``state``, put
+    def _trunk(self, encoder, core, x, k: int, n: int, state: TensorDict, keep, suffix: str, next_state: dict):
+        """Encode the ``k * n`` rows ``x``, run ``core`` over the k steps from ``state``, put
         its last state in ``next_state``; returns what the readout reads, ``(k, n, features)``."""
         e = encoder(x).unflatten(0, (k, n))
-        y, last = cell(e, tuple(state[key + suffix] for key in self.state_keys), keep)
+        y, last = core(e, tuple(state[key + suffix] for key in self.state_keys), keep)
         next_state.update((key + suffix, v) for key, v in zip(self.state_keys, last))
         return torch.cat([y, e], dim=-1) if self.skip else y
 
@@ -122,11 +122,11 @@ class RecurrentAgent(Agent):
         x = rows if takes_raw_observation(self.encoder) else self.flatten_observation(rows)
         keep = (~is_first).to(torch.float32).unsqueeze(-1)  # (k, n, 1)
         next_state: dict[str, torch.Tensor] = {}
-        actor_in = self.readout(self._trunk(self.encoder, self.cell, x, k, n, state, keep, "", next_state))
+        actor_in = self.readout(self._trunk(self.encoder, self.core, x, k, n, state, keep, "", next_state))
         critic_in = actor_in
         if self.separate_critic:
             critic_in = self.readout(
-                self._trunk(self.critic_encoder, self.critic_cell, x, k, n, state, keep, "_critic", next_state)
+                self._trunk(self.critic_encoder, self.critic_core, x, k, n, state, keep, "_critic", next_state)
             )
         return actor_in, critic_in, TensorDict(next_state, batch_size=[n])
 

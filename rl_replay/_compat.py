@@ -11,10 +11,12 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
   was developed the reference agents and envs were first the top-level packages ``agents`` /
   ``envs``, and the flat modules of ``rl_replay`` (``rl_replay.collector``...) then moved into
   ``rl_replay.rollout`` / ``rl_replay.run``. :func:`current_module_name` maps the old names.
-* **Parameter names of the LRU and minGRU agents**: their recurrence moved into ``cell`` (the
-  core of the agent skeleton) during 0.1.0, so ``nu_log`` is now ``cell.nu_log`` and
-  ``gate.weight`` ``cell.gate.weight``. :func:`current_agent_keys` maps an older checkpoint's
-  names where weights are loaded (evaluate, ``init_from``, a single-process resume).
+* **Parameter names of the recurrent agents**: the recurrence of the LRU and minGRU agents moved
+  into ``cell`` during 0.1.0 (``nu_log`` became ``cell.nu_log``, ``gate.weight``
+  ``cell.gate.weight``), and ``cell`` / ``critic_cell`` were then named ``core`` / ``critic_core``,
+  the word the code and the docs use for it. :func:`current_agent_keys` maps an older checkpoint's
+  names where weights are loaded (evaluate, ``init_from``, a resume in one process or under FSDP,
+  the optimizer state keyed by name included).
 * **``ppo.norm_adv``** in an older config is read as ``loss.normalize_advantages``
   (:func:`translate_norm_adv`, called by ``rl_replay.config``).
 * **An agent written to the docs before the one agent shape**: a subclass of ``rl_replay.Agent``
@@ -43,6 +45,7 @@ __all__ = [
     "RENAMED_PACKAGES",
     "RENAMED_MODULES",
     "current_module_name",
+    "current_agent_key",
     "current_agent_keys",
     "translate_norm_adv",
     "translate_block_steps",
@@ -159,14 +162,23 @@ def translate_block_steps(loaded: Mapping[str, Any], algorithm: str, path: str) 
     return out
 
 
-def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:
-    """``weights`` with each name the agent does not have, but has under ``cell.``, renamed so.
+def current_agent_key(name: str, own: Any) -> str:
+    """``name`` (a parameter or buffer name of an older checkpoint) as the agent with the names
+    ``own`` calls it: ``cell.X`` / ``critic_cell.X`` as ``core.X`` / ``critic_core.X``, a bare ``X``
+    as ``core.X``; a name the agent has, or none of those, is returned as it is."""
+    if name in own:
+        return name
+    for old, new in (("cell.", "core."), ("critic_cell.", "critic_core."), ("", "core.")):
+        if name.startswith(old) and new + name[len(old) :] in own:
+            return new + name[len(old) :]
+    return name
 
-    ``own`` is the agent's own names (its ``state_dict()`` keys); a checkpoint that already
-    fits is returned as it is.
-    """
+
+def current_agent_keys(weights: Mapping[str, Any], own: Any) -> dict[str, Any]:
+    """``weights`` with every name renamed by :func:`current_agent_key` for the agent whose
+    names are ``own`` (its ``state_dict()`` keys); a checkpoint that already fits is returned as it is."""
     own = set(own)
-    return {(f"cell.{k}" if k not in own and f"cell.{k}" in own else k): v for k, v in weights.items()}
+    return {current_agent_key(k, own): v for k, v in weights.items()}
 
 
 _ADAPTED: dict[type, type] = {}

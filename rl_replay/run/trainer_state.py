@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from rl_replay import distributed as dist_utils
-from rl_replay._compat import current_agent_keys
+from rl_replay._compat import current_agent_key, current_agent_keys
 from rl_replay.config import config_to_dict
 from rl_replay.errors import CheckpointError, one_line, shown
 from rl_replay.rundir import shards, trust
@@ -458,7 +458,7 @@ def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
         # Every rank holds the full state (it read the file), so no rank0_only broadcast; FSDP
         # shards it for this run's ranks, however many wrote it.
         with _full_state_dict_type(model, device, rank0_only=False):
-            model.load_state_dict(state["agent"])
+            model.load_state_dict(current_agent_keys(state["agent"], _agent_names(model)))
             saved = _optimizer_state_by_name(model, state["optimizer"])
             optim_state = FSDP.optim_state_dict_to_load(model, optimizer, saved)
     else:
@@ -482,13 +482,30 @@ def _parameter_names(model: torch.nn.Module) -> list[str]:
     return [name.replace("_fsdp_wrapped_module.", "") for name, _ in model.named_parameters()]
 
 
+def _agent_names(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s state dict, as a plain agent names them (without a collective)."""
+    buffers = [name.replace("_fsdp_wrapped_module.", "") for name, _ in model.named_buffers()]
+    return {*_parameter_names(model), *buffers}
+
+
+def _current_names(model: torch.nn.Module, saved: dict) -> dict:
+    """A name-keyed optimizer state with an older checkpoint's parameter names as ``model``
+    names them (:func:`rl_replay._compat.current_agent_key`)."""
+    own = set(_parameter_names(model))
+    names = {k: current_agent_key(k, own) for k in saved["state"] if isinstance(k, str)}
+    for group in saved.get("param_groups") or []:
+        if isinstance(group, dict) and isinstance(group.get("params"), list):
+            names.update((p, current_agent_key(p, own)) for p in group["params"] if isinstance(p, str))
+    return _renamed(saved, names)
+
+
 def _optimizer_state_by_name(model: torch.nn.Module, saved: Any) -> Any:
     """A one-process optimizer state (keyed by parameter index) keyed by parameter name, as
     ``FSDP.optim_state_dict`` writes it; a state keyed by name already is returned as it is."""
     if not isinstance(saved, dict) or not isinstance(saved.get("state"), dict):
         return saved  # optimizer_state_problem names what is wrong
     if not any(isinstance(k, int) for k in saved["state"]) and not _groups_hold(saved, int):
-        return saved
+        return _current_names(model, saved)
     return _renamed(saved, dict(enumerate(_parameter_names(model))))
 
 
@@ -500,7 +517,7 @@ def _optimizer_state_by_index(model: torch.nn.Module, saved: Any) -> Any:
         return saved
     if not any(isinstance(k, str) for k in saved["state"]) and not _groups_hold(saved, str):
         return saved
-    return _renamed(saved, {n: i for i, n in enumerate(_parameter_names(model))})
+    return _renamed(_current_names(model, saved), {n: i for i, n in enumerate(_parameter_names(model))})
 
 
 def _groups_hold(saved: dict, kind: type) -> bool:

@@ -134,7 +134,7 @@ class TorchRLPolicy(torch.nn.Module):
         from tensordict.nn import TensorDictModule, TensorDictSequential
         from torchrl.modules import GRUModule, LSTMModule
 
-        cell = agent.cell
+        cell = agent.core
         self.lstm = "c" in agent.state_keys
         rnn_class = torch.nn.LSTM if self.lstm else torch.nn.GRU
         rnn = rnn_class(cell.input_size, cell.hidden_size, batch_first=True, device=cell.weight_ih.device)
@@ -277,7 +277,7 @@ def gradients(spec: dict) -> dict[str, float]:
             name = name.removeprefix("module.0.module.").removeprefix("module.2.module.")
             for ours, their in PARAMETER_NAMES.items():
                 if name == prefix + their:
-                    name = "cell." + ours
+                    name = "core." + ours
             renamed["encoder." + name if name[0].isdigit() else name] = g
         sides["torchrl"] = renamed
     out = {}

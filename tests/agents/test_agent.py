@@ -220,9 +220,9 @@ RECURRENT_KEYS = [
     f"{part}.{name}"
     for part, names in [
         ("encoder.0", ["weight", "bias"]),
-        ("cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+        ("core", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
         ("critic_encoder.0", ["weight", "bias"]),
-        ("critic_cell", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
+        ("critic_core", ["weight_ih", "weight_hh", "bias_ih", "bias_hh"]),
         ("actor_mlp.0", ["weight", "bias"]),
         ("critic_mlp.0", ["weight", "bias"]),
         ("head.linear", ["weight", "bias"]),
@@ -310,7 +310,7 @@ def test_separate_critic_keeps_value_and_policy_gradients_apart(cls, keys):
     out = OneStep(agent)(observation=obs, state=out["state"], is_first=torch.tensor([True, False, False, False]))
     out["value"].sum().backward()
     grads = {n: p.grad for n, p in agent.named_parameters()}
-    assert all(grads[n] is None for n in grads if n.startswith(("encoder.", "cell.", "head.")))
+    assert all(grads[n] is None for n in grads if n.startswith(("encoder.", "core.", "head.")))
     assert all(grads[n] is not None and grads[n].abs().sum() > 0 for n in grads if n.startswith("critic_"))
 
 

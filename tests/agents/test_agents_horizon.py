@@ -150,14 +150,14 @@ def test_chrono_bias_range_and_gate_layout():
     times = 1 + b.exp()
     assert 2 <= times.min() and times.max() <= 1000 and 400 < times.median() < 600
     gru = GRUAgent(OBS, ACT, hidden_size=8, chrono_t_max=50)
-    assert torch.all(gru.cell.bias_hh[8:16] == 0) and torch.all(gru.cell.bias_ih[8:16] >= 0)
+    assert torch.all(gru.core.bias_hh[8:16] == 0) and torch.all(gru.core.bias_ih[8:16] >= 0)
     lstm = LSTMAgent(OBS, ACT, hidden_size=8, chrono_t_max=50)
-    forget, inp = lstm.cell.bias_ih[8:16], lstm.cell.bias_ih[:8]
+    forget, inp = lstm.core.bias_ih[8:16], lstm.core.bias_ih[:8]
     assert torch.equal(inp, -forget) and torch.all(forget >= 0) and forget.max() <= math.log(49)
-    assert torch.all(lstm.cell.bias_hh[:16] == 0)
+    assert torch.all(lstm.core.bias_hh[:16] == 0)
     # minGRU writes with z = sigmoid(b): its keep gate 1 - z has memory time 1 / z in [2, T_max].
     mingru = MinGRUAgent(OBS, ACT, hidden_size=64, chrono_t_max=50)
-    memory = 1 / torch.sigmoid(mingru.cell.gate.bias.detach())
+    memory = 1 / torch.sigmoid(mingru.core.gate.bias.detach())
     assert memory.min() >= 2 - 1e-4 and memory.max() <= 50 + 1e-3
 
 
@@ -180,7 +180,7 @@ def test_lru_ring_init_and_bad_arguments():
     assert modulus.min() >= 0.99 - 1e-6 and modulus.max() <= 0.999 + 1e-6
     assert agent.eigenvalues().angle().max() <= 0.3 + 1e-6
     # gamma normalises: |lambda|^2 + gamma^2 = 1 at init.
-    torch.testing.assert_close(modulus.square() + agent.cell.gamma_log.exp().square(), torch.ones(512))
+    torch.testing.assert_close(modulus.square() + agent.core.gamma_log.exp().square(), torch.ones(512))
     for kwargs, match in (
         ({"r_min": 0.5, "r_max": 1.0}, "r_min <= r_max < 1"),
         ({"r_min": 0.9, "r_max": 0.8}, "r_min <= r_max < 1"),
@@ -226,15 +226,15 @@ def test_lru_input_scale_scales_the_initial_write():
     full = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=())
     torch.manual_seed(0)
     small = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), input_scale=0.25)
-    torch.testing.assert_close(small.cell.B, 0.25 * full.cell.B)
+    torch.testing.assert_close(small.core.B, 0.25 * full.core.B)
     zero = LRUAgent(OBS, ACT, hidden_size=8, encoder_sizes=(), input_scale=0)
-    assert not zero.cell.B.any()
+    assert not zero.core.B.any()
     # B = 0 writes nothing at first, but B still receives gradient (the write can be learned).
     first = torch.zeros(2, dtype=torch.bool)
     out = OneStep(zero)(observation=torch.randn(2, 5), state=zero.initial_state(2), is_first=first)
     assert not out["state"]["x"].any()
     out["value"].sum().backward()
-    assert zero.cell.B.grad is not None and zero.cell.B.grad.abs().sum() > 0
+    assert zero.core.B.grad is not None and zero.core.B.grad.abs().sum() > 0
 
 
 def test_lru_normalisation_shrinks_a_slow_units_write_by_sqrt_one_minus_lambda_squared():
@@ -246,7 +246,7 @@ def test_lru_normalisation_shrinks_a_slow_units_write_by_sqrt_one_minus_lambda_s
     normed = LRUAgent(OBS, ACT, normalize=True, **kwargs)
     torch.manual_seed(0)
     plain = LRUAgent(OBS, ACT, normalize=False, **kwargs)
-    torch.testing.assert_close(normed.cell.B, plain.cell.B)
+    torch.testing.assert_close(normed.core.B, plain.core.B)
     cue = torch.randn(2, 5)
     first = torch.ones(2, dtype=torch.bool)
     x_normed = OneStep(normed)(observation=cue, state=normed.initial_state(2), is_first=first)["state"]["x"]
@@ -355,7 +355,7 @@ def test_memory_256_config_runs_an_update(tmp_path):
     metrics = trainer.step()
     assert metrics["rollout/episodes"] == 2 and 0 <= metrics["rollout/success_rate"] <= 1
     changed = [n for n, p in trainer.model.named_parameters() if not torch.equal(p, before[n])]
-    assert "cell.nu_log" in changed and "cell.B" in changed  # the recurrence itself learns
+    assert "core.nu_log" in changed and "core.B" in changed  # the recurrence itself learns
 
 
 def test_grad_horizon_on_a_trained_run(tmp_path, capsys):

@@ -263,22 +263,60 @@ def test_one_rng_helper_restores_every_stream(device):
     assert _draws(device) == expected
 
 
-@pytest.mark.parametrize("target", ["lru", "mingru"])
-def test_weights_saved_before_the_recurrence_moved_into_cell_still_load(target):
-    """LRU and minGRU weights named as older checkpoints name them (``nu_log``, ``gate.weight``) load under
-    the skeleton's names (``cell.nu_log``, ``cell.gate.weight``), values unchanged."""
+@pytest.mark.parametrize(
+    "target, older",
+    [
+        ("lru", "bare"),  # before the recurrence moved into the skeleton's core: nu_log
+        ("mingru", "bare"),  # gate.weight
+        ("lru", "cell"),  # before the core was named core: cell.nu_log
+        ("gru", "cell"),  # cell.weight_ih, critic_cell.* with a separate critic
+    ],
+)
+def test_weights_saved_under_older_names_still_load(target, older):
+    """Recurrent agents' weights named as older checkpoints name them (``nu_log``, ``cell.nu_log``,
+    ``critic_cell.weight_ih``) load under the skeleton's names (``core.nu_log``, ...), values unchanged."""
     import gymnasium as gym
 
     from rl_replay.agent import build_agent
     from rl_replay.run.trainer_state import load_agent_weights
 
     space, actions = gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2)
+    kwargs = {"separate_critic": True} if target == "gru" else {}
     torch.manual_seed(0)
-    source = build_agent(target, {}, space, actions)
-    old = {k.removeprefix("cell."): v for k, v in source.state_dict().items()}
-    assert any(k in old for k in ("nu_log", "gate.weight"))
+    source = build_agent(target, kwargs, space, actions)
+    if older == "bare":
+        old = {k.removeprefix("core."): v for k, v in source.state_dict().items()}
+        assert any(k in old for k in ("nu_log", "gate.weight"))
+    else:
+        old = {
+            k.replace("core.", "cell.", 1) if k.startswith(("core.", "critic_core.")) else k: v
+            for k, v in source.state_dict().items()
+        }
+        old = {k.replace("critic_core.", "critic_cell.", 1): v for k, v in old.items()}
+        assert any(k.startswith("cell.") for k in old) and not any(k.startswith("core.") for k in old)
     torch.manual_seed(1)
-    agent = build_agent(target, {}, space, actions)
+    agent = build_agent(target, kwargs, space, actions)
     load_agent_weights(agent, old, "old.pt")
     for k, v in source.state_dict().items():
         assert torch.equal(agent.state_dict()[k], v), k
+
+
+def test_an_optimizer_state_keyed_by_older_names_loads_by_index():
+    """An FSDP run's optimizer state is keyed by parameter name; one written before the core was
+    named core (``cell.weight_ih``) maps onto this agent's parameters as the weights do."""
+    import gymnasium as gym
+
+    from rl_replay.agent import build_agent
+    from rl_replay.run.trainer_state import _optimizer_state_by_index, _parameter_names, _renamed
+
+    agent = build_agent("gru", {"separate_critic": True}, gym.spaces.Box(-1, 1, (4,)), gym.spaces.Discrete(2))
+    optimizer = torch.optim.Adam(agent.parameters())
+    sum(p.sum() for p in agent.parameters()).backward()
+    optimizer.step()
+    own = optimizer.state_dict()
+    names = {i: n.replace("core.", "cell.", 1) for i, n in enumerate(_parameter_names(agent))}
+    assert any(n.startswith("critic_cell.") for n in names.values())
+    by_old_name = _renamed(own, names)
+    again = _optimizer_state_by_index(agent, by_old_name)
+    assert again["param_groups"] == own["param_groups"] and sorted(again["state"]) == sorted(own["state"])
+    assert all(torch.equal(again["state"][i]["exp_avg"], own["state"][i]["exp_avg"]) for i in own["state"])
