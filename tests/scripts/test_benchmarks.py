@@ -70,13 +70,6 @@ def test_bench_memory_worker_mode_prints_json():
 
 
 @pytest.mark.slow
-def test_bench_accumulate_smoke():
-    out = run_script("bench_accumulate.py", "--smoke")
-    assert_grad_line(out)
-    assert "summary accumulate: backward time rl_replay/helper" in out
-
-
-@pytest.mark.slow
 def test_bench_learning_smoke():
     out = run_script("bench_learning.py", "--smoke")
     assert_grad_line(out)
