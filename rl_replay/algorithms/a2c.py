@@ -16,12 +16,6 @@ class A2C(PolicyGradient):
 
     @classmethod
     def loss(cls, data: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
-        loss_cfg = cfg.loss
         return a2c_loss(
-            data,
-            gamma=loss_cfg.gamma,
-            gae_lambda=loss_cfg.gae_lambda,
-            value_coef=loss_cfg.value_coef,
-            entropy_coef=loss_cfg.entropy_coef if entropy_coef is None else entropy_coef,
-            normalize_advantages=cls.normalize_advantages(loss_cfg),
+            data, gamma=cfg.loss.gamma, gae_lambda=cfg.loss.gae_lambda, **cls.loss_weights(cfg, entropy_coef)
         )

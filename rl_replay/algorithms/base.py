@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from tensordict import TensorDict
@@ -105,6 +105,17 @@ class Algorithm(ABC):
     @abstractmethod
     def _update(self) -> UpdateResult:
         """One update's collection and optimisation, the algorithm's own (see :meth:`update`)."""
+
+    @classmethod
+    def loss_weights(cls, cfg: Config, entropy_coef: float | None = None) -> dict[str, Any]:
+        """The keyword arguments every loss of :mod:`rl_replay.algorithms.losses` takes from the
+        run's settings: ``value_coef``, ``entropy_coef`` (``entropy_coef`` when given: the
+        schedule's weight at this update) and ``normalize_advantages``."""
+        return {
+            "value_coef": cfg.loss.value_coef,
+            "entropy_coef": cfg.loss.entropy_coef if entropy_coef is None else entropy_coef,
+            "normalize_advantages": cls.normalize_advantages(cfg.loss),
+        }
 
     @classmethod
     def normalize_advantages(cls, loss_cfg: LossConfig) -> bool:

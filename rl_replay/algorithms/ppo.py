@@ -51,9 +51,7 @@ class PPO(Algorithm):
             batch,
             clip_coef=cfg.ppo.clip_coef,
             clip_vloss=cfg.ppo.clip_vloss,
-            value_coef=cfg.loss.value_coef,
-            entropy_coef=cfg.loss.entropy_coef if entropy_coef is None else entropy_coef,
-            normalize_advantages=cls.normalize_advantages(cfg.loss),
+            **cls.loss_weights(cfg, entropy_coef),
         )
 
     def _update(self) -> UpdateResult:

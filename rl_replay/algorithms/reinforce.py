@@ -16,12 +16,6 @@ class REINFORCE(PolicyGradient):
 
     @classmethod
     def loss(cls, data: TensorDict, cfg: Config, entropy_coef: float | None = None) -> TensorDict:
-        loss_cfg = cfg.loss
         return reinforce_loss(
-            data,
-            gamma=loss_cfg.gamma,
-            baseline=loss_cfg.baseline,
-            value_coef=loss_cfg.value_coef,
-            entropy_coef=loss_cfg.entropy_coef if entropy_coef is None else entropy_coef,
-            normalize_advantages=cls.normalize_advantages(loss_cfg),
+            data, gamma=cfg.loss.gamma, baseline=cfg.loss.baseline, **cls.loss_weights(cfg, entropy_coef)
         )

@@ -239,6 +239,17 @@ class _StepsLayout(Layout):
 _LAYOUTS: weakref.WeakValueDictionary[tuple, _StepsLayout] = weakref.WeakValueDictionary()
 
 
+def _check_steps(steps: Any, who: str) -> None:
+    """ValueError unless ``steps`` is a TensorDict whose first batch dimension counts the steps."""
+    if not isinstance(steps, TensorDictBase) or steps.batch_dims < 1 or steps.batch_size[0] < 1:
+        raise ValueError(
+            _PREFIX + f"{who} takes the steps' inputs as a TensorDict whose first batch dimension "
+            f"counts the steps, got {type(steps).__name__}"
+            + (f" of batch size {list(steps.batch_size)}" if isinstance(steps, TensorDictBase) else "")
+            + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
+        )
+
+
 def _layout_for(spec: TDSpec, k: int) -> _StepsLayout:
     layout = _LAYOUTS.get((spec, k))
     if layout is None:
@@ -281,13 +292,7 @@ def replay_steps(
         ``(outputs, state)``: every output but ``state``, stacked over the k steps (batch
         ``(k, *batch)``), and the last step's state, both attached to autograd.
     """
-    if not isinstance(steps, TensorDictBase) or steps.batch_dims < 1 or steps.batch_size[0] < 1:
-        raise ValueError(
-            _PREFIX + "replay_steps takes the steps' inputs as a TensorDict whose first batch dimension "
-            f"counts the steps, got {type(steps).__name__}"
-            + (f" of batch size {list(steps.batch_size)}" if isinstance(steps, TensorDictBase) else "")
-            + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
-        )
+    _check_steps(steps, "replay_steps")
     k = steps.batch_size[0]
     if not torch.is_grad_enabled():
         columns: dict = {}
@@ -398,13 +403,7 @@ def replay_sequence_call(
     Returns:
         ``(outputs, state)``, both attached to autograd.
     """
-    if not isinstance(steps, TensorDictBase) or steps.batch_dims < 1 or steps.batch_size[0] < 1:
-        raise ValueError(
-            _PREFIX + "replay_sequence_call takes the steps' inputs as a TensorDict whose first batch dimension "
-            f"counts the steps, got {type(steps).__name__}"
-            + (f" of batch size {list(steps.batch_size)}" if isinstance(steps, TensorDictBase) else "")
-            + ". Pass e.g. TensorDict(observation=obs[t:t + k], is_first=first[t:t + k], batch_size=[k, n])."
-        )
+    _check_steps(steps, "replay_sequence_call")
     inputs = TensorDict({**dict(steps.items()), "state": state}, batch_size=[])
     if not torch.is_grad_enabled():
         out = model(**inputs)
