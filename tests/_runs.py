@@ -37,8 +37,13 @@ BATCH = 16
 TIMEOUT = 240  # generous: a loaded 2-core machine
 
 
-def tiny(run_dir, updates, *extra):
-    return load_config(None, [*TINY, f"total_env_steps={updates * BATCH}", f"run_dir={run_dir}", *extra])
+#: TINY with a constant learning rate: the run-directory tests compare runs update by update.
+TINY_CONSTANT_LR = (*TINY, "optim.anneal_lr=false")
+
+
+def tiny(run_dir, updates, *extra, base=TINY):
+    """``base`` (the tiny settings) for ``updates`` updates into ``run_dir``, then ``extra``."""
+    return load_config(None, [*base, f"total_env_steps={updates * BATCH}", f"run_dir={run_dir}", *extra])
 
 
 def start(script, *args, cwd):

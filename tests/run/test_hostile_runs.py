@@ -24,6 +24,8 @@ import psutil
 import pytest
 import torch
 from _checkpoint_files import write_format2
+from _runs import BATCH
+from _runs import TINY_CONSTANT_LR as TINY
 
 from rl_replay.config import dump_config, load_config
 from rl_replay.run.cli import evaluate_main, train_main
@@ -31,16 +33,6 @@ from rl_replay.rundir import safe_tree, trust
 from rl_replay.rundir.checkpoint import checkpoint_path, load_checkpoint
 from rl_replay.rundir.env_state_file import ENV_STATE_NAME
 
-TINY = (
-    "env.id=CartPole-v1",
-    "env.num_envs=2",
-    "collector.num_steps=8",
-    "agent.kwargs={hidden_sizes: [16]}",
-    "log.progress=false",
-    "log.wandb_mode=disabled",
-    "optim.anneal_lr=false",
-)
-BATCH = 16
 PLANT = "rl_replay_hostile_plant"  # a module planted in the run directory: importing it leaves a marker
 
 

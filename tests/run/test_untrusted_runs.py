@@ -22,9 +22,12 @@ import sys
 import warnings
 from pathlib import Path
 
+import _runs
 import pytest
 import torch
 from _checkpoint_files import write_format2, write_headed_pickle
+from _runs import BATCH
+from _runs import TINY_CONSTANT_LR as TINY
 
 from rl_replay.config import load_config
 from rl_replay.errors import SetupError
@@ -37,20 +40,10 @@ from rl_replay.rundir.files import Dir
 
 REPO = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parents[1]
-TINY = (
-    "env.id=CartPole-v1",
-    "env.num_envs=2",
-    "collector.num_steps=8",
-    "agent.kwargs={hidden_sizes: [16]}",
-    "log.progress=false",
-    "log.wandb_mode=disabled",
-    "optim.anneal_lr=false",
-)
-BATCH = 16
 
 
 def tiny(run_dir, updates, *extra):
-    return load_config(None, [*TINY, f"total_env_steps={updates * BATCH}", f"run_dir={run_dir}", *extra])
+    return _runs.tiny(run_dir, updates, *extra, base=TINY)
 
 
 class Plant:
