@@ -13,14 +13,14 @@
 #   2. tests/engine/test_replay_cuda.py and tests/run/test_distributed_cuda.py (FSDP1 CPUOffload at
 #      world size 1, gradients against plain autograd);
 #   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
-#   4. scripts/bench/bench_ppo.py --pixels --device cuda --epochs 1: the decisive pixel benchmark
+#   4. scripts/bench/ppo.py --pixels --device cuda --epochs 1: the decisive pixel benchmark
 #      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
-#   4b. scripts/bench/bench_torchrl.py --device cuda --T 4098: the recurrent PPO update with the
+#   4b. scripts/bench/torchrl.py --device cuda --T 4098: the recurrent PPO update with the
 #      GRU / LSTM cores through cuDNN (rl_replay), their step loop (steps), plain autograd, and
 #      TorchRL's fused path (its wheels from DIR/peers, in a site directory of their own);
-#   5. scripts/bench/bench_overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
+#   5. scripts/bench/overhead.py --device cuda --all --block-steps 1 16: per-block overhead;
 #   6. one update of configs/memory_4096.yaml on CUDA and on the CPU: env steps/s, optimisation time;
-#   7. scripts/bench/bench_memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
+#   7. scripts/bench/memory.py --device cuda, GRU and deep MLP at T = 256 and 1024.
 # --dry-run does all of it without CUDA: the tests are only collected, training runs on
 # CPU (gloo, no offload) with a tiny budget, the benchmarks on CPU with tiny sizes.
 # The step limits add up to about 9 minutes, so that one device call holds the whole run;
@@ -135,14 +135,14 @@ TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
 } > "$RESULTS"
 # 4. the pixel benchmark (one epoch: an update's peak memory is one minibatch's) -----------
 export PIXELS_MD="$OUTDIR/bench_pixels.txt"
-PIXELS=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_ppo.py --pixels "$@" | tee "$PIXELS_MD"' "$PY")
+PIXELS=(bash -c 'set -o pipefail; "$0" -m scripts.bench ppo --pixels "$@" | tee "$PIXELS_MD"' "$PY")
 if [ $DRY -eq 1 ]; then
     step "bench_ppo --pixels (CPU, smoke)" 180 "${PIXELS[@]}" --smoke
 else
     step "bench_ppo --pixels (CUDA)" 150 "${PIXELS[@]}" --device cuda --T 512 2048 8192 --epochs 1 --timeout 60
 fi
 if [ -s "$PIXELS_MD" ]; then
-    { echo; echo "Pixel PPO update (scripts/bench/bench_ppo.py --pixels, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
+    { echo; echo "Pixel PPO update (scripts/bench/ppo.py --pixels, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, --epochs 1")):"
       echo; echo '```'; cat "$PIXELS_MD"; echo '```'; } >> "$RESULTS"
 fi
 # 4b. the recurrent cores: cuDNN against the step loop and TorchRL's fused path -------------------
@@ -152,27 +152,27 @@ if [ -n "$WHEELS" ] && [ -d "$WHEELS/peers" ]; then
     step "install TorchRL wheels" 120 "$PY" scripts/tools/gpu_wheels.py install --all "$WHEELS/peers" "$WORK/peers"
     PEERS_PATH="$WORK/peers:$PYTHONPATH"
 fi
-CORES=(env "PYTHONPATH=$PEERS_PATH" bash -c 'set -o pipefail; "$0" scripts/bench/bench_torchrl.py "$@" | tee "$CORES_MD"' "$PY")
+CORES=(env "PYTHONPATH=$PEERS_PATH" bash -c 'set -o pipefail; "$0" -m scripts.bench torchrl "$@" | tee "$CORES_MD"' "$PY")
 if [ $DRY -eq 1 ]; then
     step "bench_torchrl (CPU, smoke)" 120 "${CORES[@]}" --smoke --kinds lstm
 else
     step "bench_torchrl (CUDA)" 120 "${CORES[@]}" --device cuda --T 4098 --block-steps 64 --repeats 1
 fi
 if [ -s "$CORES_MD" ]; then
-    { echo; echo "Recurrent PPO update against TorchRL (scripts/bench/bench_torchrl.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, T = 4098")):"
+    { echo; echo "Recurrent PPO update against TorchRL (scripts/bench/torchrl.py, $([ $DRY -eq 1 ] && echo "CPU, smoke" || echo "CUDA, T = 4098")):"
       echo; echo '```'; cat "$CORES_MD"; echo '```'; } >> "$RESULTS"
 fi
 # 5. per-block overhead of replay against plain autograd ------------------------------------
 export OVERHEAD_MD="$OUTDIR/bench_overhead.md"
 # bash -c so that timeout runs it; the table also goes to OVERHEAD_MD for the results file.
-OVERHEAD=(bash -c 'set -o pipefail; "$0" scripts/bench/bench_overhead.py "$@" | tee "$OVERHEAD_MD"' "$PY")
+OVERHEAD=(bash -c 'set -o pipefail; "$0" -m scripts.bench overhead "$@" | tee "$OVERHEAD_MD"' "$PY")
 if [ $DRY -eq 1 ]; then
     step "bench_overhead (CPU, tiny)" 120 "${OVERHEAD[@]}" --device cpu --T 8 --repeats 1 --block-steps 1 4
 else
     step "bench_overhead (CUDA)" 90 "${OVERHEAD[@]}" --device cuda --all --block-steps 1 16 --repeats 3
 fi
 if [ -s "$OVERHEAD_MD" ]; then
-    { echo; echo "Per-block overhead (scripts/bench/bench_overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
+    { echo; echo "Per-block overhead (scripts/bench/overhead.py, $([ $DRY -eq 1 ] && echo "CPU, tiny" || echo CUDA)):"
       echo; cat "$OVERHEAD_MD"; } >> "$RESULTS"
 fi
 # 5b. a shipped long-memory config's update on CUDA against the CPU (sequence blocks) -------
@@ -197,7 +197,7 @@ PYEOF
 done
 { echo; echo "One PPO update of a shipped config (scripts/train.py; sequence blocks):"; echo; cat "$SPS_MD"; } >> "$RESULTS"
 # 6. memory benchmark (older table: GRU and deep MLP) -------------------------------------
-BENCH=(scripts/bench/bench_memory.py --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
+BENCH=(-m scripts.bench memory --json "$OUTDIR/bench_memory.json" --write-docs "$RESULTS" --plot-dir "$OUTDIR")
 if [ $DRY -eq 1 ]; then
     step "bench_memory (CPU, tiny)" 180 "$PY" "${BENCH[@]}" --device cpu --policy tiny_gru \
         --T 8 --methods plain rl_replay --reps 0

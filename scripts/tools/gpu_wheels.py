@@ -5,7 +5,7 @@ manylinux x86-64 by default) every distribution this project needs besides torch
 versions installed here: the closure of the project's requirements, its ``dev`` extra
 (pytest, hypothesis) and their requirements, read from this environment's package
 metadata, minus torch and what torch itself requires (the target has torch). Into ``DIR/peers``
-also TorchRL's wheels for ``scripts/bench/bench_torchrl.py`` (:data:`PEERS`: TorchRL pins a
+also TorchRL's wheels for ``scripts/bench/torchrl.py`` (:data:`PEERS`: TorchRL pins a
 tensordict older than the project's, so they go to a site directory of their own).
 
 ``install DIR SITE``: install, with ``pip install --no-index --no-deps --target SITE``,

@@ -145,7 +145,7 @@ def test_bptt_truncate_cuts_the_gradient_to_earlier_rows():
 
 def test_sequence_blocks_equal_plain_autograd_over_the_same_calls_bit_for_bit():
     # One agent call per 4-step block, with and without replay blocks (what
-    # scripts/bench/bench_ppo.py measures as plain autograd).
+    # scripts/bench/ppo.py measures as plain autograd).
     torch.manual_seed(0)
     agent = AGENTS["gru"]()
     data = sequence()

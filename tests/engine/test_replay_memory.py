@@ -2,7 +2,7 @@
 memory does with them.
 
 See NOTE [ Replay blocks ] (Rule 1) and rl_replay/engine/storage.py. The RSS probe runs each
-configuration in a fresh interpreter (scripts/bench/bench_memory.py --rss's worker, smaller sizes).
+configuration in a fresh interpreter (scripts/bench/memory.py --rss's worker, smaller sizes).
 """
 
 from __future__ import annotations
@@ -231,15 +231,15 @@ def test_per_block_c_heap_is_one_node():
 
 # ------------------------------------------------------------------- the RSS probe
 def _probe(setting: str, T_lo: int, T_hi: int, tmp_path) -> tuple[dict, dict]:
-    """The RSS probe as a user runs it (``scripts/bench/bench_memory.py --rss``, each T in a fresh process)."""
+    """The RSS probe as a user runs it (``scripts/bench/memory.py --rss``, each T in a fresh process)."""
     out = tmp_path / f"rss_{setting}.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench" / "bench_memory.py"), "--rss", "--T", str(T_lo), str(T_hi)]
+        [sys.executable, "-m", "scripts.bench", "memory", "--rss", "--T", str(T_lo), str(T_hi)]
         + ["--settings", setting, "--json", str(out)],
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = sorted(json.loads(out.read_text())["results"], key=lambda r: r["T"])
@@ -257,7 +257,7 @@ def test_rss_grows_by_the_saved_bytes_plus_bookkeeping(setting, tmp_path):
     recurrent state, 32 KiB: observations are views of a preallocated buffer).
 
     Measured after the forward 1.03-1.11x (glibc mmap threshold 64 KiB; defaults with
-    keep_freed_memory; the probe's loss on the stacked outputs, see _bench_rss.py);
+    keep_freed_memory; the probe's loss on the stacked outputs, see scripts/bench/rss.py);
     what is left above 1x is the node per block (~2.1 KiB of C heap, ~0.8 KiB of Python
     objects) and the stacked logits and values. The peak adds the gradients the backward
     queues for every block at its start, and, at random, one more set of the backward's

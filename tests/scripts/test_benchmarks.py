@@ -17,14 +17,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = ROOT / "scripts" / "bench"
 GRAD_LINE = re.compile(r"gradient check: worst abs diff (\S+), worst rel diff (\S+)")
 
 
 def run_script(name: str, *args: str, timeout: float = 600) -> str:
     env = dict(os.environ, PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / name), *args],
+        [sys.executable, "-m", "scripts.bench", name, *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -45,7 +44,7 @@ def assert_grad_line(out: str) -> None:
 
 @pytest.mark.slow
 def test_bench_memory_smoke():
-    out = run_script("bench_memory.py", "--smoke")
+    out = run_script("memory", "--smoke")
     assert_grad_line(out)
     # every method ran for both tiny policies, none skipped or failed
     for policy in ("tiny_gru", "tiny_mlp"):
@@ -62,7 +61,7 @@ def test_bench_memory_worker_mode_prints_json():
     spec = dict(
         policy="tiny_mlp", cfg=from_cfg, T=4, method="rl_replay", reps=1, threads=1, device="cpu", seed=0, budget_s=60
     )
-    out = run_script("bench_memory.py", "--worker", json.dumps(spec))
+    out = run_script("memory", "--worker", json.dumps(spec))
     line = next(x for x in out.splitlines() if x.startswith("BENCH_RESULT "))
     result = json.loads(line[len("BENCH_RESULT ") :])
     assert result["mode"] == "full"
@@ -71,7 +70,7 @@ def test_bench_memory_worker_mode_prints_json():
 
 @pytest.mark.slow
 def test_bench_learning_smoke():
-    out = run_script("bench_learning.py", "--smoke")
+    out = run_script("learning", "--smoke")
     assert_grad_line(out)
     rep = re.search(r"^rl_replay\s+([\d.]+) env steps/s", out, re.M)
     bat = re.search(r"^batched\s+([\d.]+) env steps/s", out, re.M)
@@ -82,7 +81,7 @@ def test_bench_learning_smoke():
 
 @pytest.mark.slow
 def test_bench_ppo_smoke():
-    out = run_script("bench_ppo.py", "--smoke")
+    out = run_script("ppo", "--smoke")
     assert_grad_line(out)
     for T in (8, 16):
         for method in ("plain", "rl_replay"):
@@ -94,7 +93,7 @@ def test_bench_ppo_smoke():
 @pytest.mark.slow
 def test_bench_ppo_with_a_shipped_config():
     # The delay-1024 config's LRU agent, 32 envs, 2 minibatches; T short for speed.
-    out = run_script("bench_ppo.py", "--config", "configs/memory_1024_fast.yaml", "--T", "8", "16", "--epochs", "1")
+    out = run_script("ppo", "--config", "configs/memory_1024_fast.yaml", "--T", "8", "16", "--epochs", "1")
     assert_grad_line(out)
     for T in (8, 16):
         for method in ("plain", "rl_replay"):
@@ -111,11 +110,9 @@ def docs_bytes() -> dict[str, bytes]:
 def test_plain_runs_leave_the_committed_docs_alone(tmp_path):
     """Without --write-docs a (non-smoke) run prints its tables and writes nothing into docs/."""
     before = docs_bytes()
-    out = run_script(
-        "bench_memory.py", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay", "--reps", "0"
-    )
+    out = run_script("memory", "--policy", "tiny_gru", "--T", "8", "--methods", "plain", "rl_replay", "--reps", "0")
     assert "| 8 | rl_replay |" in out and "updated section" not in out
-    out = run_script("bench_learning.py", "--num-envs", "2", "--num-steps", "8", "--updates", "2")
+    out = run_script("learning", "--num-envs", "2", "--num-steps", "8", "--updates", "2")
     assert "summary learning:" in out and "updated section" not in out
     assert docs_bytes() == before
 
@@ -126,7 +123,7 @@ def test_write_docs_updates_only_its_marked_section(tmp_path):
     docs.write_text("intro\n\n<!-- BEGIN bench_memory tiny_gru -->\nold\n<!-- END bench_memory tiny_gru -->\n\nafter\n")
     before = docs_bytes()
     out = run_script(
-        "bench_memory.py",
+        "memory",
         "--policy",
         "tiny_gru",
         "--T",
@@ -149,7 +146,7 @@ def test_write_docs_updates_only_its_marked_section(tmp_path):
 
 def test_smoke_results_are_never_written_to_the_docs():
     proc = subprocess.run(
-        [sys.executable, str(SCRIPTS / "bench_memory.py"), "--smoke", "--write-docs"],
+        [sys.executable, "-m", "scripts.bench", "memory", "--smoke", "--write-docs"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -160,7 +157,7 @@ def test_smoke_results_are_never_written_to_the_docs():
 
 def test_bench_soak_records_rss_and_slopes(tmp_path):
     out = run_script(
-        "bench_soak.py",
+        "soak",
         "--updates",
         "40",
         "--every",
@@ -181,7 +178,7 @@ def test_bench_overhead_bare_function_row(config):
     # The bare Function (no checks, no slabs) computes the same gradients on a deterministic
     # agent, so its row measures the same work; replay's own check is in identical_grads.
     out = run_script(
-        "bench_overhead.py",
+        "overhead",
         "--config",
         config,
         "--T",
@@ -204,9 +201,7 @@ def test_bench_overhead_bare_function_row(config):
 
 
 def test_bench_checkpoint_reports_the_files_and_their_timings():
-    out = run_script(
-        "bench_checkpoint.py", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8", "total_env_steps=16"
-    )
+    out = run_script("checkpoint", "--repeats", "2", "env.num_envs=2", "collector.num_steps=8", "total_env_steps=16")
     result = json.loads(out.strip().splitlines()[-1])
     assert set(result["files"]) == {"checkpoint.pt", "env_state.pkl"}
     assert result["total_bytes"] == sum(result["files"].values()) > 0
@@ -215,8 +210,8 @@ def test_bench_checkpoint_reports_the_files_and_their_timings():
 
 
 def test_bench_configs_prints_a_row_per_config(tmp_path):
-    """bench_configs.py trains a shipped config through scripts/train.py and reports its speed."""
-    out = run_script("bench_configs.py", "--configs", "default", "--updates", "2", "--json", str(tmp_path / "r.json"))
+    """scripts/bench/configs.py trains a shipped config through scripts/train.py and reports its speed."""
+    out = run_script("configs", "--configs", "default", "--updates", "2", "--json", str(tmp_path / "r.json"))
     row = next(line for line in out.splitlines() if line.startswith("| default |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[1]) > 0 and float(cells[2]) >= 0 and float(cells[3]) > 0
@@ -226,22 +221,22 @@ def test_bench_configs_prints_a_row_per_config(tmp_path):
 
 
 def test_bench_ppo_pixels_refuses_cuda_without_a_gpu_and_other_workloads_options():
-    """``bench_ppo.py --pixels``' refusals. Its --smoke run (the CNN + GRU update on uint8 frames both
+    """``scripts/bench/ppo.py --pixels``' refusals. Its --smoke run (the CNN + GRU update on uint8 frames both
     ways, gradients against plain autograd, the summary lines) is checked in test_gpu_check.py's dry
     run, which runs it as one of the GPU validation's steps."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         with pytest.raises(AssertionError, match="no CUDA device here"):
-            run_script("bench_ppo.py", "--pixels", "--smoke", "--device", "cuda")
+            run_script("ppo", "--pixels", "--smoke", "--device", "cuda")
     with pytest.raises(AssertionError, match="takes no --config"):
-        run_script("bench_ppo.py", "--pixels", "--smoke", "--config", "configs/memory_4096.yaml")
+        run_script("ppo", "--pixels", "--smoke", "--config", "configs/memory_4096.yaml")
     with pytest.raises(AssertionError, match="--device applies to --pixels"):
-        run_script("bench_ppo.py", "--smoke", "--device", "cuda")
+        run_script("ppo", "--smoke", "--device", "cuda")
 
 
 def test_bench_cores_smoke():
     """The fused cores against their step loop: a table row per core, gradients within float rounding."""
-    out = run_script("bench_cores.py", "--smoke")
+    out = run_script("cores", "--smoke")
     rows = [line for line in out.splitlines() if line.startswith(("| gru |", "| lstm |"))]
     assert len(rows) == 2, out
     for row in rows:
@@ -253,7 +248,7 @@ def test_bench_torchrl_smoke():
     """The peer benchmark's rl_replay sides (and TorchRL's where installed): the GRU row, each side's
     gradients within float rounding of plain autograd (episode starts inside the rows). The LSTM row
     is run and checked by tests/scripts/test_gpu_check.py's dry run (one run serves both)."""
-    out = run_script("bench_torchrl.py", "--smoke", "--kinds", "gru")
+    out = run_script("torchrl", "--smoke", "--kinds", "gru")
     checks = re.findall(r"^(gru|lstm): largest relative gradient difference .*?: (.*)$", out, re.M)
     assert [kind for kind, _ in checks] == ["gru"], out
     for _, line in checks:
@@ -268,7 +263,7 @@ def test_bench_torchrl_smoke():
 @pytest.mark.slow
 def test_bench_sharded_smoke():
     """The sharded memory transformer's update on 2 real gloo ranks (torch.distributed.run), both methods."""
-    out = run_script("bench_sharded.py", "--smoke")
+    out = run_script("sharded", "--smoke")
     for method in ("rl_replay", "plain"):
         row = re.search(rf"^\| 18 \| {method} \| (.*) \| (.*) \| (.*) \| (.*) \|$", out, re.M)
         assert row, out
@@ -280,7 +275,7 @@ def test_bench_sharded_smoke():
 
 def test_bench_collect_sharded_smoke():
     """Collection on 2 real gloo ranks (per-step gathers, gathered once) against one process."""
-    out = run_script("bench_collect_sharded.py", "--smoke")
+    out = run_script("collect_sharded", "--smoke")
     rows = dict(re.findall(r"^\| ([\w ,]+) \| ([\d.]+) \| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \|$", out, re.M))
     assert set(rows) == {"one process", "2 ranks, per step", "2 ranks, gathered"}, out
     assert all(float(seconds) > 0 for seconds in rows.values()), out
@@ -289,7 +284,7 @@ def test_bench_collect_sharded_smoke():
 def test_bench_checkpoint_sharded_smoke():
     """One checkpoint written on 2 real gloo ranks both ways: sharded, each rank writes about half of
     what rank 0 writes alone when it gathers."""
-    out = run_script("bench_checkpoint_sharded.py", "--smoke")
+    out = run_script("checkpoint_sharded", "--smoke")
     rows = re.findall(r"^\| (true|false) \| (\d) \| ([\d.]+) s \| ([\d.]+) MiB \| ([\d,]+) \|$", out, re.M)
     written = {(sharded, int(rank)): int(n.replace(",", "")) for sharded, rank, _, _, n in rows}
     assert set(written) == {("true", 0), ("true", 1), ("false", 0), ("false", 1)}, out

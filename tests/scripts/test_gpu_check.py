@@ -126,5 +126,5 @@ def test_dry_run(tmp_path):
     assert "lstm: largest relative gradient difference from plain autograd at T = 66: rl_replay 0.0e+00" in cores
     assert "| lstm | 66 |" in cores and "Recurrent PPO update against TorchRL" in results
     # The overhead table, with gradients identical in both block sizes.
-    assert "Per-block overhead (scripts/bench/bench_overhead.py, CPU, tiny)" in results
+    assert "Per-block overhead (scripts/bench/overhead.py, CPU, tiny)" in results
     assert results.count("| configs/memory_1024.yaml | 8 | 16 |") == 2 and "| NO |" not in results

@@ -8,8 +8,8 @@ optimisation per update. ``--checkout DIR`` runs another checkout's ``scripts/tr
 on its own configs (``PYTHONPATH=DIR``), so a before/after pair is measured in one sitting::
 
     git worktree add /tmp/before <commit>
-    python scripts/bench/bench_configs.py --checkout /tmp/before --configs memory_4096 --updates 2
-    python scripts/bench/bench_configs.py --configs memory_4096 --updates 2
+    python -m scripts.bench configs --checkout /tmp/before --configs memory_4096 --updates 2
+    python -m scripts.bench configs --configs memory_4096 --updates 2
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The synthetic policies the memory benchmarks measure (``bench_memory.py``).
+"""The synthetic policies the memory benchmarks measure (``memory.py``).
 
 Each entry of :data:`POLICIES` is a plain dict (JSON-serialisable: it travels to the worker
 process in the configuration spec) from which :func:`build_policy` builds the module.

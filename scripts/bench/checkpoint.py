@@ -1,7 +1,7 @@
 """Checkpoint size and save / load time of a trained run's state.
 
-    python scripts/bench/bench_checkpoint.py --config configs/memory_4096.yaml --repeats 5
-    python scripts/bench/bench_checkpoint.py --config configs/default.yaml --repeats 20
+    python -m scripts.bench checkpoint --config configs/memory_4096.yaml --repeats 5
+    python -m scripts.bench checkpoint --config configs/default.yaml --repeats 20
 
 Builds the config's trainer (one process), trains it for ``--updates`` updates so that the
 optimizer and collector hold real state, then writes the checkpoint ``--repeats`` times

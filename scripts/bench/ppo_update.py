@@ -1,5 +1,5 @@
-"""One stored-rollout PPO update, the two ways ``bench_ppo.py`` compares (plain autograd, rl_replay),
-shared by its GRU and pixel workloads (``_bench_pixels.py``)."""
+"""One stored-rollout PPO update, the two ways ``ppo.py`` compares (plain autograd, rl_replay),
+shared by its GRU and pixel workloads (``pixels.py``)."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def plain_optimize(cfg, agent, optimizer, rollout, calls=plain_calls) -> dict:
     (:func:`rl_replay.algorithms.stored.replay_sequence`), so only the replay blocks differ. An agent
     makes one call per ``replay.block_steps`` steps, as the replay path does, so the gradients
     compare bit for bit. ``calls(agent, minibatch, start_state,
-    block_steps)`` makes the policy's outputs (another library's policy, ``bench_torchrl.py``).
+    block_steps)`` makes the policy's outputs (another library's policy, ``torchrl.py``).
     """
     from rl_replay.algorithms.common import optimizer_step
     from rl_replay.algorithms.losses import gae_targets

@@ -1,8 +1,8 @@
-"""What ``bench_memory.py`` measures: one (policy, T, method) configuration in its own process.
+"""What ``memory.py`` measures: one (policy, T, method) configuration in its own process.
 
 :func:`worker` takes a plain spec dict and returns a plain, JSON-serialisable result dict
 (live bytes, peak memory growth, times, gradient differences); rendering those is
-``_bench_memory_report.py``'s job, running many of them ``bench_memory.py``'s.
+``memory_report.py``'s job, running many of them ``memory.py``'s.
 """
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _bench_common import LiveTensorCensus, MemoryMeter, grad_diff, grad_snapshot, median, set_threads
-from _bench_policies import build_policy
 from torch.utils.checkpoint import checkpoint
 
 import rl_replay
+from scripts.bench.common import LiveTensorCensus, MemoryMeter, grad_diff, grad_snapshot, median, set_threads
+from scripts.bench.policies import build_policy
 
 METHODS = ("plain", "checkpoint", "checkpoint_cpu", "rl_replay")
 

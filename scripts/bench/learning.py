@@ -16,10 +16,10 @@ and compared.
 
 Usage::
 
-    python scripts/bench/bench_learning.py                 # N = 8, T = 32 (configs/default.yaml)
-    python scripts/bench/bench_learning.py --write-docs    # the same, and update docs/benchmarks.md
-    python scripts/bench/bench_learning.py --smoke
-    python scripts/bench/bench_learning.py --set replay.block_steps=1   # a replay block per collected step
+    python -m scripts.bench learning                 # N = 8, T = 32 (configs/default.yaml)
+    python -m scripts.bench learning --write-docs    # the same, and update docs/benchmarks.md
+    python -m scripts.bench learning --smoke
+    python -m scripts.bench learning --set replay.block_steps=1   # a replay block per collected step
 """
 
 from __future__ import annotations
@@ -33,7 +33,11 @@ import time
 
 import numpy as np
 import torch
-from _bench_common import (
+from tensordict import TensorDict
+
+from rl_replay.rollout.sequence import step_inputs
+from scripts.bench.common import (
+    ROOT,
     describe_machine,
     grad_diff,
     grad_snapshot,
@@ -42,15 +46,10 @@ from _bench_common import (
     set_threads,
     worker_cli,
 )
-from _bench_report import add_worker_arguments, refuse_smoke_docs, write_section
-from tensordict import TensorDict
+from scripts.bench.report import add_worker_arguments, refuse_smoke_docs, write_section
 
-from rl_replay.rollout.sequence import step_inputs
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
 CONFIG = os.path.join(ROOT, "configs", "default.yaml")
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "rl_replay.run.setup", "_bench_common"]
+PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "rl_replay.run.setup", "scripts.bench.common"]
 
 
 def build_trainer(spec: dict, run_dir: str):
@@ -258,9 +257,7 @@ def main(argv=None) -> int:
             seed=args.seed,
             set=args.set,
         )
-        r = run_isolated(
-            worker, spec, script=os.path.abspath(__file__), launcher=args.launcher, timeout=1800, preload=PRELOAD
-        )
+        r = run_isolated(worker, spec, script=__spec__.name, launcher=args.launcher, timeout=1800, preload=PRELOAD)
         if "error" in r:
             print(f"{method}: ERROR {r['error']}\n{r.get('traceback', '')}")
             return 1

@@ -20,13 +20,13 @@ what replay spends beyond that floor per block: the engine's own machinery. Grad
 plain and replay are compared (bit-identical expected). Times are medians over
 ``--repeats`` runs, each run timing all three in turn, so the ratios pair run by run.
 
-    python scripts/bench/bench_overhead.py                      # LRU of memory_1024.yaml, T 1026, B 16
-    python scripts/bench/bench_overhead.py --config configs/memory_256.yaml --T 258 --batch 16
-    python scripts/bench/bench_overhead.py --all                # the shipped agents, as a table
-    python scripts/bench/bench_overhead.py --all --block-steps 1 16   # one-step and 16-step blocks
-    python scripts/bench/bench_overhead.py --all --block-steps 1 16 --device cuda   # on a GPU (scripts/tools/gpu_check.sh)
-    python scripts/bench/bench_overhead.py --block-steps 1 16 --compile   # the agent under torch.compile (inductor)
-    python scripts/bench/bench_overhead.py --all --bare         # next to a bare Function: the design's own floor
+    python -m scripts.bench overhead                      # LRU of memory_1024.yaml, T 1026, B 16
+    python -m scripts.bench overhead --config configs/memory_256.yaml --T 258 --batch 16
+    python -m scripts.bench overhead --all                # the shipped agents, as a table
+    python -m scripts.bench overhead --all --block-steps 1 16   # one-step and 16-step blocks
+    python -m scripts.bench overhead --all --block-steps 1 16 --device cuda   # on a GPU (scripts/tools/gpu_check.sh)
+    python -m scripts.bench overhead --block-steps 1 16 --compile   # the agent under torch.compile (inductor)
+    python -m scripts.bench overhead --all --bare         # next to a bare Function: the design's own floor
 
 ``--compile`` wraps the agent in ``torch.compile(agent, dynamic=False)`` for all three loops (the
 parity run compiles it, before any timing), so plain and replay are compared on the same
@@ -49,8 +49,7 @@ import torch
 from tensordict import TensorDict
 
 from rl_replay.rollout.sequence import step_inputs
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench.common import ROOT
 
 # The shipped agents, each as a config builds it: (label, config, T).
 SHIPPED = (

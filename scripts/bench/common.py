@@ -8,7 +8,7 @@
   new forked process) or ``python script --worker SPEC`` printing one JSON line.
 * grad comparison, machine description.
 
-Formatting and writing results into the docs: ``_bench_report.py``.
+Formatting and writing results into the docs: ``report.py``.
 """
 
 from __future__ import annotations
@@ -92,6 +92,9 @@ def machine_info() -> dict[str, Any]:
     if info["cuda"]:
         info["gpu"] = torch.cuda.get_device_name(0)
     return info
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def load_line() -> str:
@@ -368,15 +371,16 @@ def run_isolated(
 
     ``launcher="forkserver"``: a child forked from a server process that imported the
     heavy modules once (fresh address space per configuration, no re-import cost).
-    ``launcher="subprocess"``: ``python script --worker JSON`` which prints one line
+    ``launcher="subprocess"``: ``python -m script --worker JSON`` (``script``: the module's name,
+    run from the repository root) which prints one line
     ``BENCH_RESULT {json}``. A crash, a kill (e.g. out of memory) or a timeout comes
     back as ``{"error": ...}``.
     """
     start = time.perf_counter()
     if launcher == "subprocess":
-        cmd = [sys.executable, script, "--worker", json.dumps(spec)]
+        cmd = [sys.executable, "-m", script, "--worker", json.dumps(spec)]
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
         except subprocess.TimeoutExpired:
             return {"error": f"timed out after {timeout:.0f} s"}
         for line in proc.stdout.splitlines():

@@ -1,14 +1,14 @@
-"""``bench_memory.py``'s reporting: derived numbers, target verdicts, tables, plots.
+"""``memory.py``'s reporting: derived numbers, target verdicts, tables, plots.
 
-Everything here reads the result dicts of ``_bench_memory_worker.worker`` (measured,
+Everything here reads the result dicts of ``memory_worker.worker`` (measured,
 merged from an earlier ``--json``, or both) and measures nothing.
 """
 
 from __future__ import annotations
 
-from _bench_memory_worker import METHODS
-from _bench_policies import POLICIES, count_params
-from _bench_report import fmt_bytes, fmt_s
+from scripts.bench.memory_worker import METHODS
+from scripts.bench.policies import POLICIES, count_params
+from scripts.bench.report import fmt_bytes, fmt_s
 
 
 def result_line(r: dict) -> str:

@@ -11,9 +11,9 @@ after a warm-up; the median is printed, with the gradients' largest difference b
 
 Usage::
 
-    python scripts/bench/bench_cores.py                          # gru and lstm, T = 1026, N = 16, k = 16
-    python scripts/bench/bench_cores.py --T 4098 --block-steps 16 64 256 --kinds lstm
-    python scripts/bench/bench_cores.py --smoke
+    python -m scripts.bench cores                          # gru and lstm, T = 1026, N = 16, k = 16
+    python -m scripts.bench cores --T 4098 --block-steps 16 64 256 --kinds lstm
+    python -m scripts.bench cores --smoke
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import time
 
 import gymnasium as gym
 import torch
-from _bench_common import describe_machine, set_threads
 from tensordict import TensorDict
 
 from rl_replay.agent import Policy
@@ -35,6 +34,7 @@ from rl_replay.agents.gru import GRUAgent
 from rl_replay.agents.lstm import LSTMAgent
 from rl_replay.algorithms.stored import replay_sequence
 from rl_replay.engine import GradientAccumulator
+from scripts.bench.common import describe_machine, set_threads
 
 AGENTS = {"gru": GRUAgent, "lstm": LSTMAgent}
 

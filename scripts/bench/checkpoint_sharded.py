@@ -10,8 +10,8 @@ wrote; then one line per setting.
 
 Usage::
 
-    python scripts/bench/bench_checkpoint_sharded.py
-    python scripts/bench/bench_checkpoint_sharded.py --smoke       # the MLP config
+    python -m scripts.bench checkpoint_sharded
+    python -m scripts.bench checkpoint_sharded --smoke       # the MLP config
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from scripts.bench.common import ROOT
 
 
 def worker(spec: dict) -> None:
@@ -33,9 +32,9 @@ def worker(spec: dict) -> None:
     write one checkpoint, report seconds, peak RSS growth and bytes."""
     import torch
     import torch.distributed as dist
-    from _bench_common import MemoryMeter, quiet_trainer
 
     from rl_replay.run.trainer_state import save_trainer
+    from scripts.bench.common import MemoryMeter, quiet_trainer
 
     rank = int(os.environ.get("RANK", "0"))
     trainer = quiet_trainer(spec["config"], spec["run_dir"], f"checkpoint.sharded={spec['sharded']}")
@@ -71,7 +70,7 @@ def worker(spec: dict) -> None:
 def launch(config: str, sharded: str, out: str) -> list[dict]:
     run_dir = tempfile.mkdtemp(prefix="bench_ckpt_")
     spec = {"config": config, "sharded": sharded, "run_dir": os.path.join(run_dir, "run"), "out": out}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", __spec__.name]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", "BENCH_SPEC": json.dumps(spec)}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
@@ -107,7 +106,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     if "BENCH_SPEC" in os.environ:
         worker(json.loads(os.environ["BENCH_SPEC"]))
     else:

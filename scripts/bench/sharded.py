@@ -25,10 +25,10 @@ the gtrxl agent under FSDP1 on 2 ranks against plain autograd averaged over rank
 
 Usage::
 
-    python scripts/bench/bench_sharded.py                     # T = 258 1026 4098
-    python scripts/bench/bench_sharded.py --T 1026 --envs 8 --methods rl_replay
-    python scripts/bench/bench_sharded.py --smoke             # a small agent, T = 18
-    python scripts/bench/bench_sharded.py --T 1026 --methods rl_replay \
+    python -m scripts.bench sharded                     # T = 258 1026 4098
+    python -m scripts.bench sharded --T 1026 --envs 8 --methods rl_replay
+    python -m scripts.bench sharded --smoke             # a small agent, T = 18
+    python -m scripts.bench sharded --T 1026 --methods rl_replay \
         --strategies FULL_SHARD SHARD_GRAD_OP NO_SHARD           # one row per sharding strategy
 
 Each rl_replay row also counts FSDP1's parameter all-gathers during the measured forward and
@@ -44,7 +44,8 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from scripts.bench.common import ROOT
+
 FULL = dict(d_model=384, num_layers=4, num_heads=6, window=32, recurrent_size=128, encoder=384)
 SMOKE = dict(d_model=16, num_layers=2, num_heads=2, window=4, recurrent_size=8, encoder=16)
 
@@ -53,7 +54,6 @@ def worker(spec: dict) -> dict:
     """One rank of one measurement (under torch.distributed.run)."""
     import gymnasium as gym
     import torch
-    from _bench_common import MemoryMeter, set_threads
     from tensordict import TensorDict
 
     from rl_replay.agent import Policy
@@ -61,6 +61,7 @@ def worker(spec: dict) -> dict:
     from rl_replay.algorithms.stored import replay_sequence
     from rl_replay.distributed import init_from_env, wrap_fsdp
     from rl_replay.engine import GradientAccumulator
+    from scripts.bench.common import MemoryMeter, set_threads
 
     set_threads(1)
     info, device = init_from_env("cpu", "gloo")
@@ -170,13 +171,14 @@ def launch(spec: dict, timeout: float) -> list[dict]:
         "torch.distributed.run",
         "--standalone",
         "--nproc_per_node=2",
-        os.path.abspath(__file__),
+        "-m",
+        __spec__.name,
         "--worker",
         json.dumps(spec),
     ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     except subprocess.TimeoutExpired:
         return [{"error": f"timed out after {timeout:.0f} s"}]
     rows = []
@@ -227,8 +229,8 @@ def main(argv=None) -> int:
     policy = SMOKE if args.smoke else FULL
     if args.smoke:
         args.T, args.envs, args.block_steps = [18], 2, 4
-    from _bench_common import describe_machine
-    from _bench_report import fmt_bytes
+    from scripts.bench.common import describe_machine
+    from scripts.bench.report import fmt_bytes
 
     print(describe_machine())
     print(

@@ -14,9 +14,9 @@ points at a Python container that is appended to every update).
 
 Usage::
 
-    OMP_NUM_THREADS=1 python scripts/bench/bench_soak.py                       # 20,000 updates
-    python scripts/bench/bench_soak.py --updates 200 --every 20                 # a quick look
-    python scripts/bench/bench_soak.py --updates 40000 --json soak.json log.wandb_mode=disabled
+    OMP_NUM_THREADS=1 python -m scripts.bench soak                       # 20,000 updates
+    python -m scripts.bench soak --updates 200 --every 20                 # a quick look
+    python -m scripts.bench soak --updates 40000 --json soak.json log.wandb_mode=disabled
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from scripts.bench.common import ROOT
 
 
 def _rss_kib() -> int:

@@ -1,10 +1,10 @@
-"""``bench_ppo.py --pixels``: one recurrent PPO update on pixels, rl_replay vs plain autograd.
+"""``ppo.py --pixels``: one recurrent PPO update on pixels, rl_replay vs plain autograd.
 
 The workload where flat memory is decisive: a CNN + GRU agent (``gru`` with ``encoder:
 nature_cnn``, ``encoder_sizes: [512]``, ReLU, hidden 256, 4 actions) on 84x84x3 uint8 frames,
 8 envs, 2 minibatches (each the whole T-step sequences of 4 envs), 4 epochs. One stored rollout
 of T steps (synthetic: seeded frames, episode starts, actions; log-probs and values from a no-grad
-pass), updated two ways, each in a fresh process (``bench_ppo.py``'s methods):
+pass), updated two ways, each in a fresh process (``ppo.py``'s methods):
 
 1. ``plain``      CleanRL's recipe: each minibatch's sequence re-run with grad from its stored
                   start state, every step's activations kept until backward;
@@ -18,12 +18,12 @@ Then rl_replay's memory slope per step against its block-input bytes per step (t
 if a measured T passes it, else extrapolated from its slope (and said so). The gradient of every
 minibatch of one epoch is compared between the two methods at T = 8 first.
 
-Usage (the workload of ``bench_ppo.py``, the one PPO benchmark)::
+Usage (the workload of ``ppo.py``, the one PPO benchmark)::
 
-    python scripts/bench/bench_ppo.py --pixels --smoke                    # 36x36 frames, narrow CNN, T = 8, 16
-    python scripts/bench/bench_ppo.py --pixels                            # T = 512, 2048, 8192 (long: see docs)
-    python scripts/bench/bench_ppo.py --pixels --T 512 2048 --epochs 1    # memory is one minibatch's: 1/4 the time
-    python scripts/bench/bench_ppo.py --pixels --device cuda              # the same on a GPU
+    python -m scripts.bench ppo --pixels --smoke                    # 36x36 frames, narrow CNN, T = 8, 16
+    python -m scripts.bench ppo --pixels                            # T = 512, 2048, 8192 (long: see docs)
+    python -m scripts.bench ppo --pixels --T 512 2048 --epochs 1    # memory is one minibatch's: 1/4 the time
+    python -m scripts.bench ppo --pixels --device cuda              # the same on a GPU
 """
 
 from __future__ import annotations
@@ -33,11 +33,20 @@ import time
 import gymnasium as gym
 import numpy as np
 import torch
-from _bench_common import MemoryMeter, set_threads
-from _bench_ppo_update import bench_config, run_update, stored_rollout
-from _bench_report import fmt_bytes
 
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "_bench_ppo_update", "_bench_pixels"]
+from scripts.bench.common import MemoryMeter, set_threads
+from scripts.bench.ppo_update import bench_config, run_update, stored_rollout
+from scripts.bench.report import fmt_bytes
+
+PRELOAD = [
+    "torch",
+    "tensordict",
+    "gymnasium",
+    "rl_replay",
+    "scripts.bench.common",
+    "scripts.bench.ppo_update",
+    "scripts.bench.pixels",
+]
 FULL = dict(frame=(84, 84, 3), channels=None, linear=[512], hidden=256, actions=4, envs=8, epochs=4, minibatches=2)
 SMOKE = dict(frame=(36, 36, 3), channels=[4, 8, 8], linear=[16], hidden=16, actions=4, envs=4, epochs=1, minibatches=2)
 LIMIT = 16 * 2**30  # the plain-autograd budget asked about

@@ -16,7 +16,7 @@ trainer's losses do (O(1) graph nodes instead of ~10 per step):
                        trainer's code path).
 
 Measured per configuration: live tensor bytes held for backward at the end of the rollout
-forward (see ``LiveTensorCensus`` in ``_bench_common.py``), peak RSS growth (CPU) or
+forward (see ``LiveTensorCensus`` in ``common.py``), peak RSS growth (CPU) or
 ``torch.cuda.max_memory_allocated`` growth (CUDA), rollout-forward time, backward time,
 and the gradients of methods 2-4 against method 1.
 
@@ -31,19 +31,19 @@ them and ``--render-only`` redraws tables, plots and the docs section from them.
 
 ``--rss`` runs the other memory measure instead, with its own options: peak RSS growth per rollout
 step against the bytes a block saves per step, over two T and four allocator settings
-(``scripts/bench/_bench_rss.py``; ``python scripts/bench/bench_memory.py --rss --help``).
+(``scripts/bench/rss.py``; ``python -m scripts.bench memory --rss --help``).
 
 A run prints its tables and writes no committed file: ``--write-docs [PATH]`` updates the
 marked section of PATH (default docs/benchmarks.md) and draws the plots next to it (or
-into ``--plot-dir``). Measuring one configuration is ``_bench_memory_worker.py``, the
-policies ``_bench_policies.py``, tables, plots and verdicts ``_bench_memory_report.py``.
+into ``--plot-dir``). Measuring one configuration is ``memory_worker.py``, the
+policies ``policies.py``, tables, plots and verdicts ``memory_report.py``.
 
 Usage::
 
-    python scripts/bench/bench_memory.py --smoke
-    python scripts/bench/bench_memory.py --policy gru --write-docs
-    python scripts/bench/bench_memory.py --policy mlp --T 1024 --methods plain rl_replay --merge --json r.json
-    python scripts/bench/bench_memory.py --policy small_gru --profile   # cProfile of rl_replay
+    python -m scripts.bench memory --smoke
+    python -m scripts.bench memory --policy gru --write-docs
+    python -m scripts.bench memory --policy mlp --T 1024 --methods plain rl_replay --merge --json r.json
+    python -m scripts.bench memory --policy small_gru --profile   # cProfile of rl_replay
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ import tempfile
 import time
 
 import torch
-from _bench_common import GLIBC_NOTE, describe_machine, load_line, run_isolated, set_threads, worker_cli
-from _bench_memory_report import (
+
+from scripts.bench.common import GLIBC_NOTE, describe_machine, load_line, run_isolated, set_threads, worker_cli
+from scripts.bench.memory_report import (
     analyse,
     docs_section,
     markdown_table,
@@ -66,18 +67,18 @@ from _bench_memory_report import (
     result_line,
     summary_line,
 )
-from _bench_memory_worker import METHODS, run_once, worker
-from _bench_policies import POLICIES, build_policy, count_params
-from _bench_report import add_write_docs_argument, refuse_smoke_docs, write_section
+from scripts.bench.memory_worker import METHODS, run_once, worker
+from scripts.bench.policies import POLICIES, build_policy, count_params
+from scripts.bench.report import add_write_docs_argument, refuse_smoke_docs, write_section
 
 PRELOAD = [
     "torch",
     "torch.utils.checkpoint",
     "tensordict",
     "rl_replay",
-    "_bench_common",
-    "_bench_policies",
-    "_bench_memory_worker",
+    "scripts.bench.common",
+    "scripts.bench.policies",
+    "scripts.bench.memory_worker",
 ]
 DEFAULT_TS = (64, 256, 1024, 4096)
 
@@ -149,7 +150,7 @@ def run_policy(policy: str, args, tmpdir: str, log, deadline: float) -> list[dic
             r = run_isolated(
                 worker,
                 spec,
-                script=os.path.abspath(__file__),
+                script=__spec__.name,
                 launcher=args.launcher,
                 timeout=max(180.0, 4 * budget),
                 preload=PRELOAD,
@@ -215,10 +216,10 @@ def profile_replay(args) -> None:
 # ============================================================================ main
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--rss" in argv:  # the per-step RSS probe (scripts/bench/_bench_rss.py), its own options
-        import _bench_rss
+    if "--rss" in argv:  # the per-step RSS probe (scripts/bench/rss.py), its own options
+        from scripts.bench import rss
 
-        return _bench_rss.main([a for a in argv if a != "--rss"])
+        return rss.main([a for a in argv if a != "--rss"])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--policy", nargs="+", default=["gru"], choices=sorted(POLICIES))
     ap.add_argument("--T", type=int, nargs="+", help=f"rollout lengths (default {DEFAULT_TS})")

@@ -1,4 +1,4 @@
-"""``bench_memory.py --rss``: peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
+"""``memory.py --rss``: peak RSS growth per rollout step of rl_replay against the bytes it saves per step.
 
 The policy: observation (64) -> 3 x (Linear 1024 + ReLU) -> GRUCell 256 -> actor (8) and
 critic heads, batch 32; one ``checkpoint_fsdp_forward`` block per timestep, one
@@ -25,9 +25,9 @@ trainer's default).
 
 Usage::
 
-    python scripts/bench/bench_memory.py --rss                       # T = 64 and 1024, all four settings
-    python scripts/bench/bench_memory.py --rss --T 16 128 --json r.json
-    python scripts/bench/bench_memory.py --rss --repeats 3 --loss a2c
+    python -m scripts.bench memory --rss                       # T = 64 and 1024, all four settings
+    python -m scripts.bench memory --rss --T 16 128 --json r.json
+    python -m scripts.bench memory --rss --repeats 3 --loss a2c
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ import re
 import subprocess
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-BENCH_MEMORY = os.path.join(HERE, "bench_memory.py")  # the entry point: bench_memory.py --rss
+from scripts.bench.common import ROOT
+
 PREFIX = "RSS_RESULT "
 SETTINGS = {
     # name: (environment additions, keep_freed_memory)
@@ -170,8 +169,8 @@ def measure(setting: str, T: int, loss: str = "stacked", timeout: float = 600) -
     env_add, keep = SETTINGS[setting]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     env.update(env_add, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""))
-    cmd = [sys.executable, BENCH_MEMORY, "--rss", "--worker", str(T), str(int(keep)), loss]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = [sys.executable, "-m", "scripts.bench.memory", "--rss", "--worker", str(T), str(int(keep)), loss]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     for line in proc.stdout.splitlines():
         if line.startswith(PREFIX):
             return dict(json.loads(line[len(PREFIX) :]), setting=setting)
@@ -205,7 +204,7 @@ def median(xs: list[float]) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        prog="bench_memory.py --rss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="memory.py --rss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--T", type=int, nargs=2, default=[64, 1024], metavar=("T_LO", "T_HI"))
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))

@@ -16,9 +16,9 @@ rollouts (a run's first rollout pays lazy initialisation).
 
 Usage::
 
-    python scripts/bench/bench_collect_sharded.py                       # 400-step rollouts, 3 rounds x 2 repeats
-    python scripts/bench/bench_collect_sharded.py --steps 1026 --repeats 1 --settings "2 ranks, gathered"
-    python scripts/bench/bench_collect_sharded.py --smoke               # the MLP config, 32 steps
+    python -m scripts.bench collect_sharded                       # 400-step rollouts, 3 rounds x 2 repeats
+    python -m scripts.bench collect_sharded --steps 1026 --repeats 1 --settings "2 ranks, gathered"
+    python -m scripts.bench collect_sharded --smoke               # the MLP config, 32 steps
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
+from scripts.bench.common import ROOT
+
 SETTINGS = {
     "one process": (1, "auto"),
     "2 ranks, per step": (2, "false"),
@@ -43,7 +43,7 @@ SETTINGS = {
 
 def worker(spec: dict) -> None:
     """One process (or one rank) of one launch: build the trainer, time its rollouts."""
-    from _bench_common import quiet_trainer
+    from scripts.bench.common import quiet_trainer
 
     rank = int(os.environ.get("RANK", "0"))
     overrides = [f"collector.num_steps={spec['steps']}", f"distributed.collect_gathered={spec['gathered']}"]
@@ -75,7 +75,7 @@ def worker(spec: dict) -> None:
 
 def launch(spec: dict, nproc: int, timeout: float) -> tuple[list[float], list[float]]:
     """Run one launch; ``(its ranks' timed rollouts, their first rollouts)``."""
-    worker_args = [os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    worker_args = ["-m", __spec__.name, "--worker", json.dumps(spec)]
     if nproc == 1:
         cmd = [sys.executable, *worker_args]
     else:
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
             1,
             1,
         )
-    from _bench_common import describe_machine
+    from scripts.bench.common import describe_machine
 
     print(describe_machine())
     print(
@@ -166,5 +166,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     sys.exit(main())

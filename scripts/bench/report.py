@@ -1,6 +1,6 @@
 """Reporting for the benchmark scripts in ``scripts/`` (not part of the library).
 
-The measuring side (``_bench_common.py``, the workers) produces plain JSON-serialisable
+The measuring side (``common.py``, the workers) produces plain JSON-serialisable
 dicts; everything here turns them into text: number formatting, and writing a rendered
 markdown section into a docs file. A benchmark never edits a committed file unless asked:
 ``--write-docs [PATH]`` (see :func:`add_write_docs_argument`) updates its marked section
@@ -13,7 +13,8 @@ import argparse
 import math
 import os
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from scripts.bench.common import ROOT
+
 DOCS = os.path.join(ROOT, "docs", "benchmarks.md")
 
 

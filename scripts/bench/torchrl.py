@@ -10,7 +10,7 @@ forward differs:
 
 1. ``rl_replay``  the trainer's ``PPO.optimize``: replay blocks of ``--block-steps`` steps, each
                   a fused ``nn.LSTM`` / ``nn.GRU`` kernel call (``agents/cores.py``);
-2. ``steps``      the same with the cores' step loop instead of the fused kernel (``bench_cores.py``'s
+2. ``steps``      the same with the cores' step loop instead of the fused kernel (``cores.py``'s
                   ``step_loop``: what a block ran before, and what acting runs);
 3. ``plain``      plain autograd over rl_replay's calls (every block's graph kept);
 4. ``torchrl``    TorchRL's ``LSTMModule`` / ``GRUModule`` in recurrent mode (``nn.LSTM`` /
@@ -34,9 +34,9 @@ Where torchrl is missing (or does not import) the ``torchrl`` side is left out a
 
 Usage::
 
-    python scripts/bench/bench_torchrl.py                             # lstm and gru, T = 1026 4098 16386
-    python scripts/bench/bench_torchrl.py --kinds lstm --T 4098 --block-steps 64 --repeats 3
-    python scripts/bench/bench_torchrl.py --smoke
+    python -m scripts.bench torchrl                             # lstm and gru, T = 1026 4098 16386
+    python -m scripts.bench torchrl --kinds lstm --T 4098 --block-steps 64 --repeats 3
+    python -m scripts.bench torchrl --smoke
 """
 
 from __future__ import annotations
@@ -44,18 +44,18 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
 
 import gymnasium as gym
 import torch
-from _bench_common import MemoryMeter, describe_machine, run_isolated, set_threads, worker_cli
-from _bench_ppo_update import bench_config, plain_calls, plain_optimize, run_update
-from _bench_report import fmt_bytes
-from bench_cores import step_loop
 from tensordict import TensorDict
+
+from scripts.bench.common import MemoryMeter, describe_machine, run_isolated, set_threads, worker_cli
+from scripts.bench.cores import step_loop
+from scripts.bench.ppo_update import bench_config, plain_calls, plain_optimize, run_update
+from scripts.bench.report import fmt_bytes
 
 SIDES = ("rl_replay", "steps", "plain", "torchrl")
 WARM_STEPS = 34
@@ -351,9 +351,7 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 for side in sides if rep % 2 == 0 else reversed(sides):
                     spec = dict(base, kind=kind, T=T, side=side)
-                    r = run_isolated(
-                        worker, spec, script=os.path.abspath(__file__), launcher="subprocess", timeout=3600
-                    )
+                    r = run_isolated(worker, spec, script=__spec__.name, launcher="subprocess", timeout=3600)
                     if "error" in r:
                         print(f"{kind} T={T} {side}: {r['error']}\n{r.get('traceback', '')}", file=sys.stderr)
                         return 1

@@ -17,23 +17,23 @@ from a no-grad pass), so every method and process sees the same numbers.
 
 Each configuration runs in a fresh process: a warm-up update at T = 2 (Adam state,
 allocator), then the measured update. Memory: peak RSS growth of the measured update
-(Linux ``VmHWM``, see ``_bench_common.MemoryMeter``); ``block inputs`` is the largest
+(Linux ``VmHWM``, see ``common.MemoryMeter``); ``block inputs`` is the largest
 minibatch's saved block-input bytes (``memory/replay_saved_bytes``). The gradient of the
 first minibatch is compared between the two methods at the smallest T.
 
 Usage::
 
-    python scripts/bench/bench_ppo.py --smoke
-    python scripts/bench/bench_ppo.py                     # T = 128, 512, 2048
-    python scripts/bench/bench_ppo.py --T 128 512 --write-docs
-    python scripts/bench/bench_ppo.py --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
-    python scripts/bench/bench_ppo.py --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
-    python scripts/bench/bench_ppo.py --config configs/memory_1024.yaml --epochs 1 --set replay.block_steps=16
-    python scripts/bench/bench_ppo.py --pixels --smoke          # the pixel workload (_bench_pixels.py)
-    python scripts/bench/bench_ppo.py --pixels --device cuda    # T = 512, 2048, 8192 on a GPU
+    python -m scripts.bench ppo --smoke
+    python -m scripts.bench ppo                     # T = 128, 512, 2048
+    python -m scripts.bench ppo --T 128 512 --write-docs
+    python -m scripts.bench ppo --T 2048 --methods rl_replay --epochs 1   # memory at long T, 1/4 the time
+    python -m scripts.bench ppo --config configs/memory_4096.yaml --epochs 1  # a shipped config's update
+    python -m scripts.bench ppo --config configs/memory_1024.yaml --epochs 1 --set replay.block_steps=16
+    python -m scripts.bench ppo --pixels --smoke          # the pixel workload (pixels.py)
+    python -m scripts.bench ppo --pixels --device cuda    # T = 512, 2048, 8192 on a GPU
 
 ``--pixels`` runs the workload where flat memory is decisive instead: a CNN + GRU agent on 84x84x3
-uint8 frames (``scripts/bench/_bench_pixels.py`` says what, and what its summary lines report), on the
+uint8 frames (``scripts/bench/pixels.py`` says what, and what its summary lines report), on the
 CPU or a CUDA device (``--device``).
 
 ``--config CONFIG`` takes the agent, ``env.num_envs``, the PPO and loss settings and T
@@ -45,13 +45,13 @@ and action spaces from its env (one env is made to read them; a flat ``Box`` obs
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 
 import gymnasium as gym
 import torch
-from _bench_common import (
+
+from scripts.bench.common import (
     GLIBC_NOTE,
     MemoryMeter,
     describe_machine,
@@ -60,10 +60,10 @@ from _bench_common import (
     set_threads,
     worker_cli,
 )
-from _bench_ppo_update import bench_config, run_update, stored_rollout
-from _bench_report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section
+from scripts.bench.ppo_update import bench_config, run_update, stored_rollout
+from scripts.bench.report import add_write_docs_argument, fmt_bytes, fmt_s, refuse_smoke_docs, write_section
 
-PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "_bench_common", "_bench_ppo_update"]
+PRELOAD = ["torch", "tensordict", "gymnasium", "rl_replay", "scripts.bench.common", "scripts.bench.ppo_update"]
 FULL = dict(obs=64, encoder=[1024, 1024, 1024], hidden=512, actions=8, envs=16, epochs=4, minibatches=4)
 SMOKE = dict(obs=8, encoder=[32, 32], hidden=16, actions=4, envs=8, epochs=2, minibatches=2)
 
@@ -127,10 +127,9 @@ def synthetic_rollout(agent, T: int, N: int, obs_dim: int):
 def _record_minibatch_forwards(records: list) -> None:
     """Wrap PPO's replay_sequence: per minibatch, what its forward left in use (the slab's
     bytes handed out, glibc heap in use, RSS) once its T blocks have run."""
-    from _bench_common import current_rss
-
     from rl_replay.algorithms import ppo as ppo_module
     from rl_replay.run.memory_stats import heap_in_use
+    from scripts.bench.common import current_rss
 
     real = ppo_module.replay_sequence
 
@@ -153,7 +152,7 @@ def _record_minibatch_forwards(records: list) -> None:
 
 def worker(spec: dict) -> dict:
     if spec.get("pixels"):
-        from _bench_pixels import worker as pixel_worker
+        from scripts.bench.pixels import worker as pixel_worker
 
         return pixel_worker(spec)
     return _worker(spec)
@@ -245,7 +244,7 @@ def sweep(
 def grad_check(spec: dict, T: int, build=None, run_update=None) -> tuple[float, float]:
     """Worst (abs, rel) difference of every minibatch gradient of one epoch between the methods.
 
-    ``build`` / ``run_update``: this script's by default; ``--pixels`` passes its own (``_bench_pixels.build``).
+    ``build`` / ``run_update``: this script's by default; ``--pixels`` passes its own (``pixels.build``).
     """
     build = build or globals()["build"]
     run_update = run_update or globals()["run_update"]
@@ -343,9 +342,7 @@ def main(argv=None) -> int:
     worst = grad_check(spec, check_T)
     print(f"gradient check: worst abs diff {worst[0]:.3e}, worst rel diff {worst[1]:.3e}")
     rows: list = []
-    results = sweep(
-        worker, spec, Ts, args.methods, script=os.path.abspath(__file__), timeout=args.timeout, preload=PRELOAD
-    )
+    results = sweep(worker, spec, Ts, args.methods, script=__spec__.name, timeout=args.timeout, preload=PRELOAD)
     ok = [T for T in Ts if all("error" not in results[(T, m)] for m in args.methods)]
     for T in ok:
         plain, rep = results.get((T, "plain")), results.get((T, "rl_replay"))
@@ -381,7 +378,7 @@ def main(argv=None) -> int:
 
 def pixels_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``--pixels``: the CNN + GRU update on uint8 frames, T = 512, 2048, 8192 by default."""
-    import _bench_pixels as pixels
+    import scripts.bench.pixels as pixels
 
     if args.config or args.set or args.write_docs:
         parser.error("--pixels runs its own agent and frames: it takes no --config, --set or --write-docs")
@@ -405,7 +402,7 @@ def pixels_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> in
         spec,
         Ts,
         args.methods,
-        script=os.path.abspath(__file__),
+        script=__spec__.name,
         timeout=args.timeout or 7200,
         preload=pixels.PRELOAD,
         memory=memory,

@@ -1,0 +1,1 @@
+"""Entry points, tools and benchmarks (run from the repository root)."""
