@@ -632,23 +632,6 @@ def _expect(exc_type, pattern, fn):
         fn()
 
 
-def _err_fsdp2(rank: int, world: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    torch.manual_seed(0)
-    model = MLPPolicy()
-    fully_shard(model.body[0], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    acc = GradientAccumulator()
-    x = torch.randn(2, 6)
-    _expect(ReplayError, r"FSDP2 fully_shard", lambda: checkpoint_fsdp_forward(model, acc, observation=x))
-    _expect(ReplayError, r"FSDP2 fully_shard", lambda: replay(model, acc, TensorDict(observation=x)))
-    assert acc.num_blocks == 0
-    return OK
-
-
 def _err_orig_params(rank: int, world: int) -> str:
     model = _fsdp(MLPPolicy(), {nn.Linear}, use_orig_params=False)
     acc = GradientAccumulator()
@@ -695,7 +678,6 @@ def _err_no_sync(rank: int, world: int) -> str:
 def fsdp_errors(rank: int, world: int) -> dict:
     return run_scenarios(
         {
-            "fsdp2_fully_shard": _err_fsdp2,
             "use_orig_params_false": _err_orig_params,
             "shard_grad_op": _err_strategy,
             "no_sync": _err_no_sync,
@@ -753,10 +735,103 @@ def cuda_fsdp_offload() -> dict:
 
 
 # ----------------------------------------------------------------- one spawn for all
+def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int) -> dict:
+    """The shipped GRU agent wrapped by the user with FSDP2 ``fully_shard`` (encoder, core, head and
+    value each a unit, then the root), replayed through ``algorithms.stored.replay_sequence`` with
+    ``block_steps``-step blocks (one-row calls, or one call per block with continuing sums) and a reset
+    inside the second block, against plain autograd over the same calls averaged over the ranks."""
+    import gymnasium as gym
+    from _reference import plain_blocks, plain_sequence
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from rl_replay.agent import Policy
+    from rl_replay.agents.gru import GRUAgent
+    from rl_replay.algorithms.stored import replay_sequence
+
+    T, B = 8, 3
+    torch.manual_seed(5)
+    ref = GRUAgent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,))
+    for unit in (model.encoder, model.core, model.head, model.value):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+
+    def data(r: int) -> TensorDict:
+        g = torch.Generator().manual_seed(90 + r)
+        first = torch.zeros(T, B, dtype=torch.bool)
+        first[4, 1] = True
+        return TensorDict(
+            observation=torch.randn(T, B, 5, generator=g),
+            is_first=first,
+            action=torch.randint(0, 3, (T, B), generator=g),
+            batch_size=[T, B],
+        )
+
+    def loss_of(out: TensorDict) -> torch.Tensor:
+        return out["log_prob"].sum() + out["value"].square().sum()
+
+    acc = GradientAccumulator()
+    loss_of(replay_sequence(Policy(model, model), data(rank), ref.initial_state(B), acc, None, block_steps)).backward()
+    for r in range(world):
+        if block_steps > 1:
+            out = plain_blocks(ref, data(r), ref.initial_state(B), block_steps)
+        else:
+            out = plain_sequence(ref, data(r), ref.initial_state(B))[0]
+        (loss_of(out) / world).backward()
+    return {
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
+        "blocks": acc.blocks_replayed,
+    }
+
+
+def _fsdp2_helper(rank: int, world: int) -> dict:
+    """The reference helper's entry point, ``checkpoint_fsdp_forward``, on an MLP policy the user
+    wrapped with ``fully_shard`` (each Linear a unit, then the root): 10 blocks of one rollout."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    ref = MLPPolicy()
+    model = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (world,))
+    for sub in model.modules():
+        if isinstance(sub, nn.Linear):
+            fully_shard(sub, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    obs = [rank_data(r + 40, 10, 4, 6) for r in range(world)]
+    acc = GradientAccumulator()
+    loss = sum(step_loss(*checkpoint_fsdp_forward(model, acc, observation=obs[rank][t])) for t in range(10))
+    loss.backward()
+    for r in range(world):
+        (sum(step_loss(*ref(observation=obs[r][t])) for t in range(10)) / world).backward()
+    return {
+        "grads": {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+        "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
+        "blocks": acc.blocks_replayed,
+    }
+
+
+def fsdp2_parity(rank: int, world: int) -> dict:
+    return run_scenarios(
+        {
+            "gru_reshard_steps1": lambda r, w: _fsdp2_agent(r, w, True, 1),
+            "gru_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3),
+            "gru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3),
+            "helper_mlp": _fsdp2_helper,
+        },
+        rank,
+        world,
+    )
+
+
 def fsdp_all(rank: int, world: int) -> dict:
     """Every world-size-2 scenario, so the test session pays for one spawn only."""
     return {
         "parity": fsdp_parity(rank, world),
         "strategies": fsdp_strategies(rank, world),
         "errors": fsdp_errors(rank, world),
+        "fsdp2": fsdp2_parity(rank, world),
     }

@@ -6,7 +6,7 @@ __all__ = ["ReplayError"]
 class ReplayError(RuntimeError):
     """A replay block was used in a way that would give wrong gradients.
 
-    Raised for unsupported setups (FSDP2, ``use_orig_params=False``, ``no_sync``,
+    Raised for unsupported setups (FSDP1 with ``use_orig_params=False``, ``no_sync``,
     higher-order gradients, ``torch.autograd.grad`` through a block), for models
     that mutate parameters or buffers inside a block, and for reusing a finished
     :class:`~rl_replay.engine.GradientAccumulator`.

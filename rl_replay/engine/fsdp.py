@@ -3,8 +3,9 @@
 A replay block serves FSDP1 with ``use_orig_params=True`` under ``FULL_SHARD``, ``SHARD_GRAD_OP``,
 ``HYBRID_SHARD`` or ``NO_SHARD`` (NOTE [ Replay
 blocks ], Rule 8, in :mod:`rl_replay.engine.replay`): :func:`fsdp_units` finds the units of a model
-and rejects every other setup with a :class:`~rl_replay.engine.ReplayError`; it also gives tensors
-inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors.
+and rejects every other FSDP1 setup with a :class:`~rl_replay.engine.ReplayError`; it also gives tensors
+inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors. A module the user wrapped
+with FSDP2's ``fully_shard`` needs none of this: its public hooks serve the blocks as they are.
 """
 
 from __future__ import annotations
@@ -41,22 +42,19 @@ def _served() -> tuple:
 
 
 def fsdp_units(module: torch.nn.Module) -> list[torch.nn.Module]:
-    """The FSDP1 units inside ``module``, after rejecting setups replay cannot serve."""
+    """The FSDP1 units inside ``module``, after rejecting setups replay cannot serve.
+
+    A module wrapped with FSDP2's ``fully_shard`` has none: its public hooks gather a unit's
+    parameters in the block's forward and in its recompute, and reduce-scatter each nested
+    backward's gradient into the sharded ``.grad``, which sums the blocks (Rule 8)."""
     if "torch.distributed.fsdp" not in sys.modules:
         return []  # nobody imported FSDP, so nothing can be wrapped in it
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     served = _served()
     units = []
     for name, sub in module.named_modules():
         where = f"module '{name}'" if name else f"the root module ({type(sub).__name__})"
-        if isinstance(sub, FSDPModule):
-            raise ReplayError(
-                _PREFIX + f"{where} is wrapped with FSDP2 fully_shard, which replay does not "
-                "support. Wrap the policy with FSDP1 FullyShardedDataParallel("
-                "sharding_strategy=FULL_SHARD, use_orig_params=True) instead."
-            )
         if not isinstance(sub, FSDP):
             continue
         if not sub._use_orig_params:

@@ -52,8 +52,8 @@ def checkpoint_fsdp_forward(
         The model's output (a tensor or a tuple of tensors), attached to autograd.
 
     Distributed use requires FSDP1 (``FULL_SHARD``, ``SHARD_GRAD_OP``, ``HYBRID_SHARD`` or ``NO_SHARD``) with ``use_orig_params=True``
-    (``CPUOffload`` optional) and gradient synchronisation enabled. FSDP2,
-    ``no_sync``, higher-order gradients and ``torch.autograd.grad`` /
+    (``CPUOffload`` optional) and gradient synchronisation enabled, or a module wrapped with FSDP2's
+    ``fully_shard``. ``no_sync``, higher-order gradients and ``torch.autograd.grad`` /
     ``backward(inputs=...)`` are rejected with a clear error.
     """
     accumulator = _accumulator_from(accumulated)

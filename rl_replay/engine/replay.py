@@ -76,7 +76,9 @@ __all__ = [
 #         of the rollout (accumulator.py: how FSDP's overwriting of ``.grad`` is
 #         handled). The nested backward is a real ``torch.autograd.backward``, so FSDP1's
 #         pre/post-backward hooks run for every block, as in FSDP's own reentrant
-#         activation checkpointing.
+#         activation checkpointing. A module wrapped with FSDP2's ``fully_shard`` is served by
+#         its public hooks alone: the block's forward and its recompute gather each unit, each
+#         nested backward reduce-scatters into the sharded ``.grad``, which sums the blocks.
 # Rule 9. A block whose outputs receive no gradient is not recomputed at all.
 # Rule 10. Only a full ``backward()`` may run through a block: ``torch.autograd.grad``
 #         and ``backward(inputs=...)`` must leave parameter ``.grad`` alone, but the

@@ -293,7 +293,7 @@ def test_optimizer_step_between_forward_and_backward(policy, x, opt):
 
 
 # --------------------------------------------------------- FSDP setup errors
-@pytest.mark.parametrize("scenario", ["fsdp2_fully_shard", "use_orig_params_false", "shard_grad_op", "no_sync"])
+@pytest.mark.parametrize("scenario", ["use_orig_params_false", "shard_grad_op", "no_sync"])
 def test_fsdp_setup_errors(fsdp_world2, scenario):
     """Run in the two gloo workers of ``fsdp_world2`` (each asserts with pytest.raises)."""
     assert scenario_results(fsdp_world2, "errors", scenario) == ["ok", "ok"]
