@@ -41,7 +41,15 @@ from torch import nn
 from rl_replay import _compat
 from rl_replay.errors import SetupError, one_line, shown
 from rl_replay.registry import AGENTS
-from rl_replay.spaces import check_observation_space, flat_size, flatten, leaf_event_dims, leaf_keys, leaf_scales
+from rl_replay.spaces import (
+    check_observation_space,
+    flat_size,
+    flatten,
+    leaf_event_dims,
+    leaf_keys,
+    leaf_scales,
+    obs_converter,
+)
 from rl_replay.targets import OWN, Importer, canonical_target
 
 __all__ = [
@@ -349,4 +357,14 @@ def build_agent(
         ) from None
     # An agent written to the docs before the one agent shape (a one-step forward) runs
     # through the StepwiseAgent adapter, with a DeprecationWarning, until _compat.REMOVED_IN.
-    return _compat.one_step_agent(agent, StepwiseAgent, step_loop, observation_space)
+    return _compat.one_step_agent(agent, StepwiseAgent, step_loop, _two_rows(observation_space))
+
+
+def _two_rows(space: gym.Space) -> torch.Tensor | TensorDict | None:
+    """Two observations of ``space`` (a seeded sample), converted as the collector converts them."""
+    try:
+        batched = gym.vector.utils.batch_space(space, 2)
+        batched.seed(0)
+        return obs_converter(space)(batched.sample())
+    except Exception:  # a space the agent refuses reaches the user through check_agent
+        return None
