@@ -735,9 +735,10 @@ def cuda_fsdp_offload() -> dict:
 
 
 # ----------------------------------------------------------------- one spawn for all
-def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int) -> dict:
-    """The shipped GRU agent wrapped by the user with FSDP2 ``fully_shard`` (encoder, core, head and
-    value each a unit, then the root), replayed through ``algorithms.stored.replay_sequence`` with
+def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int, kind: str = "gru") -> dict:
+    """A shipped recurrent agent (``kind``: gru, lstm, lru, or gtrxl with a window of 2 < the block)
+    wrapped by the user with FSDP2 ``fully_shard`` (encoder, core, head and value each a unit, then the
+    root), replayed through ``algorithms.stored.replay_sequence`` with
     ``block_steps``-step blocks (one-row calls, or one call per block with continuing sums) and a reset
     inside the second block, against plain autograd over the same calls averaged over the ranks."""
     import gymnasium as gym
@@ -747,11 +748,19 @@ def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int) -> dict
 
     from rl_replay.agent import Policy
     from rl_replay.agents.gru import GRUAgent
+    from rl_replay.agents.gtrxl import WindowTransformerAgent
+    from rl_replay.agents.lru import LRUAgent
+    from rl_replay.agents.lstm import LSTMAgent
     from rl_replay.algorithms.stored import replay_sequence
 
     T, B = 8, 3
     torch.manual_seed(5)
-    ref = GRUAgent(gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3), hidden_size=12, encoder_sizes=(10,))
+    spaces = (gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3))
+    if kind == "gtrxl":
+        ref = WindowTransformerAgent(*spaces, d_model=12, num_heads=2, window=2, encoder_sizes=(10,))
+    else:
+        cls = {"gru": GRUAgent, "lstm": LSTMAgent, "lru": LRUAgent}[kind]
+        ref = cls(*spaces, hidden_size=12, encoder_sizes=(10,))
     model = copy.deepcopy(ref)
     mesh = init_device_mesh("cpu", (world,))
     for unit in (model.encoder, model.core, model.head, model.value):
@@ -820,6 +829,9 @@ def fsdp2_parity(rank: int, world: int) -> dict:
             "gru_reshard_steps1": lambda r, w: _fsdp2_agent(r, w, True, 1),
             "gru_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3),
             "gru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3),
+            "lstm_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3, "lstm"),
+            "lru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3, "lru"),
+            "gtrxl_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3, "gtrxl"),
             "helper_mlp": _fsdp2_helper,
         },
         rank,
