@@ -22,9 +22,9 @@ The one migration story (docs/checkpoints.md, "Migration from format 1"):
 * **An agent written to the docs before the one agent shape**: a subclass of ``rl_replay.Agent``
   whose ``forward`` takes one step (``(N, ...)`` rows) and returns ``dist``, ``value`` and
   ``state`` side by side. :func:`one_step_agent` (called by ``rl_replay.agent.build_agent``) tells
-  it from a one-shape agent by one call on two zero rows, and runs it through the
-  :class:`~rl_replay.StepwiseAgent` adapter (its ``forward`` becomes ``step``), with a
-  DeprecationWarning. Its parameter names do not change, so its checkpoints load either way.
+  it from a one-shape agent by a call on two sampled rows of its space, and runs it through the
+  :class:`~rl_replay.StepwiseAgent` adapter (its ``forward`` becomes the step loop of the old one),
+  with a DeprecationWarning. Its parameter names do not change, so its checkpoints load either way.
 * **``collector.block_steps`` and ``ppo.block_steps``** (A2C / REINFORCE's and PPO's) are read as
   the one ``replay.block_steps`` (:func:`translate_block_steps`).
 
@@ -190,7 +190,7 @@ def one_step_agent(agent: Any, stepwise: type, step_loop: Any, rows: Any) -> Any
     ``rl_replay.agent.step_loop``; ``rows``: two observations of the agent's space, converted as the
     collector converts them, or None when the space gives none).
 
-    The test is a call without grad on two zero rows (RNG streams restored): the one shape,
+    The test is a call without grad on the two ``rows`` (RNG streams restored): the one shape,
     ``(1, 2)`` rows, returning ``outputs`` and ``state``, keeps the agent as it is; otherwise a
     call on ``(2,)`` rows returning ``state`` beside its outputs marks a one-step forward, and
     the agent's class becomes a subclass of its own and of the adapter whose ``forward`` is the step
@@ -204,7 +204,7 @@ def one_step_agent(agent: Any, stepwise: type, step_loop: Any, rows: Any) -> Any
     from tensordict import TensorDictBase
 
     cls = type(agent)
-    if rows is None or (isinstance(agent, stepwise) and cls not in _ADAPTED.values()):
+    if rows is None or isinstance(agent, stepwise):  # a StepwiseAgent (or one adapted already)
         return agent
 
     def call(observation, is_first_shape):
@@ -236,7 +236,7 @@ def one_step_agent(agent: Any, stepwise: type, step_loop: Any, rows: Any) -> Any
     warnings.warn(
         f"{cls.__module__}.{cls.__qualname__}.forward takes one step: it runs through rl_replay.StepwiseAgent. "
         f"Subclass rl_replay.StepwiseAgent and rename forward to step, or write forward over (k, N) rows "
-        f"(docs/agents.md); one-step forwards of rl_replay.Agent stop working in {REMOVED_IN}.",
+        f"(README, 'Plug in your own agent'); one-step forwards of rl_replay.Agent stop working in {REMOVED_IN}.",
         DeprecationWarning,
         stacklevel=3,
     )

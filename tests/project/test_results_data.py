@@ -27,18 +27,18 @@ def test_every_shipped_config_has_one_entry():
         assert not e["command"] or f"--config {e['config']}" in e["command"] or e["config"].endswith("default.yaml")
 
 
-def test_headers_and_tables_are_the_rendering_of_the_data(tmp_path):
+def test_headers_and_tables_are_the_rendering_of_the_data():
     render = _render()
     entries = render.load()
     for path, text in render.rendered(entries).items():
         assert path.read_text() == text, f"{path.relative_to(REPO)}: run scripts/tools/render_results.py"
     for name in CONFIGS:
-        head = [line for line in (REPO / name).read_text().splitlines() if line.startswith("#")]
         lines = (REPO / name).read_text().splitlines()
-        assert lines[: len(head)] == head and 1 <= len(head) <= 2, name
+        header = next(i for i, line in enumerate(lines) if not line.startswith("#"))
+        assert 1 <= header <= 2, name
 
 
-def test_a_change_to_the_data_is_seen(tmp_path):
+def test_a_change_to_the_data_is_seen():
     # the check above would pass if rendering ignored the data: a changed entry changes the files
     render = _render()
     entries = render.load()
