@@ -1,4 +1,4 @@
-"""Process group from the torchrun environment, FSDP1 wrapping and cross-rank reductions."""
+"""Process group from the torchrun environment, FSDP1 and FSDP2 wrapping and cross-rank reductions."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ __all__ = [
     "DistInfo",
     "init_from_env",
     "wrap_fsdp",
+    "wrap_fsdp2",
+    "fsdp_version_of",
     "sharding_line",
     "broadcast_module_states",
     "broadcast_from_main",
@@ -157,8 +159,124 @@ def wrap_fsdp(
     return wrapped
 
 
-def sharding_line(strategy: str, info: DistInfo) -> str:
+def _fsdp2_units(model: nn.Module, wrap_modules: list[str], min_num_params: int | None) -> list[nn.Module]:
+    """The submodules that become FSDP2 units of their own, innermost first (``fully_shard`` wants
+    children before parents): the instances of ``wrap_modules``, or, by size, each module whose
+    parameters not already in a unit below it number at least ``min_num_params`` (the rule of
+    FSDP1's ``size_based_auto_wrap_policy``); never the root, which is wrapped last."""
+    if min_num_params:
+        units: list[nn.Module] = []
+        taken: set[int] = set()
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                visit(child)
+            if module is model:
+                return
+            own = [p for p in module.parameters() if id(p) not in taken]
+            if sum(p.numel() for p in own) >= min_num_params:
+                units.append(module)
+                taken.update(id(p) for p in own)
+
+        visit(model)
+        return units
+    if wrap_modules:
+        _auto_wrap_policy(model, list(wrap_modules), None)  # the same one-line refusal of unknown names
+    wanted = set(wrap_modules)
+    found = [m for m in model.modules() if m is not model and type(m).__name__ in wanted]
+    return found[::-1]  # modules() is pre-order: reversed, every child comes before its parent
+
+
+def fsdp2_mesh(device: torch.device, sharding_strategy: str):
+    """FSDP2's device mesh for an FSDP1 strategy name: one dimension over all ranks, or
+    (replicate, shard) for HYBRID_SHARD (:func:`hybrid_mesh`) and for NO_SHARD (shard groups of one
+    rank: whole parameters on every rank, gradients all-reduced)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if sharding_strategy == "HYBRID_SHARD":
+        return hybrid_mesh(device)
+    if sharding_strategy == "NO_SHARD":
+        return init_device_mesh(device.type, (world, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+
+
+def wrap_fsdp2(
+    model: nn.Module,
+    device: torch.device,
+    *,
+    wrap_modules: list[str] = (),  # type: ignore[assignment]
+    min_num_params: int | None = None,
+    cpu_offload: bool = False,
+    mixed_precision: str | None = None,
+    sharding_strategy: str = "FULL_SHARD",
+) -> nn.Module:
+    """Shard ``model`` with FSDP2: ``fully_shard`` on each unit (:func:`_fsdp2_units`), then on the
+    root. Returns ``model`` itself (FSDP2 changes its class in place, names stay the agent's).
+
+    FSDP1's strategy names map onto FSDP2's own settings: ``FULL_SHARD`` and ``HYBRID_SHARD`` reshard
+    after forward, ``SHARD_GRAD_OP`` and ``NO_SHARD`` keep the parameters gathered from forward to
+    backward; the mesh is :func:`fsdp2_mesh`'s. ``cpu_offload`` is ``CPUOffloadPolicy`` (CUDA only,
+    as under FSDP1), ``mixed_precision`` a ``MixedPrecisionPolicy`` with that parameter and reduction
+    dtype. Every rank starts from rank 0's parameters and buffers (broadcast before sharding). Each
+    unit remembers its ``reshard_after_forward`` (``_rl_replay_reshard_after_forward``) for
+    :func:`rl_replay.gathered.gathered`, which changes it for a rollout's collection and back.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if cpu_offload and device.type != "cuda":
+        raise SetupError(
+            "distributed.cpu_offload=true needs CUDA: FSDP2's CPUOffloadPolicy pins host memory through "
+            "an accelerator. Set distributed.cpu_offload=false (parameters are already in host memory on CPU)."
+        )
+    mp = MixedPrecisionPolicy()
+    if mixed_precision is not None:
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mixed_precision]
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+    units = _fsdp2_units(model, list(wrap_modules), min_num_params)
+    mesh = fsdp2_mesh(device, sharding_strategy)
+    reshard = sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
+    broadcast_module_states(model, device)
+    # FSDP2 warns on every unit call whose output is a view (an in-place op on it would skip the
+    # unit's pre-backward hook); once per process says it, the replay parity tests check the agents.
+    warnings.filterwarnings("once", message=r"FSDP2-wrapped module .* returned a view tensor")
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
+        unit._rl_replay_reshard_after_forward = reshard
+    # None: FSDP2's own choice for a root, which keeps its parameters gathered after forward
+    # (its backward starts right after it).
+    fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
+    model._rl_replay_reshard_after_forward = False
+    # Parameters kept gathered from forward to backward: the replay engine reduces the blocks'
+    # gradient once per backward (rl_replay.engine.fsdp.fsdp2_reduces_once); not under CPU offload,
+    # where the unreduced sum would be held on the GPU (as under FSDP1).
+    model._rl_replay_reduce_once = not reshard and not cpu_offload
+    return model
+
+
+def fsdp_version_of(model: nn.Module) -> int:
+    """1 if ``model`` is an FSDP1 ``FullyShardedDataParallel``, 2 if FSDP2's ``fully_shard`` made it an
+    ``FSDPModule``, else 0 (a plain module)."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return 0  # nobody imported FSDP, so nothing can be wrapped in it
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return 1 if isinstance(model, FSDP) else 2 if isinstance(model, FSDPModule) else 0
+
+
+def sharding_line(strategy: str, info: DistInfo, fsdp_version: int = 1) -> str:
     """How ``strategy`` spreads the parameters over this job's ranks, in words (printed once)."""
+    if fsdp_version == 2:
+        mesh = {
+            "HYBRID_SHARD": "a (replicate, shard) mesh of nodes x LOCAL_WORLD_SIZE ranks",
+            "NO_SHARD": f"a ({info.world_size}, 1) mesh: whole on each rank, gradients all-reduced",
+        }.get(strategy, f"{info.world_size} ranks")
+        reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        return f"FSDP2 fully_shard over {mesh}, reshard_after_forward={reshard} (as FSDP1's {strategy})"
     if strategy == "HYBRID_SHARD":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         nodes = info.world_size // local

@@ -1,10 +1,12 @@
-"""FSDP1 parameters gathered once for a stretch of no-grad forwards (a rollout's collection).
+"""FSDP parameters gathered once for a stretch of no-grad forwards (a rollout's collection).
 
-Every forward of an FSDP1 unit all-gathers its parameters and, under ``FULL_SHARD`` and
-``HYBRID_SHARD``, frees them again afterwards. Collection runs the policy once per env step, so a
-rollout of T steps gathers every unit T times, though the parameters do not change until the
-update. :func:`gathered` gathers each unit once (``FSDP.summon_full_params``) and, while it is
-entered, calls every unit's wrapped module directly, so no forward gathers again. Nothing is
+Every forward of an FSDP unit all-gathers its parameters and, under ``FULL_SHARD`` and
+``HYBRID_SHARD`` (FSDP2: ``reshard_after_forward=True``), frees them again afterwards. Collection
+runs the policy once per env step, so a rollout of T steps gathers every unit T times, though the
+parameters do not change until the update. :func:`gathered` gathers each unit once and, while it is
+entered, no forward gathers again: under FSDP1 through ``FSDP.summon_full_params``, calling every
+unit's wrapped module directly; under FSDP2 through its public ``unshard()``, with
+``set_reshard_after_forward(False)`` until the exit puts each unit's own setting back. Nothing is
 written back and the full parameters are freed on exit. Only forwards without a graph belong
 inside: a replay block's forward is one (its backward, later, recomputes through FSDP's own
 forward); an update's forward is not.
@@ -41,20 +43,68 @@ def _units(model: nn.Module) -> list[Any]:
     return FSDP.fsdp_modules(model)
 
 
+def _fsdp2_units(model: nn.Module) -> list[Any]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made units (itself included)."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def full_parameter_bytes(model: nn.Module) -> int:
-    """Bytes of an FSDP1-wrapped ``model``'s parameters when every unit is gathered."""
+    """Bytes of an FSDP-wrapped ``model``'s parameters when every unit is gathered."""
+    if _fsdp2_units(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())  # a DTensor's numel is global
     flats = [unit._handle.flat_param for unit in _units(model) if unit._handle is not None]
     return sum(sum(flat._numels) * flat.element_size() for flat in flats)
 
 
+def _whole_on_every_rank(model: nn.Module) -> bool:
+    """True when no parameter of ``model`` is split over ranks (FSDP1 NO_SHARD, FSDP2 on a mesh
+    whose shard dimension is one rank)."""
+    units2 = _fsdp2_units(model)
+    if units2:
+        from torch.distributed.tensor import DTensor
+
+        return all(p.to_local().numel() == p.numel() for p in model.parameters() if isinstance(p, DTensor))
+    from torch.distributed.fsdp import ShardingStrategy
+
+    return all(unit.sharding_strategy == ShardingStrategy.NO_SHARD for unit in _units(model))
+
+
+@contextlib.contextmanager
+def _gathered_fsdp2(model: nn.Module, units: list[Any]) -> Iterator[None]:
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+    try:
+        for unit in units:
+            unit.unshard()
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            # What wrap_fsdp2 chose for the unit; FSDP2's defaults for a module wrapped elsewhere.
+            unit.set_reshard_after_forward(
+                getattr(unit, "_rl_replay_reshard_after_forward", unit is not model), recurse=False
+            )
+
+
 @contextlib.contextmanager
 def gathered(model: nn.Module) -> Iterator[None]:
-    """Gather every FSDP1 unit of ``model`` once; inside, calls run the wrapped modules directly.
+    """Gather every FSDP unit of ``model`` once; inside, no forward gathers again.
 
     For forwards under ``torch.no_grad`` (or inside a replay block's forward). The module's own
     hooks still run; FSDP's per-forward gather does not. Collective: enter it on every rank.
     Outside FSDP it does nothing.
     """
+    units2 = _fsdp2_units(model)
+    if units2:
+        with _gathered_fsdp2(model, units2):
+            yield
+        return
     units = _units(model)
     if not units:
         yield
@@ -110,15 +160,14 @@ def collection_plan(
     saying why); ``auto`` gathers when the full parameters fit :func:`_budget`. ``agree`` turns
     this rank's answer into every rank's (true only if true on all), so no rank gathers alone.
     """
-    units = _units(model)
-    if not units:
+    fsdp2 = bool(_fsdp2_units(model))
+    if not fsdp2 and not _units(model):
         return CollectionPlan(False, "collection: one process, the parameters are whole")
-    from torch.distributed.fsdp import ShardingStrategy
-
-    if all(unit.sharding_strategy == ShardingStrategy.NO_SHARD for unit in units):
+    if _whole_on_every_rank(model):
         return CollectionPlan(False, "collection: NO_SHARD keeps the parameters whole on every rank, nothing to gather")
     refusal = None
-    if mixed_precision:
+    # FSDP2's unshard() gathers in the MixedPrecisionPolicy's dtype, as its forward does: the same log-probs.
+    if mixed_precision and not fsdp2:
         refusal = (
             f"distributed.mixed_precision={mixed_precision} casts the parameters in FSDP's own forward, "
             "which gathered collection skips (its log-probs would not be the update's)"

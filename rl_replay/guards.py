@@ -36,6 +36,12 @@ class SkipBudget:
     skipped: int = 0
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (an FSDP2 parameter or gradient is a DTensor; every check here
+    reduces its flag over the ranks itself)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _first_bad(values: Mapping[str, torch.Tensor]) -> tuple[str, float] | None:
     for name, value in values.items():
         v = value.detach()
@@ -79,7 +85,7 @@ def check_update(
     if culprit is not None:
         what = f"loss term {culprit[0]} is {culprit[1]}"
     else:
-        grads = {f"gradient of {n}": p.grad for n, p in params() if p.grad is not None}
+        grads = {f"gradient of {n}": _local(p.grad) for n, p in params() if p.grad is not None}
         culprit = _first_bad(grads)
         what = (
             f"{culprit[0]} is {culprit[1]} (gradient norm {float(grad_norm)})"
@@ -106,7 +112,7 @@ def check_parameters(
     named_params: Iterable, *, update: int, last_checkpoint: str | None, any_rank: Callable[[bool], bool] = bool
 ) -> None:
     """Raise :class:`NonFiniteError` if any parameter (on any rank) holds NaN or infinity."""
-    named = [(n, p) for n, p in named_params if p.numel()]
+    named = [(n, _local(p)) for n, p in named_params if _local(p).numel()]
     flags = (
         torch.stack([torch.isfinite(p.detach()).all() for _, p in named]) if named else torch.ones(1, dtype=torch.bool)
     )

@@ -15,6 +15,7 @@ the per-family worst-difference table covers the distributed tests too.
 from __future__ import annotations
 
 import copy
+import functools
 import os
 import socket
 import time
@@ -823,9 +824,125 @@ def _fsdp2_helper(rank: int, world: int) -> dict:
     }
 
 
+class CountFSDP2:
+    """Counts FSDP2's parameter all-gathers and gradient reductions (one call each per unit group)
+    while it is entered."""
+
+    def __enter__(self):
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+        self.gathers, self.reductions = 0, 0
+        self._group, self._real = group, (group.foreach_all_gather, group.foreach_reduce)
+        counter = self
+
+        def gather(*args, **kwargs):
+            counter.gathers += 1
+            return counter._real[0](*args, **kwargs)
+
+        def reduce(*args, **kwargs):
+            counter.reductions += 1
+            return counter._real[1](*args, **kwargs)
+
+        group.foreach_all_gather, group.foreach_reduce = gather, reduce
+        return self
+
+    def __exit__(self, *exc):
+        self._group.foreach_all_gather, self._group.foreach_reduce = self._real
+
+
+#: kind -> (agent class path, kwargs, the modules that become units)
+FSDP_VERSION_AGENTS = {
+    "mlp": ("rl_replay.agents.mlp:MLPAgent", {"hidden_sizes": (12, 12)}, ["Linear"]),
+    "gru": ("rl_replay.agents.gru:GRUAgent", {"hidden_size": 12, "encoder_sizes": (10,)}, ["Linear", "GRUCore"]),
+    "lstm": ("rl_replay.agents.lstm:LSTMAgent", {"hidden_size": 12, "encoder_sizes": (10,)}, ["Linear", "LSTMCore"]),
+    "lru": ("rl_replay.agents.lru:LRUAgent", {"hidden_size": 12, "encoder_sizes": (10,)}, ["Linear", "LRUCore"]),
+    "gtrxl": (
+        "rl_replay.agents.gtrxl:WindowTransformerAgent",
+        {"d_model": 12, "num_layers": 2, "num_heads": 2, "window": 2, "encoder_sizes": (10,)},
+        ["WindowLayer"],
+    ),
+}
+
+
+def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps: int = 3) -> dict:
+    """The trainer's wrapping (:func:`rl_replay.distributed.wrap_fsdp` and ``wrap_fsdp2``, the same
+    units and strategy) of a shipped agent, replayed through ``algorithms.stored.replay_sequence`` in
+    ``block_steps``-step blocks with resets inside two blocks: FSDP2's gradients against FSDP1's and
+    against plain autograd's averaged over the ranks, with FSDP2's all-gathers and reductions."""
+    import importlib
+
+    import gymnasium as gym
+    from _reference import plain_blocks
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from rl_replay.agent import Policy
+    from rl_replay.algorithms.stored import replay_sequence
+    from rl_replay.distributed import wrap_fsdp, wrap_fsdp2
+
+    target, kwargs, units = FSDP_VERSION_AGENTS[kind]
+    module, name = target.split(":")
+    T, B = 9, 3
+    torch.manual_seed(5)
+    spaces = (gym.spaces.Box(-1, 1, (5,)), gym.spaces.Discrete(3))
+    ref = getattr(importlib.import_module(module), name)(*spaces, **kwargs)
+
+    def data(r: int) -> TensorDict:
+        g = torch.Generator().manual_seed(90 + r)
+        first = torch.zeros(T, B, dtype=torch.bool)
+        first[4, 1] = first[7, 2] = True  # inside the second and the third block
+        return TensorDict(
+            observation=torch.randn(T, B, 5, generator=g),
+            is_first=first,
+            action=torch.randint(0, 3, (T, B), generator=g),
+            batch_size=[T, B],
+        )
+
+    def loss_of(out: TensorDict) -> torch.Tensor:
+        return out["log_prob"].sum() + out["value"].square().sum()
+
+    grads, counts = {}, None
+    for version, wrap in ((1, wrap_fsdp), (2, wrap_fsdp2)):
+        model = wrap(copy.deepcopy(ref), torch.device("cpu"), wrap_modules=units, sharding_strategy=strategy)
+        acc = GradientAccumulator()
+        with CountFSDP2() as counted:
+            out = replay_sequence(Policy.of(model), data(rank), ref.initial_state(B), acc, None, block_steps)
+            loss_of(out).backward()
+        if version == 1:
+            with FSDP.summon_full_params(model, with_grads=True):
+                grads[1] = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+        else:
+            grads[2] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            counts = {"gathers": counted.gathers, "reductions": counted.reductions, "blocks": acc.blocks_replayed}
+            from torch.distributed.fsdp import FSDPModule
+
+            units2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
+            counts["units"] = len(units2)
+
+            def own(unit) -> set[int]:  # its parameters that no unit inside it holds
+                inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units2 for p in sub.parameters()}
+                return {id(p) for p in unit.parameters()} - inner
+
+            # the units with parameters of their own (a root whose parameters are all in units has none)
+            counts["holders"] = sum(bool(own(u)) for u in units2)
+    for r in range(world):
+        (loss_of(plain_blocks(ref, data(r), ref.initial_state(B), block_steps)) / world).backward()
+    return {
+        "grads": grads[2],
+        "fsdp1": grads[1],
+        "expected": {n: p.grad.clone() for n, p in ref.named_parameters()},
+        **counts,
+    }
+
+
 def fsdp2_parity(rank: int, world: int) -> dict:
     return run_scenarios(
         {
+            **{
+                f"{kind}_{strategy}": functools.partial(_fsdp_versions, kind=kind, strategy=strategy)
+                for kind in FSDP_VERSION_AGENTS
+                for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
+            },
+            "gru_NO_SHARD": functools.partial(_fsdp_versions, kind="gru", strategy="NO_SHARD"),
             "gru_reshard_steps1": lambda r, w: _fsdp2_agent(r, w, True, 1),
             "gru_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3),
             "gru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3),

@@ -37,12 +37,19 @@ class UpdateResult:
 def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tensor:
     """Clip the global gradient norm of ``model`` (None = no clip); returns the pre-clip norm.
 
-    Under FSDP the model's own ``clip_grad_norm_`` computes the norm over all shards.
+    Under FSDP1 the model's own ``clip_grad_norm_`` computes the norm over all shards; under FSDP2
+    the gradients are DTensors, whose norm is made whole over the ranks before it scales them (as
+    torchtitan clips).
     """
     max_norm = max_norm or float("inf")
     if hasattr(model, "clip_grad_norm_"):
         return model.clip_grad_norm_(max_norm)  # type: ignore[operator]
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds its shards' part of the norm
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def optimizer_step(

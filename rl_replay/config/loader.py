@@ -66,6 +66,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "distributed.backend": ("auto", "gloo", "nccl"),
     "distributed.sharding_strategy": ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"),
     "distributed.collect_gathered": ("auto", "true", "false"),
+    "distributed.fsdp_version": (1, 2),
 }
 
 #: Upper bounds on sizes. A config may come from someone else's run, and a size far past any

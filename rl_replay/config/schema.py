@@ -207,6 +207,11 @@ class EvalConfig:
 
 @dataclass
 class DistributedConfig:
+    fsdp_version: int = 1
+    """1: FSDP1 (FullyShardedDataParallel, use_orig_params=True); 2: FSDP2 (fully_shard on each unit, then
+    the root). The strategies below map onto FSDP2's own: FULL_SHARD is reshard_after_forward=True,
+    SHARD_GRAD_OP False, HYBRID_SHARD a (replicate, shard) device mesh, NO_SHARD a mesh of shard size 1
+    (docs/scaling.md)"""
     wrap_modules: list[str] = field(default_factory=list)
     """module class names; each instance becomes its own FSDP unit"""
     min_num_params: int | None = None

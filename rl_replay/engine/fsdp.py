@@ -19,7 +19,7 @@ from tensordict import TensorDictBase
 
 from rl_replay.engine.errors import _PREFIX, ReplayError
 
-__all__ = ["fsdp_units", "has_fsdp"]
+__all__ = ["fsdp_units", "has_fsdp", "fsdp2_reduces_once", "FSDP2Deferral"]
 
 
 def has_fsdp(module: torch.nn.Module) -> bool:
@@ -28,6 +28,32 @@ def has_fsdp(module: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return any(isinstance(sub, FSDP) for sub in module.modules())
+
+
+def fsdp2_reduces_once(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an FSDP2 root that :func:`rl_replay.distributed.wrap_fsdp2` wrapped with
+    its units' parameters kept gathered from forward to backward and no CPU offload (its marker
+    ``_rl_replay_reduce_once``): then the blocks' gradients are summed unreduced and reduced once, in
+    the last block's backward (Rule 11). A module the user wrapped with ``fully_shard`` reduces in
+    every block's backward: FSDP2's public API does not say whether it keeps its parameters gathered."""
+    return bool(getattr(module, "_rl_replay_reduce_once", False))
+
+
+class FSDP2Deferral:
+    """FSDP2's gradient reduction put off, through its public setters: the blocks' backwards
+    accumulate the unsharded gradient and keep the parameters gathered until :meth:`__exit__`, after
+    which the next backward reduce-scatters the sum and reshards (FSDP1's ``no_sync()``)."""
+
+    __slots__ = ("root",)
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        root.set_requires_gradient_sync(False)
+        root.set_reshard_after_backward(False)
+
+    def __exit__(self, *exc: object) -> None:
+        self.root.set_requires_gradient_sync(True)
+        self.root.set_reshard_after_backward(True)
 
 
 def _served() -> tuple:

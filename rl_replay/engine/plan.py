@@ -15,7 +15,7 @@ import torch
 
 from rl_replay.engine.accumulator import GradientAccumulator
 from rl_replay.engine.errors import _PREFIX, DEBUG_TIP, ReplayError
-from rl_replay.engine.fsdp import fsdp_units, has_fsdp
+from rl_replay.engine.fsdp import FSDP2Deferral, fsdp2_reduces_once, fsdp_units, has_fsdp
 
 __all__ = ["StateWatch", "ModelPlan", "plan_for", "module_of"]
 
@@ -84,6 +84,7 @@ class ModelPlan(StateWatch):
         "params",
         "absorb",
         "fsdp_units",
+        "fsdp2_root",
         "site",
         "reduce_once",
         "recorded",
@@ -101,6 +102,10 @@ class ModelPlan(StateWatch):
         # NOTE [ Replay blocks ], Rule 11: one gradient reduction per backward where the units
         # keep their parameters gathered anyway.
         self.reduce_once = reduces_once(self.fsdp_units)
+        # FSDP2 (Rule 8): the same put-off reduction through set_requires_gradient_sync, for a root
+        # that rl_replay.distributed.wrap_fsdp2 wrapped with its parameters kept gathered.
+        self.fsdp2_root = module if module is not None and fsdp2_reduces_once(module) else None
+        self.reduce_once = self.reduce_once or self.fsdp2_root is not None
         self.recorded = 0  # blocks of this model recorded in the rollout
         self.visited = 0  # of them, blocks whose backward has started in the current backward
         self.reduce_now = False  # the last block's backward must reach FSDP, to reduce the sum
@@ -136,6 +141,8 @@ class ModelPlan(StateWatch):
         if self.reduce_once:
             last = self.visited >= self.recorded
             if first and not last:
+                if self.fsdp2_root is not None:
+                    self._deferred.append(FSDP2Deferral(self.fsdp2_root))
                 for root in fsdp_roots(self.fsdp_units):
                     context = root.no_sync()  # type: ignore[operator]
                     context.__enter__()

@@ -47,6 +47,7 @@ from rl_replay.run.trainer_state import (
     load_trainer,
     read_trainer_state,
     restore_trainer_rng,
+    version_change,
     world_change,
 )
 from rl_replay.rundir import trust
@@ -285,9 +286,12 @@ def _read_resume_state(
             check_rng(state["rng"][info.rank], device)
     except ValueError as exc:
         raise SetupError(f"cannot resume {resume}: its checkpoint {ckpt} holds {exc}.") from None
-    change = world_change(state, info.world_size, resume)
-    if change and info.is_main:
-        print(change, flush=True)
+    for change in (
+        world_change(state, info.world_size, resume),
+        version_change(state, cfg.distributed.fsdp_version, info.distributed, resume),
+    ):
+        if change and info.is_main:
+            print(change, flush=True)
     return state, ckpt
 
 
@@ -431,7 +435,8 @@ def _build_objects(
     model: torch.nn.Module = agent
     if info.distributed:
         d = cfg.distributed
-        model = dist_utils.wrap_fsdp(
+        wrap = dist_utils.wrap_fsdp2 if d.fsdp_version == 2 else dist_utils.wrap_fsdp
+        model = wrap(
             agent,
             device,
             wrap_modules=d.wrap_modules,
@@ -462,7 +467,7 @@ def _build_objects(
         )
         gather_once = plan.gathered
         if info.is_main:
-            print(f"fsdp: {dist_utils.sharding_line(d.sharding_strategy, info)}", flush=True)
+            print(f"fsdp: {dist_utils.sharding_line(d.sharding_strategy, info, d.fsdp_version)}", flush=True)
             print(plan.line, flush=True)
     collector = Collector(
         envs,

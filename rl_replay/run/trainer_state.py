@@ -1,4 +1,4 @@
-"""A trainer's state: what its checkpoint holds, one code path for single-process and FSDP1 runs.
+"""A trainer's state: what its checkpoint holds, one code path for single-process, FSDP1 and FSDP2 runs.
 
 Three things are called "checkpoint" in this project; this module is the trainer's state that goes
 into one. The file format is :mod:`rl_replay.rundir.checkpoint`, and ``checkpoint_fsdp_forward`` is the
@@ -9,12 +9,15 @@ numbers and JSON only, nothing that runs code when read):
 
 =================  ==============================================================
 ``agent``          the full agent state dict with the original parameter names (under
-                   FSDP gathered on rank 0 with ``FULL_STATE_DICT``, in host memory, or, with
+                   FSDP gathered on rank 0 (FSDP1's ``FULL_STATE_DICT``, FSDP2's
+                   ``get_state_dict(full_state_dict=True)``), in host memory, or, with
                    ``checkpoint.sharded``, each rank's rows in its shard file, which
                    :mod:`rl_replay.rundir.shards` puts back together when the checkpoint is read):
                    ``scripts/evaluate.py RUN_DIR`` loads it into an unwrapped agent.
 ``optimizer``      ``optimizer.state_dict()`` in one process; under FSDP the full state
-                   from ``FSDP.optim_state_dict`` (keyed by parameter name, not index).
+                   from ``FSDP.optim_state_dict`` or FSDP2's ``get_state_dict`` (keyed by
+                   parameter name, not index). Both FSDP versions write and read the same
+                   full state, so a run resumes under the other version (and in one process).
 ``collector``      list indexed by rank: each rank's collector state, without its env
                    pickle (that is in ``env_state.pkl``).
 ``rng``            list indexed by rank: :func:`capture_rng`
@@ -38,7 +41,8 @@ write succeeded, so no rank runs ahead of the file and
 a failed write fails every rank instead of hanging them. Resuming: each rank reads the
 files itself (:func:`read_trainer_state`: the env pickles only if this user's MAC verifies,
 and every rank then agrees on using them or not), :func:`load_trainer` loads agent, optimizer and
-collector into the algorithm that owns them (FSDP through its full-state-dict loaders) and gives
+collector into the algorithm that owns them (FSDP1 through its full-state-dict loaders, FSDP2
+through ``set_state_dict``) and gives
 back the counters (:class:`Progress`), and :func:`restore_trainer_rng` sets the RNG streams last.
 """
 
@@ -61,6 +65,7 @@ import torch
 from rl_replay import distributed as dist_utils
 from rl_replay._compat import current_agent_key, current_agent_keys
 from rl_replay.config import config_to_dict
+from rl_replay.distributed import fsdp_version_of
 from rl_replay.errors import CheckpointError, one_line, shown
 from rl_replay.rundir import shards, trust
 from rl_replay.rundir.checkpoint import (
@@ -84,6 +89,7 @@ __all__ = [
     "RunPlace",
     "restore_trainer_rng",
     "world_change",
+    "version_change",
     "capture_rng",
     "restore_rng",
     "check_rng",
@@ -180,17 +186,34 @@ def _sharded_state_dict_type(model: torch.nn.Module, device: torch.device):
 def writes_shards(model: torch.nn.Module, info, sharded: bool) -> bool:
     """Whether every rank writes its own shard of the weights and optimizer state
     (``checkpoint.sharded`` under FSDP with more than one rank and parameters that are sharded)."""
-    if not (sharded and info.distributed and info.world_size > 1 and _is_fsdp(model)):
+    version = fsdp_version_of(model)
+    if not (sharded and info.distributed and info.world_size > 1 and version):
         return False
+    if version == 2:  # a parameter split over ranks (not a mesh whose shard groups are one rank)
+        return any(hasattr(p, "to_local") and p.to_local().numel() < p.numel() for p in model.parameters())
     from torch.distributed.fsdp import ShardingStrategy
 
     return model.sharding_strategy != ShardingStrategy.NO_SHARD
+
+
+def _fsdp2_options(full: bool):
+    """``torch.distributed.checkpoint``'s state-dict options: whole tensors (gathered on rank 0
+    when saving; given to every rank when loading) or each rank's DTensor shards, in host memory."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=full, cpu_offload=True)
 
 
 def _model_state(algorithm, device: torch.device, sharded: bool) -> tuple[Any, Any]:
     """The agent's and the optimizer's state dicts (under FSDP: full on rank 0 only, or each
     rank's shards); collective under FSDP."""
     model, optimizer = algorithm.model, algorithm.optimizer
+    if fsdp_version_of(model) == 2:
+        # The DCP state-dict API; its file format is not used (it unpickles its metadata on
+        # load): the shards go into this project's own files (rl_replay.rundir.shards).
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        return get_state_dict(model, optimizer, options=_fsdp2_options(full=not sharded))
     if not _is_fsdp(model):
         return model.state_dict(), optimizer.state_dict()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -347,7 +370,7 @@ def world_change(state: dict[str, Any], world_size: int, where: str | Path) -> s
     if saved == world_size:
         return None
     kept = min(saved, world_size)
-    ranks = "rank 0" if kept == 1 else f"ranks 0-{kept - 1}"
+    ranks = "rank 0 continues its" if kept == 1 else f"ranks 0-{kept - 1} continue their"
     if world_size > saved:
         one = world_size - saved == 1
         new = f"rank {saved} starts" if one else f"ranks {saved}-{world_size - 1} start"
@@ -357,8 +380,21 @@ def world_change(state: dict[str, Any], world_size: int, where: str | Path) -> s
         rest = f"; {gone} envs end here (their unfinished episodes are not counted)"
     return (
         f"resuming {where} on {_processes(world_size)}; its checkpoint was written by {_processes(saved)}: "
-        f"weights and optimizer state resharded, {ranks} continue their envs and RNG streams{rest}; "
+        f"weights and optimizer state resharded, {ranks} envs and RNG streams{rest}; "
         f"update {state['update']}, {state['env_steps']} env steps so far"
+    )
+
+
+def version_change(state: dict[str, Any], fsdp_version: int, distributed: bool, where: str | Path) -> str | None:
+    """The line a resume prints when ``state`` was written under another FSDP version than this
+    run's (None when it was not, or when either run was one process, where no version applies)."""
+    saved_cfg = state.get("config") if isinstance(state.get("config"), dict) else {}
+    saved = (saved_cfg.get("distributed") or {}).get("fsdp_version", 1)
+    if not distributed or int(state["world_size"]) == 1 or saved == fsdp_version:
+        return None
+    return (
+        f"resuming {where} under FSDP{fsdp_version}; its checkpoint was written under FSDP{saved}: both keep "
+        "the full weights and optimizer state by parameter name, so they load as they are"
     )
 
 
@@ -452,7 +488,12 @@ def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
     """
     info, device, where = place.info, place.device, place.directory.path
     model, optimizer = algorithm.model, algorithm.optimizer
-    if _is_fsdp(model):
+    fsdp2 = fsdp_version_of(model) == 2
+    if fsdp2:
+        # Every rank holds the full state (it read the file); DCP's loaders keep this rank's shards.
+        optim_state = _optimizer_state_by_name(model, state["optimizer"])
+        checked = _optimizer_state_by_index(model, optim_state)  # as optimizer_state_problem reads it
+    elif _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
         # Every rank holds the full state (it read the file), so no rank0_only broadcast; FSDP
@@ -464,13 +505,24 @@ def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
     else:
         model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
         optim_state = _optimizer_state_by_index(model, state["optimizer"])
-    problem = optimizer_state_problem(optimizer, optim_state)
+    problem = optimizer_state_problem(optimizer, checked if fsdp2 else optim_state)
     if problem is not None:
         raise CheckpointError(
             f"cannot resume {where}: its checkpoint holds optimizer state that does not fit this run's "
             f"{type(optimizer).__name__} ({problem}); resume with the optimizer that wrote it, or start a new run."
         )
-    optimizer.load_state_dict(optim_state)
+    if fsdp2:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=current_agent_keys(state["agent"], _agent_names(model)),
+            optim_state_dict=optim_state,
+            options=_fsdp2_options(full=True),
+        )
+    else:
+        optimizer.load_state_dict(optim_state)
     if info.rank >= state["world_size"]:  # a rank the writer did not have: fresh episodes (world_change)
         return Progress(state["update"], state["env_steps"])
     algorithm.collector.load_state_dict(_map_tensors(state["collector"][info.rank], device))

@@ -32,3 +32,27 @@ def test_fsdp2_gives_plain_autograds_gradients_averaged_over_ranks(fsdp_world2, 
         assert set(res["grads"]) == set(res["expected"]) and res["grads"]
         assert all(g.abs().sum() > 0 for g in res["expected"].values())
         assert_grads_match(res["grads"], res["expected"], "fsdp2")
+
+
+VERSION_CASES = [(kind, strategy) for kind in ("mlp", "gru", "lstm", "lru", "gtrxl") for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")]
+
+
+@pytest.mark.parametrize("kind, strategy", [*VERSION_CASES, ("gru", "NO_SHARD")])
+def test_fsdp2_equals_fsdp1_and_plain_autograd_with_the_trainers_wrapping(fsdp_world2, kind, strategy):
+    """``wrap_fsdp2`` (the trainer's FSDP2: every unit, then the root) against ``wrap_fsdp`` (FSDP1) with
+    the same units and strategy, 3 blocks of 3 steps with resets inside two of them: the same gradients,
+    both equal to plain autograd's averaged over the ranks. Where the units keep their parameters gathered
+    (SHARD_GRAD_OP, NO_SHARD) the blocks' gradient is reduced once per backward, else once per block."""
+    results = scenario_results(fsdp_world2, "fsdp2", f"{kind}_{strategy}")
+    assert len(results) == 2
+    for res in results:
+        assert res["blocks"] == 3 and res["units"] >= 3  # at least two units besides the root
+        assert set(res["grads"]) == set(res["expected"]) == set(res["fsdp1"]) and res["grads"]
+        assert all(g.abs().sum() > 0 for g in res["expected"].values())
+        assert_grads_match(res["grads"], res["expected"], "fsdp2")
+        assert_grads_match(res["grads"], res["fsdp1"], "fsdp2-vs-fsdp1")
+        if strategy == "FULL_SHARD":
+            # every block's backward reduces each unit it ran
+            assert res["reductions"] == res["blocks"] * res["holders"]
+        else:
+            assert res["reductions"] == res["holders"], "the blocks' gradient was not reduced once per unit"
