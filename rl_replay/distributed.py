@@ -271,12 +271,13 @@ def fsdp_version_of(model: nn.Module) -> int:
 def sharding_line(strategy: str, info: DistInfo, fsdp_version: int = 1) -> str:
     """How ``strategy`` spreads the parameters over this job's ranks, in words (printed once)."""
     if fsdp_version == 2:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         mesh = {
-            "HYBRID_SHARD": "a (replicate, shard) mesh of nodes x LOCAL_WORLD_SIZE ranks",
-            "NO_SHARD": f"a ({info.world_size}, 1) mesh: whole on each rank, gradients all-reduced",
+            "HYBRID_SHARD": f"a ({info.world_size // max(local, 1)}, {local}) (replicate, shard) mesh: sharded within a node, replicated across nodes",
+            "NO_SHARD": f"a ({info.world_size}, 1) (replicate, shard) mesh: whole on each rank, gradients all-reduced",
         }.get(strategy, f"{info.world_size} ranks")
         reshard = strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        return f"FSDP2 fully_shard over {mesh}, reshard_after_forward={reshard} (as FSDP1's {strategy})"
+        return f"FSDP2 fully_shard over {mesh}; reshard_after_forward={reshard} (as FSDP1's {strategy})"
     if strategy == "HYBRID_SHARD":
         local = int(os.environ.get("LOCAL_WORLD_SIZE", info.world_size))
         nodes = info.world_size // local

@@ -918,8 +918,8 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
             units2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
             counts["units"] = len(units2)
 
-            def own(unit) -> set[int]:  # its parameters that no unit inside it holds
-                inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units2 for p in sub.parameters()}
+            def own(unit, units=units2) -> set[int]:  # its parameters that no unit inside it holds
+                inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units for p in sub.parameters()}
                 return {id(p) for p in unit.parameters()} - inner
 
             # the units with parameters of their own (a root whose parameters are all in units has none)
@@ -934,6 +934,52 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
     }
 
 
+def _fsdp2_collection(rank: int, world: int) -> dict:
+    """Collection under the trainer's FSDP2 (``wrap_fsdp2``, FULL_SHARD, each attention layer a unit) with
+    the parameters gathered once per rollout (``gather_once``) against gathered at every step, from the
+    same seeds: PPO's stored rollout, and A2C's replayed one with its gradients; the all-gathers of each."""
+    import gymnasium as gym
+
+    from rl_replay.agent import build_agent
+    from rl_replay.algorithms.a2c import A2C
+    from rl_replay.algorithms.losses import total_loss
+    from rl_replay.config import Config
+    from rl_replay.distributed import wrap_fsdp2
+    from rl_replay.engine import replay
+    from rl_replay.rollout.collector import Collector
+
+    envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 4)
+    torch.manual_seed(0)
+    kwargs = {"d_model": 16, "num_layers": 2, "num_heads": 2, "window": 4, "encoder_sizes": [16]}
+    agent = build_agent("gtrxl", kwargs, envs.single_observation_space, envs.single_action_space)
+    model = wrap_fsdp2(agent, torch.device("cpu"), wrap_modules=["WindowLayer"])
+    out: dict = {"steps": 24}
+    for gather_once in (False, True):
+        collector = Collector(envs, model, num_steps=24, seed=7 + 1000 * rank, gather_once=gather_once)
+        torch.manual_seed(3 + rank)
+        with CountFSDP2() as counted:
+            rollout = collector.collect()
+        out[f"stored_{gather_once}"] = (rollout.data, counted.gathers)
+        collector = Collector(envs, model, num_steps=24, seed=11 + 1000 * rank, gather_once=gather_once)
+        torch.manual_seed(5 + rank)
+        acc = GradientAccumulator()
+        model.zero_grad(set_to_none=True)
+        with CountFSDP2() as counted:
+            replayed = collector.collect(lambda inputs, c=collector, a=acc: replay(c.policy.module, a, inputs))
+        gathers = counted.gathers
+        total_loss(A2C.loss(replayed.data, Config())).backward()
+        out[f"replayed_{gather_once}"] = (
+            {n: p.grad.full_tensor() for n, p in model.named_parameters()},
+            gathers,
+            int(replayed.data["is_first"][1:].sum()),
+        )
+    envs.close()
+    from torch.distributed.fsdp import FSDPModule
+
+    out["units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+    return out
+
+
 def fsdp2_parity(rank: int, world: int) -> dict:
     return run_scenarios(
         {
@@ -943,6 +989,7 @@ def fsdp2_parity(rank: int, world: int) -> dict:
                 for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
             },
             "gru_NO_SHARD": functools.partial(_fsdp_versions, kind="gru", strategy="NO_SHARD"),
+            "collection": _fsdp2_collection,
             "gru_reshard_steps1": lambda r, w: _fsdp2_agent(r, w, True, 1),
             "gru_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3),
             "gru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3),

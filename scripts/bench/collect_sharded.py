@@ -1,4 +1,4 @@
-"""Collection under FSDP1: per-rank seconds of one rollout on 2 gloo ranks against one process.
+"""Collection under FSDP: per-rank seconds of one rollout on 2 gloo ranks against one process.
 
 The trainer of a config (default ``configs/fsdp_gtrxl_memory_1024.yaml``: 14.4M parameters, 8 envs per
 rank) is built as ``scripts/train.py`` builds it, and its collector collects ``--repeats`` rollouts after
@@ -7,7 +7,9 @@ a warm-up one; each rollout's wall time is taken on every rank. Three settings, 
 1. ``one process``: ``python``, the same per-rank work (the config's envs and steps);
 2. ``2 ranks, per step``: ``torch.distributed.run --nproc_per_node=2`` with
    ``distributed.collect_gathered=false`` (each FSDP unit gathered at every env step);
-3. ``2 ranks, gathered``: ``distributed.collect_gathered=true`` (once per rollout).
+3. ``2 ranks, gathered``: ``distributed.collect_gathered=true`` (once per rollout);
+4. ``FSDP2, per step`` and ``FSDP2, gathered``: the same under ``distributed.fsdp_version=2``
+   (``unshard()`` once per rollout).
 
 The settings take turns (``--rounds`` times, one launch each per round), so a drift of the machine's
 speed falls on all of them. Printed: median, min and max of the seconds per rollout (over rounds,
@@ -18,6 +20,7 @@ Usage::
 
     python -m scripts.bench collect_sharded                       # 400-step rollouts, 3 rounds x 2 repeats
     python -m scripts.bench collect_sharded --steps 1026 --repeats 1 --settings "2 ranks, gathered"
+    python -m scripts.bench collect_sharded --steps 1026 --settings "2 ranks, gathered" "FSDP2, gathered"
     python -m scripts.bench collect_sharded --smoke               # the MLP config, 32 steps
 """
 
@@ -27,17 +30,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
-from scripts.bench.common import ROOT
+from scripts.bench.common import ROOT, launch_ranks, rank_result
 
+#: setting -> (processes, distributed.collect_gathered, distributed.fsdp_version)
 SETTINGS = {
-    "one process": (1, "auto"),
-    "2 ranks, per step": (2, "false"),
-    "2 ranks, gathered": (2, "true"),
+    "one process": (1, "auto", 1),
+    "2 ranks, per step": (2, "false", 1),
+    "2 ranks, gathered": (2, "true", 1),
+    "FSDP2, per step": (2, "false", 2),
+    "FSDP2, gathered": (2, "true", 2),
 }
 
 
@@ -45,8 +50,11 @@ def worker(spec: dict) -> None:
     """One process (or one rank) of one launch: build the trainer, time its rollouts."""
     from scripts.bench.common import quiet_trainer
 
-    rank = int(os.environ.get("RANK", "0"))
-    overrides = [f"collector.num_steps={spec['steps']}", f"distributed.collect_gathered={spec['gathered']}"]
+    overrides = [
+        f"collector.num_steps={spec['steps']}",
+        f"distributed.collect_gathered={spec['gathered']}",
+        f"distributed.fsdp_version={spec['fsdp_version']}",
+    ]
     if spec["mode"]:
         overrides.append(f"collector.mode={spec['mode']}")
     trainer = quiet_trainer(spec["config"], spec["run_dir"], *overrides)
@@ -61,38 +69,7 @@ def worker(spec: dict) -> None:
             seconds.append(time.perf_counter() - t0)
     finally:
         trainer.close()
-    with open(f"{spec['out']}.rank{rank}.json", "w") as fh:  # ranks share stdout: a file each
-        json.dump({"first": first, "seconds": seconds}, fh)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # skip gloo's teardown at interpreter exit, as the trainer's CLI does
-
-
-def launch(spec: dict, nproc: int, timeout: float) -> tuple[list[float], list[float]]:
-    """Run one launch; ``(its ranks' timed rollouts, their first rollouts)``."""
-    worker_args = ["-m", __spec__.name, "--worker", json.dumps(spec)]
-    if nproc == 1:
-        cmd = [sys.executable, *worker_args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *worker_args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="disabled")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    seconds, first = [], []
-    for rank in range(nproc):
-        path = f"{spec['out']}.rank{rank}.json"
-        if os.path.exists(path):
-            with open(path) as fh:
-                result = json.load(fh)
-            seconds += result["seconds"]
-            first.append(result["first"])
-    if proc.returncode != 0 or len(seconds) != nproc * spec["repeats"]:
-        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{(proc.stdout + proc.stderr)[-3000:]}")
-    return seconds, first
+    rank_result(spec, {"first": first, "seconds": seconds})
 
 
 def main(argv=None) -> int:
@@ -110,7 +87,7 @@ def main(argv=None) -> int:
         "--settings",
         nargs="+",
         choices=list(SETTINGS),
-        default=list(SETTINGS),
+        default=list(SETTINGS)[:3],
         help="which settings (one process always)",
     )
     parser.add_argument("--smoke", action="store_true", help="configs/fsdp_mlp_cpu.yaml, 32 steps, 1 round")
@@ -138,7 +115,7 @@ def main(argv=None) -> int:
     seconds: dict[str, list[float]] = {name: [] for name in chosen}
     firsts: dict[str, list[float]] = {name: [] for name in chosen}
     for round_ in range(args.rounds):
-        for i, (name, (nproc, gathered)) in enumerate(chosen.items()):
+        for i, (name, (nproc, gathered, version)) in enumerate(chosen.items()):
             out = os.path.join(results, f"r{round_}s{i}")
             spec = dict(
                 config=args.config,
@@ -146,12 +123,15 @@ def main(argv=None) -> int:
                 mode=args.mode,
                 repeats=args.repeats,
                 gathered=gathered,
+                fsdp_version=version,
                 run_dir=out + "-run",
                 out=out,
             )
-            timed, first = launch(spec, nproc, args.timeout)
-            seconds[name] += timed
-            firsts[name] += first
+            rows = launch_ranks(__spec__.name, spec, nproc, args.timeout)
+            if isinstance(rows, str):
+                raise SystemExit(f"{name} failed: {rows}")
+            seconds[name] += [s for row in rows for s in row["seconds"]]
+            firsts[name] += [row["first"] for row in rows]
     base = statistics.median(seconds["one process"])
     print("| setting | median s | min s | max s | median vs one process | first rollout, median s |")
     print("|---|---:|---:|---:|---:|---:|")

@@ -107,7 +107,7 @@ def load_line() -> str:
 
 def source_state() -> str:
     """The commit benchmarked and whether the engine's files differ from it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     try:
         head = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
@@ -415,6 +415,47 @@ def run_isolated(
         proc.kill()
     result["process_s"] = time.perf_counter() - start
     return result
+
+
+def launch_ranks(module: str, spec: dict, nproc: int, timeout: float, env: dict | None = None) -> list[dict] | str:
+    """Run ``python -m module --worker SPEC`` on ``nproc`` ranks (``torch.distributed.run``; one plain
+    process when ``nproc`` is 1), each rank ending with :func:`rank_result`; returns the ranks' result
+    dicts in rank order, or a string saying why there are not ``nproc`` of them."""
+    args = ["-m", module, "--worker", json.dumps(spec)]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled", **(env or {})}
+    try:
+        proc = subprocess.run(
+            [sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+        )
+    except subprocess.TimeoutExpired:
+        return f"timed out after {timeout:.0f} s"
+    rows = []
+    for rank in range(nproc):
+        path = f"{spec['out']}.rank{rank}.json"
+        if os.path.exists(path):
+            with open(path) as fh:
+                rows.append(json.load(fh))
+    if proc.returncode != 0 or len(rows) != nproc:
+        return f"exit {proc.returncode}:\n{(proc.stdout + proc.stderr)[-3000:]}"
+    return rows
+
+
+def rank_result(spec: dict, result: dict) -> None:
+    """A rank's last act under :func:`launch_ranks`: write ``result`` to its own file (the ranks share
+    stdout), leave the process group together, and exit without interpreter finalisation, where gloo's
+    C++ teardown aborts now and then (as rl_replay's own CLI does)."""
+    import torch.distributed as dist
+
+    with open(f"{spec['out']}.rank{int(os.environ.get('RANK', '0'))}.json", "w") as fh:
+        json.dump(result, fh)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def worker_cli(fn: Callable[[dict], dict], argv_spec: str) -> int:

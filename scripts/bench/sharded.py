@@ -1,4 +1,4 @@
-"""A large memory transformer sharded with FSDP1 on 2 gloo ranks: one update's memory per rank, rl_replay vs plain autograd.
+"""A large memory transformer sharded with FSDP1 or FSDP2 on 2 gloo ranks: one update's memory per rank, rl_replay vs plain autograd.
 
 The agent of ``configs/fsdp_gtrxl_memory_1024.yaml`` (``gtrxl``: MemoryCue's 4-dim observations ->
 Linear 384 -> LRU 128 -> 4 GTrXL layers of width 384 with windows of 32 steps, 6 heads; about
@@ -30,9 +30,12 @@ Usage::
     python -m scripts.bench sharded --smoke             # a small agent, T = 18
     python -m scripts.bench sharded --T 1026 --methods rl_replay \
         --strategies FULL_SHARD SHARD_GRAD_OP NO_SHARD           # one row per sharding strategy
+    python -m scripts.bench sharded --T 1026 4098 --methods rl_replay --fsdp-versions 1 2   # FSDP2 beside FSDP1
 
-Each rl_replay row also counts FSDP1's parameter all-gathers during the measured forward and
-backward (``all-gathers``), per rank.
+Each rl_replay row also counts the parameter all-gathers during the measured forward and backward
+(``all-gathers``, per rank; FSDP2 counts one per unit gather). ``--fsdp-versions 2`` wraps with
+:func:`rl_replay.distributed.wrap_fsdp2` (the trainer's ``distributed.fsdp_version: 2``), the strategy
+names mapped as there.
 """
 
 from __future__ import annotations
@@ -40,11 +43,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
-from scripts.bench.common import ROOT
+from scripts.bench.common import launch_ranks, rank_result
 
 FULL = dict(d_model=384, num_layers=4, num_heads=6, window=32, recurrent_size=128, encoder=384)
 SMOKE = dict(d_model=16, num_layers=2, num_heads=2, window=4, recurrent_size=8, encoder=16)
@@ -59,7 +61,7 @@ def worker(spec: dict) -> dict:
     from rl_replay.agent import Policy
     from rl_replay.agents.gtrxl import WindowTransformerAgent
     from rl_replay.algorithms.stored import replay_sequence
-    from rl_replay.distributed import init_from_env, wrap_fsdp
+    from rl_replay.distributed import init_from_env, wrap_fsdp, wrap_fsdp2
     from rl_replay.engine import GradientAccumulator
     from scripts.bench.common import MemoryMeter, set_threads
 
@@ -81,8 +83,9 @@ def worker(spec: dict) -> dict:
     num_params = sum(t.numel() for t in agent.parameters())
     # Plain autograd cannot run this FSDP1 module: the agent's TensorDict outputs bypass FSDP1's
     # backward hooks (the replay engine registers them itself), so its row is the unwrapped agent.
+    wrap = wrap_fsdp2 if spec.get("fsdp_version") == 2 else wrap_fsdp
     model = (
-        wrap_fsdp(agent, device, wrap_modules=["WindowLayer"], sharding_strategy=spec["strategy"])
+        wrap(agent, device, wrap_modules=["WindowLayer"], sharding_strategy=spec["strategy"])
         if spec["method"] == "rl_replay"
         else agent
     )
@@ -127,7 +130,7 @@ def worker(spec: dict) -> dict:
     data = rollout(T)
     meter = MemoryMeter(device)
     meter.start()
-    gathers = count_gathers()
+    gathers = count_gathers(spec.get("fsdp_version", 1))
     t0 = time.perf_counter()
     acc = step(data, spec["method"])
     seconds = time.perf_counter() - t0
@@ -144,52 +147,28 @@ def worker(spec: dict) -> dict:
 
 
 class count_gathers:
-    """Counts FSDP1's parameter all-gathers until :meth:`stop`."""
+    """Counts the parameter all-gathers of FSDP ``version`` until :meth:`stop`."""
 
-    def __init__(self) -> None:
-        from torch.distributed.fsdp._flat_param import FlatParamHandle
+    def __init__(self, version: int = 1) -> None:
+        if version == 2:
+            from torch.distributed.fsdp._fully_shard import _fsdp_param_group as owner
 
-        self.calls, self._real = 0, FlatParamHandle._all_gather_flat_param
+            self._owner, self._name = owner, "foreach_all_gather"
+        else:
+            from torch.distributed.fsdp._flat_param import FlatParamHandle as owner  # type: ignore[assignment]
+
+            self._owner, self._name = owner, "_all_gather_flat_param"
+        self.calls, self._real = 0, getattr(self._owner, self._name)
         counter = self
 
-        def counting(handle, padded):
+        def counting(*args, **kwargs):
             counter.calls += 1
-            return counter._real(handle, padded)
+            return counter._real(*args, **kwargs)
 
-        FlatParamHandle._all_gather_flat_param = counting
+        setattr(self._owner, self._name, counting)
 
     def stop(self) -> None:
-        from torch.distributed.fsdp._flat_param import FlatParamHandle
-
-        FlatParamHandle._all_gather_flat_param = self._real
-
-
-def launch(spec: dict, timeout: float) -> list[dict]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=2",
-        "-m",
-        __spec__.name,
-        "--worker",
-        json.dumps(spec),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-        return [{"error": f"timed out after {timeout:.0f} s"}]
-    rows = []
-    for rank in (0, 1):
-        path = f"{spec['out']}.rank{rank}.json"
-        if os.path.exists(path):
-            with open(path) as fh:
-                rows.append(json.load(fh))
-    if proc.returncode != 0 or len(rows) != 2:
-        return [{"error": f"exit {proc.returncode}", "tail": (proc.stdout + proc.stderr)[-3000:]}]
-    return sorted(rows, key=lambda r: r["rank"])
+        setattr(self._owner, self._name, self._real)
 
 
 def main(argv=None) -> int:
@@ -209,23 +188,18 @@ def main(argv=None) -> int:
         choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
         help="FSDP1 sharding strategies of the rl_replay rows (HYBRID_SHARD needs two nodes: docs/scaling.md)",
     )
+    parser.add_argument(
+        "--fsdp-versions",
+        nargs="+",
+        type=int,
+        default=[1],
+        choices=[1, 2],
+        help="FSDP1, FSDP2 or both (rl_replay rows)",
+    )
     args = parser.parse_args(argv)
     if args.worker:
-        import torch.distributed as dist
-
         spec = json.loads(args.worker)
-        result = worker(spec)
-        with open(f"{spec['out']}.rank{result['rank']}.json", "w") as fh:  # ranks share stdout: a file each
-            json.dump(result, fh)
-        # Leave together and close the group: a rank that exits with gloo's threads still running
-        # can abort ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
-        # Skip interpreter finalisation too: gloo's C++ teardown there aborts now and then, after
-        # all work is done (as rl_replay's own CLI does).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        rank_result(spec, worker(spec))
     policy = SMOKE if args.smoke else FULL
     if args.smoke:
         args.T, args.envs, args.block_steps = [18], 2, 4
@@ -243,15 +217,21 @@ def main(argv=None) -> int:
 
     results = tempfile.mkdtemp(prefix="bench_sharded_")
     plain_per_step, rows = None, []
-    runs = [(m, s) for m in args.methods for s in (args.strategies if m == "rl_replay" else [None])]
+    runs = [
+        (m, s, v)
+        for m in args.methods
+        for s in (args.strategies if m == "rl_replay" else [None])
+        for v in (args.fsdp_versions if m == "rl_replay" else [None])
+    ]
     for T in args.T:
-        for method, strategy in runs:
+        for method, strategy, version in runs:
             name = f"{method} {strategy}" if strategy and args.strategies != ["FULL_SHARD"] else method
+            name += f" FSDP{version}" if version and args.fsdp_versions != [1] else ""
             if method == "plain" and plain_per_step and plain_per_step * T > args.limit_gib * 2**30:
                 est = plain_per_step * T / 2**30
                 print(f"| {T} | plain | not run: about {est:.1f} GiB per rank (from the smaller T) | | | |", flush=True)
                 continue
-            out = os.path.join(results, f"{method}_{strategy}_T{T}")
+            out = os.path.join(results, f"{method}_{strategy}_{version}_T{T}")
             spec = dict(
                 policy=policy,
                 T=T,
@@ -259,12 +239,13 @@ def main(argv=None) -> int:
                 block_steps=args.block_steps,
                 method=method,
                 strategy=strategy,
+                fsdp_version=version,
                 out=out,
             )
-            rows = launch(spec, args.timeout)
-            if "error" in rows[0]:
-                print(f"| {T} | {name} | failed: {rows[0]['error']} | | | |", flush=True)
-                print(rows[0].get("tail", ""), file=sys.stderr)
+            rows = launch_ranks(__spec__.name, spec, 2, args.timeout)
+            if isinstance(rows, str):
+                print(f"| {T} | {name} | failed | | | |", flush=True)
+                print(rows, file=sys.stderr)
                 continue
             cells = [f"{fmt_bytes(r['peak_growth'])}, {r['seconds']:.1f} s" for r in rows]
             saved = fmt_bytes(rows[0]["saved_bytes"]) if rows[0]["saved_bytes"] is not None else "-"

@@ -12,7 +12,8 @@
 #      (pip --no-index --no-deps --target; PYTHONPATH), then check the imports;
 #   2. tests/engine/test_replay_cuda.py and tests/run/test_distributed_cuda.py (FSDP1 CPUOffload at
 #      world size 1, gradients against plain autograd);
-#   3. a short FSDP1 + CPUOffload training run: scripts/train.py under torchrun;
+#   3. short FSDP1 + CPUOffload and FSDP2 + CPUOffloadPolicy training runs: scripts/train.py under
+#      torchrun (distributed.fsdp_version 1 and 2);
 #   4. scripts/bench/ppo.py --pixels --device cuda --epochs 1: the decisive pixel benchmark
 #      (NatureCNN + GRU PPO update at T = 512, 2048, 8192, rl_replay against plain autograd);
 #   4b. scripts/bench/torchrl.py --device cuda --T 4098: the recurrent PPO update with the
@@ -117,11 +118,23 @@ TRAIN=(-m torch.distributed.run --standalone --nproc_per_node=1 scripts/train.py
        log.progress=false checkpoint.every=0)
 if [ $DRY -eq 1 ]; then
     step "train (CPU, gloo)" 180 "$PY" "${TRAIN[@]}" device=cpu distributed.backend=gloo total_env_steps=256
+    TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
+    BEFORE="$(grep -cE '^finished [0-9]+ updates' "$LOG")"
+    step "train (CPU, gloo, FSDP2)" 180 "$PY" "${TRAIN[@]}" device=cpu distributed.backend=gloo total_env_steps=256 \
+        distributed.fsdp_version=2 "run_dir=$WORK/train_run_fsdp2"
 else
     step "train (CUDA, FSDP1 + CPUOffload)" 100 "$PY" "${TRAIN[@]}" device=cuda \
         distributed.backend=nccl distributed.cpu_offload=true total_env_steps=2048
+    TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
+    BEFORE="$(grep -cE '^finished [0-9]+ updates' "$LOG")"
+    step "train (CUDA, FSDP2 + CPUOffloadPolicy)" 100 "$PY" "${TRAIN[@]}" device=cuda \
+        distributed.backend=nccl distributed.cpu_offload=true total_env_steps=2048 \
+        distributed.fsdp_version=2 "run_dir=$WORK/train_run_fsdp2"
 fi
-TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
+TRAIN2_LINE=""  # only a line the FSDP2 run wrote
+if [ "$(grep -cE '^finished [0-9]+ updates' "$LOG")" -gt "$BEFORE" ]; then
+    TRAIN2_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
+fi
 
 # the results file: its head now, each benchmark appends its section -------------------------
 {
@@ -131,6 +144,7 @@ TRAIN_LINE="$(grep -E '^finished [0-9]+ updates' "$LOG" | tail -1)"
     echo
     echo "- CUDA tests: ${TEST_LINE:-no summary line}"
     echo "- training run: ${TRAIN_LINE:-no summary line}"
+    echo "- FSDP2 training run: ${TRAIN2_LINE:-no summary line}"
     echo
 } > "$RESULTS"
 # 4. the pixel benchmark (one epoch: an update's peak memory is one minibatch's) -----------

@@ -374,6 +374,13 @@ def test_bad_enum(override, key):
         load_config(overrides=[override])
 
 
+def test_fsdp_version_is_1_or_2():
+    assert load_config().distributed.fsdp_version == 1
+    assert load_config(overrides=["distributed.fsdp_version=2"]).distributed.fsdp_version == 2
+    with pytest.raises(ValueError, match=r"'distributed.fsdp_version': 3\. Allowed: 1, 2"):
+        load_config(overrides=["distributed.fsdp_version=3"])
+
+
 def test_enum_accepts_each_allowed_value():
     assert load_config(overrides=["distributed.mixed_precision=bf16"]).distributed.mixed_precision == "bf16"
     assert load_config(overrides=["device=auto"]).device == "auto"

@@ -9,6 +9,7 @@ Scenarios in tests/_dist.py (``fsdp2_parity``), run by the session's one spawn."
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import assert_grads_match, scenario_results
 
 
@@ -34,7 +35,9 @@ def test_fsdp2_gives_plain_autograds_gradients_averaged_over_ranks(fsdp_world2, 
         assert_grads_match(res["grads"], res["expected"], "fsdp2")
 
 
-VERSION_CASES = [(kind, strategy) for kind in ("mlp", "gru", "lstm", "lru", "gtrxl") for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")]
+VERSION_CASES = [
+    (kind, strategy) for kind in ("mlp", "gru", "lstm", "lru", "gtrxl") for strategy in ("FULL_SHARD", "SHARD_GRAD_OP")
+]
 
 
 @pytest.mark.parametrize("kind, strategy", [*VERSION_CASES, ("gru", "NO_SHARD")])
@@ -56,3 +59,20 @@ def test_fsdp2_equals_fsdp1_and_plain_autograd_with_the_trainers_wrapping(fsdp_w
             assert res["reductions"] == res["blocks"] * res["holders"]
         else:
             assert res["reductions"] == res["holders"], "the blocks' gradient was not reduced once per unit"
+
+
+def test_fsdp2_collection_gathers_once_per_rollout_with_the_same_rollout_and_gradients(fsdp_world2):
+    """distributed.collect_gathered under FSDP2: ``unshard()`` once for the rollout gives the rollout and
+    (for replayed blocks, whose backward recomputes through FSDP2's own forward) the gradients that a
+    gather at every step gives, with one all-gather per unit instead of one per unit and step."""
+    for res in scenario_results(fsdp_world2, "fsdp2", "collection"):
+        (per_step, per_step_gathers), (once, once_gathers) = res["stored_False"], res["stored_True"]
+        keys = list(per_step.keys(include_nested=True, leaves_only=True))
+        assert keys and all(torch.equal(per_step[k], once[k]) for k in keys)
+        assert once_gathers <= res["units"] < per_step_gathers
+        assert per_step_gathers >= (res["units"] - 1) * res["steps"]
+        grads_step, gathers_step, resets = res["replayed_False"]
+        grads_once, gathers_once, _ = res["replayed_True"]
+        assert resets > 0, "no episode boundary inside the rollout"
+        assert gathers_once <= res["units"] < gathers_step
+        assert set(grads_once) == set(grads_step) and all(torch.equal(grads_once[n], grads_step[n]) for n in grads_step)

@@ -509,8 +509,13 @@ def _updates(run_dir: Path) -> list[dict]:
 
 def _full_optimizer_state(model, optimizer) -> dict:
     """``optimizer``'s state keyed by clean parameter name, whole (gathered under FSDP)."""
+    from rl_replay.distributed import fsdp_version_of
     from rl_replay.run.trainer_state import _full_state_dict_type, _is_fsdp
 
+    if fsdp_version_of(model) == 2:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))["state"]
     if _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -530,6 +535,8 @@ def _check_loaded(trainer, checkpoint: dict) -> None:
 
         with FSDP.summon_full_params(model):
             weights = {clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    elif any(hasattr(p, "full_tensor") for p in model.parameters()):  # FSDP2: DTensors
+        weights = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
     else:
         weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert weights and all(torch.equal(w, checkpoint["agent"][n]) for n, w in weights.items())
@@ -622,6 +629,52 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
 
 
 @pytest.mark.slow
+def test_fsdp2_runs_resume_on_one_and_three_ranks_and_under_fsdp1(tmp_path, capsys):
+    """A 2-rank FSDP2 run (distributed.fsdp_version=2) writes its rows of the weights and optimizer state
+    from every rank; copies of it resume in one process, on 3 FSDP2 ranks and on 2 FSDP1 ranks, each with
+    the checkpoint's weights and optimizer state after the load, and train on."""
+    import shutil
+
+    from rl_replay.run.setup import build
+    from rl_replay.rundir.checkpoint import load_checkpoint
+
+    run_dir = tmp_path / "run"
+    common = ["log.progress=false", "log.wandb_mode=disabled", "distributed.fsdp_version=2"]
+    first = _torchrun("--config", str(MLP_CPU_CONFIG), f"run_dir={run_dir}", "total_env_steps=1024", *common)
+    assert "fsdp: FSDP2 fully_shard over 2 ranks; reshard_after_forward=True (as FSDP1's FULL_SHARD)" in first.stdout
+    assert first.stdout.count("collection: parameters gathered once per rollout") == 1
+    assert [x["update"] for x in _updates(run_dir)] == [1, 2, 3, 4]
+    state = load_checkpoint(run_dir)
+    assert (state["update"], state["world_size"]) == (4, 2)
+    manifest = _manifest(run_dir)
+    assert manifest["agent"] == {} and [f["file"] for f in manifest["shards"]["files"]] == [
+        "checkpoint.shard-0-of-2.pt",
+        "checkpoint.shard-1-of-2.pt",
+    ]
+    copies = {n: tmp_path / f"copy{n}" for n in ("one", "three", "fsdp1")}
+    for copy_dir in copies.values():
+        shutil.copytree(run_dir, copy_dir)
+
+    trainer = build(resume=copies["one"], overrides=["total_env_steps=1536"])
+    try:
+        _check_loaded(trainer, state)
+    finally:
+        trainer.close()
+    assert f"resuming {copies['one']} on one process; its checkpoint was written by 2 ranks" in capsys.readouterr().out
+
+    run_ranks(_resume_worker, str(copies["three"]), 1792, world_size=3)
+    assert load_checkpoint(copies["three"])["world_size"] == 3
+    assert [f["file"] for f in _manifest(copies["three"])["shards"]["files"]] == [
+        f"checkpoint.shard-{r}-of-3.pt" for r in range(3)
+    ]
+
+    switched = _torchrun("--resume", str(copies["fsdp1"]), "total_env_steps=1536", "distributed.fsdp_version=1")
+    assert "its checkpoint was written under FSDP2" in switched.stdout and "fsdp: FULL_SHARD" in switched.stdout
+    run_ranks(_resume_worker, str(copies["fsdp1"]), 2048, "distributed.fsdp_version=2")  # and back
+    assert [x["update"] for x in _updates(copies["fsdp1"])] == list(range(1, 9))
+
+
+@pytest.mark.slow
 def test_a_job_restarts_itself_after_a_rank_is_killed(tmp_path):
     """torchrun --max-restarts 1 with --resume auto: rank 1 is SIGKILLed in the middle of update 4
     (its 100th env step; the last checkpoint is update 2's). The restarted workers continue from
@@ -660,9 +713,11 @@ def test_a_job_restarts_itself_after_a_rank_is_killed(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path):
+@pytest.mark.parametrize("fsdp_version", [1, 2])
+def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path, fsdp_version):
     """Two torchrun launchers (--nnodes 2, a c10d rendezvous on localhost), two gloo ranks each:
-    HYBRID_SHARD shards within a launcher's ranks and replicates across the launchers."""
+    HYBRID_SHARD shards within a launcher's ranks and replicates across the launchers (under FSDP2 a
+    (replicate, shard) device mesh)."""
     run_dir = tmp_path / "run"
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "disabled"}
@@ -683,6 +738,7 @@ def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path):
         f"run_dir={run_dir}",
         "total_env_steps=1024",
         "distributed.sharding_strategy=HYBRID_SHARD",
+        f"distributed.fsdp_version={fsdp_version}",
         "log.progress=false",
         "log.wandb_mode=disabled",
     ]
@@ -698,7 +754,11 @@ def test_two_nodes_of_two_ranks_train_with_hybrid_shard(tmp_path):
     for node, (out, err) in zip(nodes, outputs):
         assert node.returncode == 0, f"a launcher failed ({node.returncode}):\n{out[-3000:]}\n{err[-6000:]}"
     said = "".join(out for out, _ in outputs)
-    assert said.count("fsdp: HYBRID_SHARD over 2 nodes of 2 ranks: sharded within a node, replicated across nodes") == 1
+    line = {
+        1: "fsdp: HYBRID_SHARD over 2 nodes of 2 ranks: sharded within a node, replicated across nodes",
+        2: "fsdp: FSDP2 fully_shard over a (2, 2) (replicate, shard) mesh: sharded within a node, replicated across nodes",
+    }[fsdp_version]
+    assert said.count(line) == 1
     lines = _updates(run_dir)
     assert [x["update"] for x in lines] == [1, 2]  # 4 ranks x 4 envs x 32 steps = 512 per update
     assert [x["run/world_size"] for x in lines] == [4, 4]

@@ -1,8 +1,8 @@
 """scripts/tools/gpu_check.sh: its --dry-run on this CPU machine, and its wheel installation.
 
 The dry run exercises every step of the GPU validation except CUDA itself: installing
-wheels from a folder into a temporary site directory, collecting the CUDA tests, a
-training run through scripts/train.py under torchrun (FSDP1 at one rank, gloo),
+wheels from a folder into a temporary site directory, collecting the CUDA tests,
+training runs through scripts/train.py under torchrun (FSDP1 and FSDP2 at one rank, gloo),
 bench_ppo --pixels --smoke (its checks live here: one run of it serves both), bench_memory at a
 tiny size, and the results file those steps write.
 """
@@ -98,12 +98,14 @@ def test_dry_run(tmp_path):
     results = (out / "gpu_results.md").read_text()
     assert "DRY RUN on CPU" in results
     assert "- training run: finished 2 updates, 256 env steps" in results
+    assert "- FSDP2 training run: finished 2 updates, 256 env steps" in results
     assert "| 8 | rl_replay |" in results and "<!-- BEGIN bench_memory tiny_gru -->" in results
     for step in (
         "install wheels: ok",
         "imports: ok",
         "cuda tests (collected only): ok",
         "train (CPU, gloo): ok",
+        "train (CPU, gloo, FSDP2): ok",
         "bench_memory (CPU, tiny): ok",
         "bench_overhead (CPU, tiny): ok",
         "bench_torchrl (CPU, smoke): ok",
