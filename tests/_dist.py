@@ -864,7 +864,9 @@ FSDP_VERSION_AGENTS = {
 }
 
 
-def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps: int = 3) -> dict:
+def _fsdp_versions(
+    rank: int, world: int, kind: str, strategy: str, block_steps: int = 3, min_num_params: int | None = None
+) -> dict:
     """The trainer's wrapping (:func:`rl_replay.distributed.wrap_fsdp` and ``wrap_fsdp2``, the same
     units and strategy) of a shipped agent, replayed through ``algorithms.stored.replay_sequence`` in
     ``block_steps``-step blocks with resets inside two blocks: FSDP2's gradients against FSDP1's and
@@ -880,6 +882,8 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
     from rl_replay.distributed import wrap_fsdp, wrap_fsdp2
 
     target, kwargs, units = FSDP_VERSION_AGENTS[kind]
+    if min_num_params:  # the size rule instead of class names
+        units = []
     module, name = target.split(":")
     T, B = 9, 3
     torch.manual_seed(5)
@@ -902,7 +906,13 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
 
     grads, counts = {}, None
     for version, wrap in ((1, wrap_fsdp), (2, wrap_fsdp2)):
-        model = wrap(copy.deepcopy(ref), torch.device("cpu"), wrap_modules=units, sharding_strategy=strategy)
+        model = wrap(
+            copy.deepcopy(ref),
+            torch.device("cpu"),
+            wrap_modules=units,
+            min_num_params=min_num_params,
+            sharding_strategy=strategy,
+        )
         acc = GradientAccumulator()
         with CountFSDP2() as counted:
             out = replay_sequence(Policy.of(model), data(rank), ref.initial_state(B), acc, None, block_steps)
@@ -910,6 +920,13 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
         if version == 1:
             with FSDP.summon_full_params(model, with_grads=True):
                 grads[1] = {n.replace("_fsdp_wrapped_module.", ""): p.grad.clone() for n, p in model.named_parameters()}
+            unit_names = {
+                1: sorted(
+                    n.replace("_fsdp_wrapped_module.", "").rstrip(".")
+                    for n, m in model.named_modules()
+                    if isinstance(m, FSDP) and m is not model
+                )
+            }
         else:
             grads[2] = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
             counts = {"gathers": counted.gathers, "reductions": counted.reductions, "blocks": acc.blocks_replayed}
@@ -917,6 +934,8 @@ def _fsdp_versions(rank: int, world: int, kind: str, strategy: str, block_steps:
 
             units2 = [m for m in model.modules() if isinstance(m, FSDPModule)]
             counts["units"] = len(units2)
+            unit_names[2] = sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule) and m is not model)
+            counts["unit_names"] = unit_names
 
             def own(unit, units=units2) -> set[int]:  # its parameters that no unit inside it holds
                 inner = {id(p) for sub in unit.modules() if sub is not unit and sub in units for p in sub.parameters()}
@@ -990,6 +1009,7 @@ def fsdp2_parity(rank: int, world: int) -> dict:
             },
             "gru_NO_SHARD": functools.partial(_fsdp_versions, kind="gru", strategy="NO_SHARD"),
             "collection": _fsdp2_collection,
+            "gru_size_rule": functools.partial(_fsdp_versions, kind="gru", strategy="FULL_SHARD", min_num_params=50),
             "gru_reshard_steps1": lambda r, w: _fsdp2_agent(r, w, True, 1),
             "gru_reshard_steps3": lambda r, w: _fsdp2_agent(r, w, True, 3),
             "gru_keep_steps3": lambda r, w: _fsdp2_agent(r, w, False, 3),

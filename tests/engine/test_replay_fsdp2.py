@@ -40,7 +40,7 @@ VERSION_CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind, strategy", [*VERSION_CASES, ("gru", "NO_SHARD")])
+@pytest.mark.parametrize("kind, strategy", [*VERSION_CASES, ("gru", "NO_SHARD"), ("gru", "size_rule")])
 def test_fsdp2_equals_fsdp1_and_plain_autograd_with_the_trainers_wrapping(fsdp_world2, kind, strategy):
     """``wrap_fsdp2`` (the trainer's FSDP2: every unit, then the root) against ``wrap_fsdp`` (FSDP1) with
     the same units and strategy, 3 blocks of 3 steps with resets inside two of them: the same gradients,
@@ -50,11 +50,13 @@ def test_fsdp2_equals_fsdp1_and_plain_autograd_with_the_trainers_wrapping(fsdp_w
     assert len(results) == 2
     for res in results:
         assert res["blocks"] == 3 and res["units"] >= 3  # at least two units besides the root
+        # the same units under both versions (distributed.min_num_params: FSDP1's size rule)
+        assert res["unit_names"][1] == res["unit_names"][2], res["unit_names"]
         assert set(res["grads"]) == set(res["expected"]) == set(res["fsdp1"]) and res["grads"]
         assert all(g.abs().sum() > 0 for g in res["expected"].values())
         assert_grads_match(res["grads"], res["expected"], "fsdp2")
         assert_grads_match(res["grads"], res["fsdp1"], "fsdp2-vs-fsdp1")
-        if strategy == "FULL_SHARD":
+        if strategy in ("FULL_SHARD", "size_rule"):
             # every block's backward reduces each unit it ran
             assert res["reductions"] == res["blocks"] * res["holders"]
         else:
