@@ -66,71 +66,36 @@ def set_threads(n: int) -> None:
 
 
 # ----------------------------------------------------------------------------- machine
-def machine_info() -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "nproc": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-    }
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
-        m = re.search(r"Model name:\s*(.+)", out)
-        info["cpu"] = m.group(1).strip() if m else platform.processor()
-    except Exception:  # pragma: no cover - lscpu missing
-        info["cpu"] = platform.processor()
-    try:
-        import psutil
-
-        info["mem_total_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except Exception:  # pragma: no cover
-        pass
-    try:
-        info["loadavg"] = os.getloadavg()
-    except OSError:  # pragma: no cover
-        pass
-    if info["cuda"]:
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
+def _run(*cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=10).stdout
+    except Exception:  # pragma: no cover - the tool is missing
+        return ""
+
+
 def load_line() -> str:
-    try:
-        a, b, c = os.getloadavg()
-        return f"load average now {a:.1f}/{b:.1f}/{c:.1f} (1/5/15 min, {os.cpu_count()} CPUs)"
-    except OSError:  # pragma: no cover
-        return "load average unknown"
-
-
-def source_state() -> str:
-    """The commit benchmarked and whether the engine's files differ from it."""
-    root = ROOT
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "rl_replay"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.split("\n")
-        dirty = [line[3:] for line in dirty if line.strip()]
-    except Exception:  # pragma: no cover - no git
-        return "source: unknown (no git)"
-    return f"source: rl_replay at {head or '?'}" + (
-        f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)"
-    )
+    a, b, c = os.getloadavg()
+    return f"load average now {a:.1f}/{b:.1f}/{c:.1f} (1/5/15 min, {os.cpu_count()} CPUs)"
 
 
 def describe_machine() -> str:
-    i = machine_info()
-    load = i.get("loadavg")
-    load_s = f", load average {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}" if load else ""
-    gpu = f", GPU {i['gpu']}" if i.get("gpu") else ", no CUDA"
+    """The machine (CPU, memory, GPU, versions, load) and the commit benchmarked, with whether the
+    library's files differ from it: two lines for a bench's output."""
+    import psutil
+
+    cpu = re.search(r"Model name:\s*(.+)", _run("lscpu"))
+    gpu = f"GPU {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else "no CUDA"
+    a, b, c = os.getloadavg()
+    head = _run("git", "rev-parse", "--short", "HEAD").strip() or "?"
+    dirty = [line[3:] for line in _run("git", "status", "--porcelain", "--", "rl_replay").splitlines() if line.strip()]
     return (
-        f"machine: {i.get('cpu')} ({i['nproc']} CPUs, {i.get('mem_total_gib', '?')} GiB RAM)"
-        f"{gpu}, torch {i['torch']}, python {i['python']}{load_s}\n{source_state()}"
+        f"machine: {cpu.group(1).strip() if cpu else platform.processor()} ({os.cpu_count()} CPUs, "
+        f"{psutil.virtual_memory().total / 2**30:.1f} GiB RAM), {gpu}, torch {torch.__version__}, "
+        f"python {platform.python_version()}, load average {a:.1f}/{b:.1f}/{c:.1f}\n"
+        f"source: rl_replay at {head}" + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else " (clean)")
     )
 
 

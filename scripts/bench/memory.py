@@ -43,7 +43,6 @@ Usage::
     python -m scripts.bench memory --smoke
     python -m scripts.bench memory --policy gru --write-docs
     python -m scripts.bench memory --policy mlp --T 1024 --methods plain rl_replay --merge --json r.json
-    python -m scripts.bench memory --policy small_gru --profile   # cProfile of rl_replay
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ import time
 
 import torch
 
-from scripts.bench.common import GLIBC_NOTE, describe_machine, load_line, run_isolated, set_threads, worker_cli
+from scripts.bench.common import GLIBC_NOTE, describe_machine, load_line, run_isolated, worker_cli
 from scripts.bench.memory_report import (
     analyse,
     docs_section,
@@ -67,8 +66,8 @@ from scripts.bench.memory_report import (
     result_line,
     summary_line,
 )
-from scripts.bench.memory_worker import METHODS, run_once, worker
-from scripts.bench.policies import POLICIES, build_policy, count_params
+from scripts.bench.memory_worker import METHODS, worker
+from scripts.bench.policies import POLICIES, count_params
 from scripts.bench.report import add_write_docs_argument, refuse_smoke_docs, write_section
 
 PRELOAD = [
@@ -189,30 +188,6 @@ def merge_results(earlier: list[dict], fresh: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
-# ============================================================================ profile
-def profile_replay(args) -> None:
-    """cProfile of the rl_replay rollout + backward of one policy (in this process)."""
-    import cProfile
-    import pstats
-
-    set_threads(args.threads)
-    policy_name = args.policy[0]
-    cfg = POLICIES[policy_name]
-    T = (args.T or [1024])[0]
-    device = torch.device(args.device)
-    policy = build_policy(cfg).to(device)
-    method = (args.methods or ["rl_replay"])[0]
-    loss, _, _ = run_once(policy, cfg, method, 8, device)
-    loss.backward()
-    prof = cProfile.Profile()
-    prof.enable()
-    loss, acc, _ = run_once(policy, cfg, method, T, device)
-    loss.backward()
-    prof.disable()
-    print(f"cProfile: {policy_name} T={T} {method}, forward + backward, sorted by own time")
-    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-
-
 # ============================================================================ main
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -270,7 +245,6 @@ def main(argv=None) -> int:
         "--render-only", action="store_true", help="measure nothing: tables, plots and docs from the results in --json"
     )
     ap.add_argument("--smoke", action="store_true", help="tiny policies, T=8, a few seconds")
-    ap.add_argument("--profile", action="store_true", help="cProfile rl_replay for the first --policy")
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -279,9 +253,6 @@ def main(argv=None) -> int:
     refuse_smoke_docs(ap, args)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.profile:
-        profile_replay(args)
-        return 0
     if args.smoke:
         args.policy = ["tiny_gru", "tiny_mlp"]
         args.reps = min(args.reps, 1)

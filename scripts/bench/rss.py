@@ -40,7 +40,7 @@ import re
 import subprocess
 import sys
 
-from scripts.bench.common import ROOT
+from scripts.bench.common import ROOT, median
 
 PREFIX = "RSS_RESULT "
 SETTINGS = {
@@ -194,12 +194,6 @@ def slope(results: list[dict], setting: str, rep: int = 0) -> dict:
         ratio=per_step / inputs,
         forward_ratio=fwd_per_step / inputs,
     )
-
-
-def median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 def main(argv=None) -> int:

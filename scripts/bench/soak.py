@@ -31,15 +31,7 @@ import tempfile
 import time
 from dataclasses import replace
 
-from scripts.bench.common import ROOT
-
-
-def _rss_kib() -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError("no VmRSS in /proc/self/status (Linux only)")
+from scripts.bench.common import ROOT, current_rss
 
 
 def fit_slope(xs: list[float], ys: list[float]) -> float:
@@ -86,7 +78,7 @@ def soak(config: str, overrides: list[str], updates: int, every: int, run_dir: s
             {
                 "update": trainer.update,
                 "seconds": round(time.perf_counter() - t0, 2),
-                "rss_kib": _rss_kib(),
+                "rss_kib": current_rss() // 1024,
                 "heap_kib": None if heap is None else heap // 1024,
                 "gc_objects": len(gc.get_objects()),
             }
