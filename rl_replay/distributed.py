@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -205,7 +205,7 @@ def wrap_fsdp2(
     model: nn.Module,
     device: torch.device,
     *,
-    wrap_modules: list[str] = (),  # type: ignore[assignment]
+    wrap_modules: Sequence[str] = (),
     min_num_params: int | None = None,
     cpu_offload: bool = False,
     mixed_precision: str | None = None,
@@ -243,15 +243,15 @@ def wrap_fsdp2(
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
-        unit._rl_replay_reshard_after_forward = reshard
+        object.__setattr__(unit, "_rl_replay_reshard_after_forward", reshard)  # a marker, not a submodule
     # None: FSDP2's own choice for a root, which keeps its parameters gathered after forward
     # (its backward starts right after it).
     fully_shard(model, mesh=mesh, reshard_after_forward=None, mp_policy=mp, offload_policy=offload)
-    model._rl_replay_reshard_after_forward = False
+    object.__setattr__(model, "_rl_replay_reshard_after_forward", False)
     # Parameters kept gathered from forward to backward: the replay engine reduces the blocks'
     # gradient once per backward (rl_replay.engine.fsdp.fsdp2_reduces_once); not under CPU offload,
     # where the unreduced sum would be held on the GPU (as under FSDP1).
-    model._rl_replay_reduce_once = not reshard and not cpu_offload
+    object.__setattr__(model, "_rl_replay_reduce_once", not reshard and not cpu_offload)
     return model
 
 

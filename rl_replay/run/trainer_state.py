@@ -388,8 +388,9 @@ def world_change(state: dict[str, Any], world_size: int, where: str | Path) -> s
 def version_change(state: dict[str, Any], fsdp_version: int, distributed: bool, where: str | Path) -> str | None:
     """The line a resume prints when ``state`` was written under another FSDP version than this
     run's (None when it was not, or when either run was one process, where no version applies)."""
-    saved_cfg = state.get("config") if isinstance(state.get("config"), dict) else {}
-    saved = (saved_cfg.get("distributed") or {}).get("fsdp_version", 1)
+    saved_cfg = state.get("config")
+    distributed_cfg = saved_cfg.get("distributed") if isinstance(saved_cfg, dict) else None
+    saved = distributed_cfg.get("fsdp_version", 1) if isinstance(distributed_cfg, dict) else 1
     if not distributed or int(state["world_size"]) == 1 or saved == fsdp_version:
         return None
     return (
