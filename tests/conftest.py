@@ -106,6 +106,15 @@ def collect_replayed(collector):
     return collector.collect(lambda inputs: replay(collector.policy.module, accumulator, inputs)), accumulator
 
 
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    """The modules holding ``slow`` tests first, each module kept whole (its fixtures set up once).
+
+    pytest-xdist hands tests to its workers in this order: a minute-long test collected last would
+    run alone at the end while the other worker idles."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow_modules)
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):  # noqa: ARG001
     if not GRAD_DIFFS:
         return
