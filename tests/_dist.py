@@ -736,6 +736,25 @@ def cuda_fsdp_offload() -> dict:
 
 
 # ----------------------------------------------------------------- one spawn for all
+def _stored_steps(rank: int, T: int, B: int, resets: tuple[tuple[int, int], ...]) -> TensorDict:
+    """A rank's stored rollout of T steps of B envs (5-dim observations, 3 actions), episodes
+    starting at the ``(t, env)`` of ``resets``."""
+    g = torch.Generator().manual_seed(90 + rank)
+    first = torch.zeros(T, B, dtype=torch.bool)
+    for t, env in resets:
+        first[t, env] = True
+    return TensorDict(
+        observation=torch.randn(T, B, 5, generator=g),
+        is_first=first,
+        action=torch.randint(0, 3, (T, B), generator=g),
+        batch_size=[T, B],
+    )
+
+
+def loss_of(out: TensorDict) -> torch.Tensor:
+    return out["log_prob"].sum() + out["value"].square().sum()
+
+
 def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int, kind: str = "gru") -> dict:
     """A shipped recurrent agent (``kind``: gru, lstm, lru, or gtrxl with a window of 2 < the block)
     wrapped by the user with FSDP2 ``fully_shard`` (encoder, core, head and value each a unit, then the
@@ -769,18 +788,7 @@ def _fsdp2_agent(rank: int, world: int, reshard: bool, block_steps: int, kind: s
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
 
     def data(r: int) -> TensorDict:
-        g = torch.Generator().manual_seed(90 + r)
-        first = torch.zeros(T, B, dtype=torch.bool)
-        first[4, 1] = True
-        return TensorDict(
-            observation=torch.randn(T, B, 5, generator=g),
-            is_first=first,
-            action=torch.randint(0, 3, (T, B), generator=g),
-            batch_size=[T, B],
-        )
-
-    def loss_of(out: TensorDict) -> torch.Tensor:
-        return out["log_prob"].sum() + out["value"].square().sum()
+        return _stored_steps(r, T, B, resets=((4, 1),))
 
     acc = GradientAccumulator()
     loss_of(replay_sequence(Policy(model, model), data(rank), ref.initial_state(B), acc, None, block_steps)).backward()
@@ -891,18 +899,7 @@ def _fsdp_versions(
     ref = getattr(importlib.import_module(module), name)(*spaces, **kwargs)
 
     def data(r: int) -> TensorDict:
-        g = torch.Generator().manual_seed(90 + r)
-        first = torch.zeros(T, B, dtype=torch.bool)
-        first[4, 1] = first[7, 2] = True  # inside the second and the third block
-        return TensorDict(
-            observation=torch.randn(T, B, 5, generator=g),
-            is_first=first,
-            action=torch.randint(0, 3, (T, B), generator=g),
-            batch_size=[T, B],
-        )
-
-    def loss_of(out: TensorDict) -> torch.Tensor:
-        return out["log_prob"].sum() + out["value"].square().sum()
+        return _stored_steps(r, T, B, resets=((4, 1), (7, 2)))  # inside the second and the third block
 
     grads, counts = {}, None
     for version, wrap in ((1, wrap_fsdp), (2, wrap_fsdp2)):
