@@ -1,11 +1,13 @@
-"""FSDP1 checks and hooks of the replay engine.
+"""FSDP checks and hooks of the replay engine.
 
 A replay block serves FSDP1 with ``use_orig_params=True`` under ``FULL_SHARD``, ``SHARD_GRAD_OP``,
 ``HYBRID_SHARD`` or ``NO_SHARD`` (NOTE [ Replay
 blocks ], Rule 8, in :mod:`rl_replay.engine.replay`): :func:`fsdp_units` finds the units of a model
 and rejects every other FSDP1 setup with a :class:`~rl_replay.engine.ReplayError`; it also gives tensors
-inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors. A module the user wrapped
-with FSDP2's ``fully_shard`` needs none of this: its public hooks serve the blocks as they are.
+inside TensorDict outputs the pre-backward hook FSDP1 gives plain tensors. A module wrapped with
+FSDP2's ``fully_shard`` needs none of this: its public hooks serve the blocks as they are, and
+:class:`FSDP2Deferral` puts its gradient reduction off to the last block where
+:func:`fsdp2_reduces_once` says the units stay gathered (Rule 11).
 """
 
 from __future__ import annotations

@@ -88,8 +88,11 @@ __all__ = [
 #         the gradient once: the blocks' nested backwards run under the roots' ``no_sync()``,
 #         summing unreduced gradients (and, under ``SHARD_GRAD_OP``, keeping the units
 #         gathered), and the last block to be visited reduces the sum (plan.reduces_once
-#         says why not under ``FULL_SHARD``). The blocks are counted, so every recorded
-#         block must be reached by the backward; one that is not raises ReplayError.
+#         says why not under ``FULL_SHARD``). An FSDP2 root that
+#         ``rl_replay.distributed.wrap_fsdp2`` wrapped with its units kept gathered does the
+#         same through ``set_requires_gradient_sync`` and ``set_reshard_after_backward``
+#         (fsdp.FSDP2Deferral). The blocks are counted, so every recorded block must be
+#         reached by the backward; one that is not raises ReplayError.
 
 ContextFn = Callable[[], "tuple[Any, Any]"]
 
