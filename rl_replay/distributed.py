@@ -21,6 +21,7 @@ __all__ = [
     "wrap_fsdp",
     "wrap_fsdp2",
     "fsdp_version_of",
+    "splits_parameters",
     "sharding_line",
     "broadcast_module_states",
     "broadcast_from_main",
@@ -266,6 +267,12 @@ def fsdp_version_of(model: nn.Module) -> int:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return 1 if isinstance(model, FSDP) else 2 if isinstance(model, FSDPModule) else 0
+
+
+def splits_parameters(model: nn.Module) -> bool:
+    """Whether some parameter of an FSDP2-wrapped ``model`` is split over ranks (a DTensor holding
+    fewer elements here than in whole): not so on a mesh whose shard groups are one rank (NO_SHARD)."""
+    return any(hasattr(p, "to_local") and p.to_local().numel() < p.numel() for p in model.parameters())
 
 
 def sharding_line(strategy: str, info: DistInfo, fsdp_version: int = 1) -> str:

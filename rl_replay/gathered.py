@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rl_replay.distributed import splits_parameters
 from rl_replay.errors import SetupError
 
 __all__ = ["CollectionPlan", "collection_plan", "gathered", "full_parameter_bytes"]
@@ -65,11 +66,8 @@ def full_parameter_bytes(model: nn.Module) -> int:
 def _whole_on_every_rank(model: nn.Module) -> bool:
     """True when no parameter of ``model`` is split over ranks (FSDP1 NO_SHARD, FSDP2 on a mesh
     whose shard dimension is one rank)."""
-    units2 = _fsdp2_units(model)
-    if units2:
-        from torch.distributed.tensor import DTensor
-
-        return all(p.to_local().numel() == p.numel() for p in model.parameters() if isinstance(p, DTensor))
+    if _fsdp2_units(model):
+        return not splits_parameters(model)
     from torch.distributed.fsdp import ShardingStrategy
 
     return all(unit.sharding_strategy == ShardingStrategy.NO_SHARD for unit in _units(model))

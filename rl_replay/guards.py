@@ -112,7 +112,7 @@ def check_parameters(
     named_params: Iterable, *, update: int, last_checkpoint: str | None, any_rank: Callable[[bool], bool] = bool
 ) -> None:
     """Raise :class:`NonFiniteError` if any parameter (on any rank) holds NaN or infinity."""
-    named = [(n, _local(p)) for n, p in named_params if _local(p).numel()]
+    named = [(n, p) for n, p in ((n, _local(p)) for n, p in named_params) if p.numel()]
     flags = (
         torch.stack([torch.isfinite(p.detach()).all() for _, p in named]) if named else torch.ones(1, dtype=torch.bool)
     )

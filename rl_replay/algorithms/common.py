@@ -44,11 +44,10 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> torch.Tens
     max_norm = max_norm or float("inf")
     if hasattr(model, "clip_grad_norm_"):
         return model.clip_grad_norm_(max_norm)  # type: ignore[operator]
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([g for g in (p.grad for p in params) if g is not None])
+    norm = torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
     if hasattr(norm, "full_tensor"):  # a DTensor: each rank holds its shards' part of the norm
         norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), max_norm, norm)
     return norm
 
 

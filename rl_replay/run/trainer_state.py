@@ -189,8 +189,8 @@ def writes_shards(model: torch.nn.Module, info, sharded: bool) -> bool:
     version = fsdp_version_of(model)
     if not (sharded and info.distributed and info.world_size > 1 and version):
         return False
-    if version == 2:  # a parameter split over ranks (not a mesh whose shard groups are one rank)
-        return any(hasattr(p, "to_local") and p.to_local().numel() < p.numel() for p in model.parameters())
+    if version == 2:
+        return dist_utils.splits_parameters(model)
     from torch.distributed.fsdp import ShardingStrategy
 
     return model.sharding_strategy != ShardingStrategy.NO_SHARD
@@ -493,7 +493,6 @@ def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
     if fsdp2:
         # Every rank holds the full state (it read the file); DCP's loaders keep this rank's shards.
         optim_state = _optimizer_state_by_name(model, state["optimizer"])
-        checked = _optimizer_state_by_index(model, optim_state)  # as optimizer_state_problem reads it
     elif _is_fsdp(model):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
@@ -506,7 +505,10 @@ def load_trainer(algorithm, state: dict[str, Any], place: RunPlace) -> Progress:
     else:
         model.load_state_dict(current_agent_keys(state["agent"], model.state_dict()))
         optim_state = _optimizer_state_by_index(model, state["optimizer"])
-    problem = optimizer_state_problem(optimizer, checked if fsdp2 else optim_state)
+    # (FSDP2's state stays keyed by name for DCP; the check reads it keyed by index, as one process does.)
+    problem = optimizer_state_problem(
+        optimizer, _optimizer_state_by_index(model, optim_state) if fsdp2 else optim_state
+    )
     if problem is not None:
         raise CheckpointError(
             f"cannot resume {where}: its checkpoint holds optimizer state that does not fit this run's "
