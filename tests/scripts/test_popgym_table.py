@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,7 +61,10 @@ def test_the_aggregate_is_rliables_and_reproduces_the_shipped_table():
     pytest.importorskip("rliable.library", reason="needs the rliable extra: pip install -e '.[rliable]'")
     shipped = json.loads((ROOT / "docs" / "popgym_table.json").read_text())
     agg = table_mod.aggregate(shipped["envs"])
-    assert (round(agg["iqm"], 3), [round(x, 3) for x in agg["ci95"]]) == (0.692, [0.663, 0.72])
+    # the interval's upper end lies near 0.7195: its third digit may round either way on another
+    # CPU or numpy (summation order), so the bounds are compared to within a thousandth
+    assert round(agg["iqm"], 3) == 0.692
+    assert agg["ci95"] == pytest.approx((0.663, 0.720), abs=1e-3)
     assert agg["iqm"] == pytest.approx(shipped["aggregate"]["iqm"])
     assert agg["ci95"] == pytest.approx(shipped["aggregate"]["ci95"], abs=1e-3)
     assert (round(agg["paper_gru_iqm"], 3), round(agg["paper_best_iqm"], 3)) == (0.337, 0.623)
@@ -304,4 +308,7 @@ def test_the_performance_profile_is_drawn_or_refused_in_one_line(tmp_path):
     else:
         assert out.returncode == 0, out.stderr[-2000:]
         assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        assert "IQM of MMER over 9 envs: 0.692 (95 % CI 0.663 to 0.720" in out.stdout
+        line = re.search(r"IQM of MMER over 9 envs: (\S+) \(95 % CI (\S+) to (\S+);", out.stdout)
+        assert line, out.stdout[-2000:]
+        iqm, lo, hi = (float(x) for x in line.groups())
+        assert iqm == 0.692 and (lo, hi) == pytest.approx((0.663, 0.720), abs=1.5e-3)
