@@ -19,11 +19,8 @@ WORKLOADS = {
     "overhead": "the engine's own cost per replay block, beyond the recompute",
     "cores": "the recurrent cores' call over k steps against their step loop",
     "torchrl": "a recurrent PPO update against TorchRL's fused recurrent modules",
-    "configs": "updates per second of shipped configs, at this checkout or another",
     "sharded": "FSDP1 or FSDP2 over 2 ranks: memory and time per sharding strategy",
     "collect_sharded": "collection under FSDP: the parameters gathered once per rollout against per step",
-    "checkpoint": "writing and reading a checkpoint (--sharded: every rank its shard against one file)",
-    "soak": "a long run's RSS and its slope",
 }
 
 
