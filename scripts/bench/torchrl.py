@@ -57,6 +57,8 @@ from scripts.bench.cores import step_loop
 from scripts.bench.ppo_update import bench_config, plain_calls, plain_optimize, run_update
 from scripts.bench.report import fmt_bytes
 
+PRELOAD = ["torch", "tensordict", "rl_replay", "scripts.bench.common", "scripts.bench.ppo_update"]
+
 SIDES = ("rl_replay", "steps", "plain", "torchrl")
 WARM_STEPS = 34
 OBS, ACTIONS = 8, 4
@@ -351,7 +353,12 @@ def main(argv=None) -> int:
             for rep in range(args.repeats):
                 for side in sides if rep % 2 == 0 else reversed(sides):
                     spec = dict(base, kind=kind, T=T, side=side)
-                    r = run_isolated(worker, spec, script=__spec__.name, launcher="subprocess", timeout=3600)
+                    # each measurement in a fresh interpreter (no side's imports in another's RSS); a
+                    # smoke run measures nothing and forks its processes from one that imported once
+                    launcher = "forkserver" if args.smoke else "subprocess"
+                    r = run_isolated(
+                        worker, spec, script=__spec__.name, launcher=launcher, timeout=3600, preload=PRELOAD
+                    )
                     if "error" in r:
                         print(f"{kind} T={T} {side}: {r['error']}\n{r.get('traceback', '')}", file=sys.stderr)
                         return 1

@@ -296,7 +296,9 @@ def test_plot_without_matplotlib_is_refused_before_anything_is_evaluated(tmp_pat
 def test_the_performance_profile_is_drawn_or_refused_in_one_line(tmp_path):
     shipped = ROOT / "docs" / "popgym_table.json"
     out = subprocess.run(
-        [sys.executable, str(SCRIPT), "--with", str(shipped), "--profile", str(tmp_path / "p.png")],
+        # 2,000 bootstrap samples (the docs' 50,000 are checked in-process above): the interval moves by
+        # a few thousandths, the point estimate not at all
+        [sys.executable, str(SCRIPT), "--with", str(shipped), "--profile", str(tmp_path / "p.png"), "--reps", "2000"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -311,4 +313,4 @@ def test_the_performance_profile_is_drawn_or_refused_in_one_line(tmp_path):
         line = re.search(r"IQM of MMER over 9 envs: (\S+) \(95 % CI (\S+) to (\S+);", out.stdout)
         assert line, out.stdout[-2000:]
         iqm, lo, hi = (float(x) for x in line.groups())
-        assert iqm == 0.692 and (lo, hi) == pytest.approx((0.663, 0.720), abs=1.5e-3)
+        assert iqm == 0.692 and (lo, hi) == pytest.approx((0.663, 0.720), abs=6e-3)
