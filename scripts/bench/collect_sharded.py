@@ -90,7 +90,9 @@ def main(argv=None) -> int:
         default=list(SETTINGS)[:3],
         help="which settings (one process always)",
     )
-    parser.add_argument("--smoke", action="store_true", help="configs/fsdp_mlp_cpu.yaml, 32 steps, 1 round")
+    parser.add_argument(
+        "--smoke", action="store_true", help="configs/fsdp_mlp_cpu.yaml, 32 steps, 1 round, 2 ranks gathered"
+    )
     args = parser.parse_args(argv)
     if args.worker:
         worker(json.loads(args.worker))
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
             1,
             1,
         )
+        args.settings = ["2 ranks, gathered"]  # one launch of 2 ranks beside one process
     from scripts.bench.common import describe_machine
 
     print(describe_machine())
