@@ -604,8 +604,10 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
     said = capsys.readouterr().out
     assert f"resuming {run_dir} on one process; its checkpoint was written by 2 ranks" in said
     assert "rank 1's envs end here" in said
-    second = _run([sys.executable, "scripts/train.py", "--resume", str(run_dir), "total_env_steps=1536"])
-    assert "finished 8 updates, 1536 env steps" in second.stderr
+    from rl_replay.run.cli import evaluate_main, train_main
+
+    assert train_main(["--resume", str(run_dir), "total_env_steps=1536"]) == 0  # in this process: one rank
+    assert "finished 8 updates, 1536 env steps" in capsys.readouterr().err
     assert "shards" not in _manifest(run_dir)  # one process: one file
     # one process -> 2 ranks (in processes of this test, the loaded state checked on every rank), writing
     # the single file rank 0 gathers (checkpoint.sharded=false), as every multi-rank run did before
@@ -624,8 +626,8 @@ def test_runs_resume_on_another_number_of_ranks(tmp_path, capsys):
         f"checkpoint.shard-{r}-of-3.pt" for r in range(3)
     ]
 
-    evaluation = _run([sys.executable, "scripts/evaluate.py", str(run_dir), "--episodes", "3"])
-    assert "over 3 episodes (checkpoint update 12, 2816 env steps)" in evaluation.stdout
+    assert evaluate_main([str(run_dir), "--episodes", "3"]) == 0
+    assert "over 3 episodes (checkpoint update 12, 2816 env steps)" in capsys.readouterr().out
 
 
 @pytest.mark.slow
