@@ -5,9 +5,6 @@ and the extras install what those envs need without touching gymnasium's version
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,68 +22,57 @@ TINY = [
 ]
 
 
-def train_two_updates_cli(tmp_path, config: str, *overrides: str) -> subprocess.CompletedProcess:
+def train_two_updates_cli(tmp_path, capsys, config: str, *overrides: str) -> str:
+    """Two updates through the CLI's main in this process (its stderr returned)."""
+    from rl_replay.run.cli import train_main
+
     run_dir = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config", config, *TINY, *overrides, f"run_dir={run_dir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    code = train_main(["--config", config, *TINY, *overrides, f"run_dir={run_dir}"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [row["update"] for row in rows] == [1, 2] and (run_dir / "checkpoint.pt").exists()
-    return out
+    return err
 
 
-def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path):
+def test_minigrid_memory_s7_trains_two_updates_and_evaluates(tmp_path, capsys):
     pytest.importorskip("minigrid")
-    out = train_two_updates_cli(tmp_path, "configs/minigrid_memory_s7.yaml")
-    assert "dropping the observation keys" not in out.stderr  # env.observation_keys chose them
-    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "disabled"}
-    ev = subprocess.run(
-        [sys.executable, "scripts/evaluate.py", str(tmp_path / "run"), "--episodes", "3"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ev.returncode == 0, ev.stderr[-3000:]
-    result = json.loads(ev.stdout.strip().splitlines()[-1])
+    from rl_replay.run.cli import evaluate_main
+
+    err = train_two_updates_cli(tmp_path, capsys, "configs/minigrid_memory_s7.yaml")
+    assert "dropping the observation keys" not in err  # env.observation_keys chose them
+    assert evaluate_main([str(tmp_path / "run"), "--episodes", "3"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["episodes"] == 3 and 0 <= result["success_rate"] <= 1  # SuccessOnReward's flag
 
 
-def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path):
+def test_minigrid_raw_dict_drops_the_mission_with_one_warning_line(tmp_path, capsys):
     pytest.importorskip("minigrid")
-    out = train_two_updates_cli(tmp_path, "configs/minigrid_memory_s7.yaml", "env.observation_keys=[]")
-    warnings = [line for line in out.stderr.splitlines() if line.startswith("warning: dropping")]
+    err = train_two_updates_cli(tmp_path, capsys, "configs/minigrid_memory_s7.yaml", "env.observation_keys=[]")
+    warnings = [line for line in err.splitlines() if line.startswith("warning: dropping")]
     assert warnings == [
         "warning: dropping the observation keys ['mission'] (mission: MissionSpace), which hold no "
         "tensors; keeping ['direction', 'image']. Set env.observation_keys to choose the keys."
     ]
 
 
-def test_minigrid_memory_s13_random_trains_two_updates(tmp_path):
+def test_minigrid_memory_s13_random_trains_two_updates(tmp_path, capsys):
     pytest.importorskip("minigrid")
-    train_two_updates_cli(tmp_path, "configs/minigrid_memory_s13_random.yaml")
+    train_two_updates_cli(tmp_path, capsys, "configs/minigrid_memory_s13_random.yaml")
 
 
-def test_atari_pong_lstm_trains_two_updates(tmp_path):
+def test_atari_pong_lstm_trains_two_updates(tmp_path, capsys):
     pytest.importorskip("ale_py")
     pytest.importorskip("cv2")  # gymnasium's AtariPreprocessing resizes with OpenCV
-    train_two_updates_cli(tmp_path, "configs/atari_pong_lstm.yaml")
+    train_two_updates_cli(tmp_path, capsys, "configs/atari_pong_lstm.yaml")
 
 
 @pytest.mark.parametrize(
     "config", ["configs/memorygym_mortar_mayhem_grid.yaml", "configs/memorygym_mystery_path_grid.yaml"]
 )
-def test_memory_gym_trains_two_updates(tmp_path, config):
+def test_memory_gym_trains_two_updates(tmp_path, capsys, config):
     pytest.importorskip("memory_gym")
-    train_two_updates_cli(tmp_path, config)
+    train_two_updates_cli(tmp_path, capsys, config)
 
 
 def _extras() -> dict[str, list[str]]:
