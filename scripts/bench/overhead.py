@@ -46,6 +46,7 @@ import time
 import torch
 from tensordict import TensorDict
 
+from rl_replay.rollout.sequence import step_inputs
 from scripts.bench.common import ROOT
 
 # The shipped agents, each as a config builds it: (label, config, T).
@@ -87,7 +88,9 @@ def make_inputs(convert, space, T: int, B: int, seed: int = 0):
 
 def _rollout(agent, obs, B: int, k: int, call) -> torch.Tensor:
     """The summed per-step loss of the rollout stepped in blocks of ``k`` stored steps, through
-    ``call(steps, state) -> (outputs of the block's rows, state)`` per block."""
+    ``call(inputs, state) -> (outputs of the block's rows, state)`` per block. One-step blocks get
+    the public loop's inputs (``step_inputs``: one TensorDict holding the state, ``state`` None),
+    longer blocks the ``(k, N)`` rows beside the state, as the engine's block calls take them."""
     dev = obs[0].device
     state = agent.initial_state(B, dev)
     stacked = torch.stack(obs)
@@ -96,8 +99,11 @@ def _rollout(agent, obs, B: int, k: int, call) -> torch.Tensor:
     total = torch.zeros((), device=dev)
     for t0 in range(0, len(obs), k):
         t1 = min(len(obs), t0 + k)
-        steps = TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B])
-        outputs, state = call(steps, state)
+        if k == 1:
+            outputs, state = call(step_inputs(obs[t0], state, is_first[t0]), None)
+        else:
+            steps = TensorDict(observation=stacked[t0:t1], is_first=is_first[t0:t1], batch_size=[t1 - t0, B])
+            outputs, state = call(steps, state)
         for i in range(t1 - t0):  # the same per-step loss terms in every loop
             total = total + outputs[i]["value"].sum() + agent.distribution(outputs[i]).log_prob(action).sum()
     return total
@@ -111,19 +117,19 @@ def run(agent, obs, B: int, k: int, method: str) -> None:
     from rl_replay.agent import StepwiseAgent
     from rl_replay.algorithms.stored import OneStep
 
-    def plain(steps, state):
-        out = agent(**steps, state=state)
+    def plain(inputs, state):
+        out = agent(**inputs) if state is None else agent(**inputs, state=state)
         return out["outputs"], out["state"]
 
     acc = rl_replay.GradientAccumulator()
 
-    def replay(steps, state):
-        if k == 1:
-            out = rl_replay.replay(agent, acc, TensorDict(**steps, state=state, batch_size=[]))
+    def replay(inputs, state):
+        if state is None:
+            out = rl_replay.replay(agent, acc, inputs)
             return out["outputs"], out["state"]
         if isinstance(agent, StepwiseAgent):
-            return rl_replay.replay_steps(OneStep(agent), acc, steps, state)
-        return rl_replay.replay_sequence_call(agent, acc, steps, state)
+            return rl_replay.replay_steps(OneStep(agent), acc, inputs, state)
+        return rl_replay.replay_sequence_call(agent, acc, inputs, state)
 
     if method == "nograd":
         with torch.no_grad():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -162,7 +163,7 @@ def test_bench_overhead_rows_hold_identical_gradients(config):
     )
     rows = json.loads(out[out.index("[") :])
     assert [r["block_steps"] for r in rows] == [1, 3] and all(r["identical_grads"] for r in rows)
-    assert all(r["replay_ms_per_step"] > 0 and r["overhead_ms_per_block"] == r["overhead_ms_per_block"] for r in rows)
+    assert all(r["replay_ms_per_step"] > 0 and math.isfinite(r["overhead_ms_per_block"]) for r in rows)
     assert rows[1]["sequence"] and rows[1]["plain_steps_ms_per_step"] > 0
 
 
