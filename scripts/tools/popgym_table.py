@@ -110,14 +110,22 @@ def iqm_interval(matrix: np.ndarray, reps: int = 50_000, seed: int = 0) -> tuple
     library, _ = _rliable()  # type: ignore[misc]
     import warnings
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*random_state is deprecated.*", category=FutureWarning)
-        point, interval = library.get_interval_estimates(
-            {"x": matrix},
-            lambda scores: np.array([iqm(scores)]),
-            reps=reps,
-            random_state=np.random.RandomState(seed),
-        )
+    # rliable's StratifiedBootstrap draws its resamples from numpy's global generator
+    # (np.random.choice in update_indices), not from random_state: seed that for the call and put
+    # the caller's state back, so the interval is the same for the same data in any process.
+    outside = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*random_state is deprecated.*", category=FutureWarning)
+            point, interval = library.get_interval_estimates(
+                {"x": matrix},
+                lambda scores: np.array([iqm(scores)]),
+                reps=reps,
+                random_state=np.random.RandomState(seed),
+            )
+    finally:
+        np.random.set_state(outside)
     lo, hi = interval["x"][:, 0]
     return float(point["x"][0]), (float(lo), float(hi))
 

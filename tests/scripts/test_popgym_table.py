@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -73,10 +72,7 @@ def test_the_aggregate_is_rliables_and_reproduces_the_shipped_table():
     pytest.importorskip("rliable.library", reason="needs the rliable extra: pip install -e '.[rliable]'")
     shipped = json.loads((ROOT / "docs" / "popgym_table.json").read_text())
     agg = table_mod.aggregate(shipped["envs"])
-    # the interval's upper end lies near 0.7195: its third digit may round either way on another
-    # CPU or numpy (summation order), so the bounds are compared to within a thousandth
-    assert round(agg["iqm"], 3) == 0.692
-    assert agg["ci95"] == pytest.approx((0.663, 0.720), abs=1e-3)
+    assert (round(agg["iqm"], 3), [round(x, 3) for x in agg["ci95"]]) == (0.692, [0.663, 0.72])
     assert agg["iqm"] == pytest.approx(shipped["aggregate"]["iqm"])
     assert agg["ci95"] == pytest.approx(shipped["aggregate"]["ci95"], abs=1e-3)
     assert (round(agg["paper_gru_iqm"], 3), round(agg["paper_best_iqm"], 3)) == (0.337, 0.623)
@@ -100,10 +96,12 @@ def test_the_bootstrap_resamples_runs_within_each_env():
     varied = table_mod.score_matrix([np.array([0.1, 0.5, 0.9]), np.array([-0.2, 0.0, 0.3])])
     point, (lo, hi) = table_mod.iqm_interval(varied, reps=4000)
     assert lo < point < hi
-    # seeded: the same point and, within one step of the resampled IQMs' grid, the same interval (an
-    # upper end of 0.525 instead of 0.5 has been seen once in a few runs of this file after other tests)
-    again_point, again = table_mod.iqm_interval(varied, reps=4000)
-    assert again_point == point and again == pytest.approx((lo, hi), abs=0.03)
+    # seeded whatever numpy's global generator holds (rliable resamples from it), which is put back
+    for draws in range(1, 9):
+        np.random.seed(draws)
+        outside = np.random.get_state()[1].copy()
+        assert table_mod.iqm_interval(varied, reps=4000) == (point, (lo, hi))
+        assert (np.random.get_state()[1] == outside).all()
 
 
 def test_without_rliable_or_with_unequal_runs_there_is_no_aggregate_and_the_table_says_why(monkeypatch):
@@ -295,7 +293,4 @@ def test_the_performance_profile_is_drawn_or_refused_in_one_line(tmp_path):
     else:
         assert out.returncode == 0, out.stderr[-2000:]
         assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-        line = re.search(r"IQM of MMER over 9 envs: (\S+) \(95 % CI (\S+) to (\S+);", out.stdout)
-        assert line, out.stdout[-2000:]
-        iqm, lo, hi = (float(x) for x in line.groups())
-        assert iqm == 0.692 and (lo, hi) == pytest.approx((0.663, 0.720), abs=1.5e-3)
+        assert "IQM of MMER over 9 envs: 0.692 (95 % CI 0.663 to 0.720" in out.stdout
