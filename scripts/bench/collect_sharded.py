@@ -87,8 +87,7 @@ def main(argv=None) -> int:
         "--settings",
         nargs="+",
         choices=list(SETTINGS),
-        default=list(SETTINGS)[:3],
-        help="which settings (one process always)",
+        help="which settings (one process always; default the first three, --smoke '2 ranks, gathered')",
     )
     parser.add_argument(
         "--smoke", action="store_true", help="configs/fsdp_mlp_cpu.yaml, 32 steps, 1 round, 2 ranks gathered"
@@ -104,7 +103,7 @@ def main(argv=None) -> int:
             1,
             1,
         )
-        args.settings = ["2 ranks, gathered"]  # one launch of 2 ranks beside one process
+        args.settings = args.settings or ["2 ranks, gathered"]  # one launch of 2 ranks beside one process
     from scripts.bench.common import describe_machine
 
     print(describe_machine())
@@ -114,7 +113,8 @@ def main(argv=None) -> int:
         "rollouts per launch; seconds per rollout per rank"
     )
     results = tempfile.mkdtemp(prefix="bench_collect_")
-    chosen = {name: SETTINGS[name] for name in SETTINGS if name in args.settings or name == "one process"}
+    wanted = args.settings or list(SETTINGS)[:3]
+    chosen = {name: SETTINGS[name] for name in SETTINGS if name in wanted or name == "one process"}
     seconds: dict[str, list[float]] = {name: [] for name in chosen}
     firsts: dict[str, list[float]] = {name: [] for name in chosen}
     for round_ in range(args.rounds):
